@@ -223,6 +223,7 @@ class _Pass:
         self.rids = list(rids) if rids is not None else None
         self.done = [False] * len(hook.planes)
         self.cuda: Optional[torch.device] = None
+        self.deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def copy_ids(self, ids: torch.Tensor) -> None:
         pinned = ids.is_cuda
@@ -257,8 +258,8 @@ class _Pass:
             with torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=True)
             src.record_stream(stream)  # keep src's memory until the copy has run
-        else:
-            dst.copy_(t)
+        else:  # CPU (tests, benchmarks): copy at finish(), like the asynchronous GPU copy would
+            self.deferred.append((dst, t if owned else t.clone()))
 
     def final_prenorm(self, t: torch.Tensor, owned: bool = False) -> None:
         if self.hook.pre_index is not None:
@@ -274,6 +275,8 @@ class _Pass:
             hook._free.put(self.slot)
             raise RuntimeError(f"hs_patch: {missing} were not captured in this pass (a layer ran outside "
                                "the patched loop?); refusing to write incomplete samples")
+        for dst, src in self.deferred:
+            dst.copy_(src)
         wait = None
         if self.cuda is not None:
             event = torch.cuda.Event()

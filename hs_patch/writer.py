@@ -188,6 +188,7 @@ class Writer:
                         for n, t in zip(self.planes, slices)]
         n = int(ids.shape[0])
         meta = dict(self.metadata, key=key, num_tokens=str(n), parts=str(parts),
+                    dtype=str(slices[0].dtype).replace("torch.", ""),
                     rid="" if rid is None else str(rid), created=f"{time.time():.3f}")
         written = store.write_sample(self.directory, key, tensors, meta, fsync=self.fsync)
         self.manifest.add(written, tokens=n, rid=meta["rid"], parts=parts)
