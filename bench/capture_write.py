@@ -83,7 +83,7 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--passes", type=int, default=4, help="prefill passes per repetition")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--writers", type=int, default=2)
+    ap.add_argument("--writers", type=int, default=4)
     ap.add_argument("--slots", type=int, default=2)
     ap.add_argument("--dir", default="/dev/shm/hs-bench")
     ap.add_argument("--json", help="write the results here too")

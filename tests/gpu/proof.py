@@ -51,6 +51,7 @@ from hs_patch import store  # noqa: E402
 
 RESULTS: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 OUT = Path(".")
+LOGS = Path(".")
 
 
 def log(*a: object) -> None:
@@ -77,7 +78,7 @@ class Server:
         env["PYTHONPATH"] = f"{ROOT}:{env.get('PYTHONPATH', '')}"
         env.update(capture or {})
         self.url = f"http://127.0.0.1:{port}"
-        self.log_path = OUT / f"server-{name}.log"
+        self.log_path = LOGS / f"server-{name}.log"
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1",
                "--port", str(port), "--tp-size", "1", "--attention-backend", "triton",
                "--sampling-backend", "pytorch", "--disable-radix-cache", "--disable-prefill-cuda-graph",
@@ -164,7 +165,12 @@ def fidelity(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
     try:
         with ThreadPoolExecutor(len(prompts)) as pool:  # concurrent: batched prefill
             outs = list(pool.map(lambda x: server.generate(x[1], f"proof-{x[0]}", hidden=True), enumerate(prompts)))
-        keys = {store.sample_key(p) for p in prompts}
+        # SGLang's return_hidden_states slices each request's rows assuming its whole prompt is
+        # in the pass, so under batching or chunking it returns missing or shifted rows; the
+        # identity check therefore also sends prompts one at a time, each shorter than a chunk
+        solo = [[rng.randrange(3, 512) for _ in range(n)] for n in (100, 333, 900)]
+        solo_outs = [server.generate(x, f"proof-solo-{i}", hidden=True) for i, x in enumerate(solo)]
+        keys = {store.sample_key(p) for p in prompts + solo}
         res["writer_lag_s"] = round(wait_for_samples(dump, keys), 3)
         res["hook_status"] = json.loads((dump / "hook_status.json").read_text()) \
             if (dump / "hook_status.json").exists() else None
@@ -174,6 +180,7 @@ def fidelity(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
 
     samples = {s.key: s for s in store.iter_samples(dump)}
     res["samples"] = len(samples)
+    res["foreign_samples"] = len(samples) - len(prompts) - len(solo)  # SGLang's own warmup request
     res["inspect_clean"] = store.check_dir(dump).clean
     hf32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
     hf16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
@@ -212,6 +219,15 @@ def fidelity(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
                         float(((theirs[:rows] if theirs.shape[0] >= post.shape[0] else theirs) - post[-rows:]).abs().max()),
                         "lm_head_argmax": int(logits.argmax()), "sglang_first_token": first,
                         "lm_head_matches": int(logits.argmax()) == first})
+    identity = []
+    for ids, out in zip(solo, solo_outs):
+        post = samples[store.sample_key(ids)].plane("final.post_norm").float()
+        theirs = torch.cat([torch.tensor(h, dtype=torch.float32).reshape(-1, post.shape[1])
+                            for h in out["meta_info"]["hidden_states"]])
+        identity.append({"tokens": len(ids), "rows": theirs.shape[0],
+                         "identical": theirs.shape == post.shape and torch.equal(theirs, post),
+                         "max_abs_diff": float((theirs - post).abs().max()) if theirs.shape == post.shape else None})
+    res["identity_unbatched"] = identity
     factor = a.envelope_factor
     table = []
     for p in planes:
@@ -221,7 +237,9 @@ def fidelity(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
                       "ok": max(acc[p]["rel"]) <= factor * max(acc[p]["env"])})
     res.update(table=table, requests=per_req, envelope_factor=factor,
                all_within_envelope=all(t["ok"] for t in table),
-               return_hidden_states_identical=all(r["return_hidden_states_identical"] for r in per_req),
+               return_hidden_states_identical=all(r["identical"] for r in identity),
+               return_hidden_states_batched_rows_ok=sum(r["return_hidden_states_rows"] == r["tokens"]
+                                                        for r in per_req),
                lm_head_match=f"{sum(r['lm_head_matches'] for r in per_req)}/{len(per_req)}",
                chunked_reassembled=per_req[0]["parts"] >= 3)
     del hf32, hf16
@@ -237,12 +255,16 @@ def throughput(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
     res: dict = {"model": model_dir, "prompts": a.prompts, "tokens": a.tokens, "reps": a.reps,
                  "chunked_prefill_size": a.chunk}
     RESULTS[f"throughput_{tag}"] = res
-    layers = list(range(a.layers))
+    n_layers = int(json.loads(Path(model_dir, "config.json").read_text())["num_hidden_layers"])
+    layers = [2, n_layers // 2, n_layers - 3, n_layers - 1][: min(4, n_layers)]  # Kimi-like spread
+    layers = sorted(set(layers))
     planes = len(layers) + 1  # + final.pre_norm: as many planes as Kimi's 2,30,58,60 + final
+    res["capture_layers"] = layers
     rng = random.Random(11)
-    for mode in ("pristine", "off", "on"):
-        st = hs_patch_cli("revert" if mode == "pristine" else "apply", "--site", a.site)
-        assert st["exit_code"] == 0 and st["state"] == ("pristine" if mode == "pristine" else "patched"), st
+    for mode in ("pristine", "off", "on", "pristine2"):
+        pristine = mode.startswith("pristine")
+        st = hs_patch_cli("revert" if pristine else "apply", "--site", a.site)
+        assert st["exit_code"] == 0 and st["state"] == ("pristine" if pristine else "patched"), st
         dump = Path(a.work) / f"dump-tp-{tag}"
         shutil.rmtree(dump, ignore_errors=True)
         capture = {"HS_CAPTURE": "1", "HS_CAPTURE_DIR": str(dump), "HS_CAPTURE_LAYERS": ",".join(map(str, layers)),
@@ -272,14 +294,20 @@ def throughput(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
         m["median_tok_s"] = statistics.median(m["tok_s"])
         log(f"{tag} {mode}: {m['median_tok_s']:.0f} tok/s {[round(x) for x in m['tok_s']]}")
         save()
-    p0, off, on = (res[k]["median_tok_s"] for k in ("pristine", "off", "on"))
+    p0 = statistics.median(res["pristine"]["tok_s"] + res["pristine2"]["tok_s"])
+    off, on = res["off"]["median_tok_s"], res["on"]["median_tok_s"]
+    res["pristine_median_both_runs"] = p0
+    res["pristine_run_to_run"] = res["pristine2"]["median_tok_s"] / res["pristine"]["median_tok_s"]
     res["ratio_off"] = off / p0
     res["ratio_on"] = on / p0
+    res["ratio_on_vs_off"] = on / off
     # cost per captured plane against one layer's compute, from the same medians
     t_tok_off, t_tok_on = 1 / off, 1 / on
-    res["layers"] = a.layers
+    res["layers"] = n_layers
     res["planes_captured"] = planes
-    res["layer_time_per_token_s"] = t_tok_off / a.layers
+    res["capture_bytes_per_s_needed"] = off * planes * int(json.loads(Path(model_dir, "config.json").read_text())
+                                                           ["hidden_size"]) * 2
+    res["layer_time_per_token_s"] = t_tok_off / n_layers
     res["capture_time_per_plane_per_token_s"] = (t_tok_on - t_tok_off) / planes
     res["cost_per_captured_layer_vs_layer"] = res["capture_time_per_plane_per_token_s"] / res["layer_time_per_token_s"]
     save()
@@ -314,7 +342,7 @@ def copy_microbench(hidden: int, tokens: int = 8192, reps: int = 20) -> dict:
             "clone_GBps": nbytes / statistics.median(clones) / 1e6, "d2h_GBps": nbytes / statistics.median(d2h) / 1e6}
 
 
-def projection(res_tp: dict, micro: dict) -> dict:
+def projection(micro: dict) -> dict:
     """Kimi-K2.5: 61 layers, 4 captured + final, hidden 7168; per-token cost of a plane
     scales with hidden (bytes copied), a layer's compute with hidden x expert width."""
     kimi = {"layers": 61, "planes": 5, "hidden": 7168}
@@ -332,8 +360,19 @@ def projection(res_tp: dict, micro: dict) -> dict:
     }
 
 
+def model(a: argparse.Namespace, hidden: int, layers: int) -> str:
+    from make_model import build
+
+    model_dir = str(Path(a.work) / f"model-h{hidden}-l{layers}")
+    if not Path(model_dir, "config.json").exists():
+        t = time.time()
+        build(model_dir, hidden=hidden, layers=layers)
+        log(f"built {model_dir} in {time.time() - t:.0f}s")
+    return model_dir
+
+
 def main() -> int:
-    global OUT, T0
+    global OUT, LOGS, T0
     T0 = time.time()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--site", required=True, help="the directory that contains sglang/ (patched in place)")
@@ -341,17 +380,19 @@ def main() -> int:
     ap.add_argument("--work", default="/tmp/hs-proof", help="models and dumps (dumps under /dev/shm are fine)")
     ap.add_argument("--phases", default="fidelity,throughput,micro")
     ap.add_argument("--hidden", default="1024", help="comma-separated hidden sizes to run, e.g. 1024,7168")
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=4, help="model depth for the fidelity run")
+    ap.add_argument("--tp-layers", type=int, default=61, help="model depth for the throughput runs (Kimi: 61)")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--chunk", type=int, default=8192, help="chunked prefill size for the throughput runs")
     ap.add_argument("--envelope-factor", type=float, default=4.0)
     ap.add_argument("--port", type=int, default=30123)
     a = ap.parse_args()
     OUT = Path(a.out)
     OUT.mkdir(parents=True, exist_ok=True)
-    Path(a.work).mkdir(parents=True, exist_ok=True)
+    LOGS = Path(a.work) / "logs"
+    LOGS.mkdir(parents=True, exist_ok=True)
     phases = a.phases.split(",")
     rc = 0
     try:
@@ -364,26 +405,21 @@ def main() -> int:
         assert RESULTS["patch_verify"]["exit_code"] == 0, RESULTS["patch_verify"]
         log("patched:", RESULTS["patch_apply"]["message"])
         save()
-        from make_model import build
-
         for h in [int(x) for x in a.hidden.split(",")]:
             tag = f"h{h}"
-            model_dir = str(Path(a.work) / f"model-{tag}")
-            if not Path(model_dir, "config.json").exists():
-                build(model_dir, hidden=h, layers=a.layers)
-            if "micro" in phases:
-                RESULTS[f"micro_{tag}"] = copy_microbench(h)
-                save()
+            if "throughput" in phases:
+                throughput(a, model(a, h, a.tp_layers), f"{tag}_l{a.tp_layers}")
             if "fidelity" in phases:
+                model_dir = model(a, h, a.layers)
                 f = fidelity(a, model_dir, tag)
                 log(f"{tag} fidelity: envelope ok={f['all_within_envelope']} rhs identical="
                     f"{f['return_hidden_states_identical']} lm_head {f['lm_head_match']}")
-            if "throughput" in phases:
-                throughput(a, model_dir, tag)
+            if "micro" in phases:
+                RESULTS[f"micro_{tag}"] = copy_microbench(h)
+                save()
         if "micro" in phases:
             RESULTS["micro_h7168"] = RESULTS.get("micro_h7168") or copy_microbench(7168)
-            tp = RESULTS.get("throughput_h1024") or {}
-            RESULTS["projection_kimi"] = projection(tp, RESULTS["micro_h7168"])
+            RESULTS["projection_kimi"] = projection(RESULTS["micro_h7168"])
     except Exception:
         RESULTS["error"] = traceback.format_exc()
         log("FAILED\n" + RESULTS["error"])
@@ -403,13 +439,19 @@ def summary(r: dict) -> None:
             for t in f["table"]:
                 print(f"{t['plane']:18}{t['rel_err_vs_fp32']:10.2e}{t['cos_mean']:10.6f}{t['cos_min']:10.6f}"
                       f"{t['bf16_envelope']:10.2e}{t['tolerance']:10.2e}  {t['ok']}")
-            print(f"return_hidden_states identical: {f['return_hidden_states_identical']}; lm_head first token: "
+            print(f"return_hidden_states identical (unbatched): {f['return_hidden_states_identical']} "
+                  f"{[(x['tokens'], x['identical']) for x in f['identity_unbatched']]}; batched/chunked requests "
+                  f"for which SGLang returned all rows: {f['return_hidden_states_batched_rows_ok']}/{len(f['requests'])}")
+            print(f"lm_head first token: "
                   f"{f['lm_head_match']}; chunked sample reassembled: {f['chunked_reassembled']}")
         if k.startswith("throughput_") and "ratio_on" in f:
             print(f"\n{k}: {f['prompts']} x {f['tokens']} tokens, {f['reps']} reps (median tok/s)")
-            for m in ("pristine", "off", "on"):
-                print(f"  {m:9}{f[m]['median_tok_s']:12.0f}")
-            print(f"  capture off / pristine = {f['ratio_off']:.3f}   capture on / pristine = {f['ratio_on']:.3f}")
+            for m in ("pristine", "off", "on", "pristine2"):
+                print(f"  {m:10}{f[m]['median_tok_s']:12.0f}  {[round(x) for x in f[m]['tok_s']]}")
+            print(f"  capture off / pristine = {f['ratio_off']:.3f}   capture on / pristine = {f['ratio_on']:.3f}"
+                  f"   on / off = {f['ratio_on_vs_off']:.3f}   (pristine run-to-run {f['pristine_run_to_run']:.3f})")
+            print(f"  capture data rate needed at the capture-off speed: {f['capture_bytes_per_s_needed'] / 1e9:.2f} GB/s;"
+                  f" hook waits: {f['on'].get('hook_status', {}).get('waits')}")
             print(f"  cost per captured layer = {f['cost_per_captured_layer_vs_layer']:.3f} of one layer's compute")
         if k.startswith("micro_"):
             print(f"\n{k}: clone {f['clone_ms']:.3f} ms ({f['clone_GBps']:.0f} GB/s), "
