@@ -151,6 +151,8 @@ def fidelity(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
 
     res: dict = {"model": model_dir}
     RESULTS[f"fidelity_{tag}"] = res
+    st = hs_patch_cli("apply", "--site", a.site)  # a throughput run may have left it pristine
+    assert st["exit_code"] == 0 and st["state"] == "patched", st
     layers = list(range(a.layers))
     dump = Path(a.work) / f"dump-fid-{tag}"
     shutil.rmtree(dump, ignore_errors=True)
