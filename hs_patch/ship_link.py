@@ -174,25 +174,61 @@ class Link:
                            stderr=subprocess.PIPE, preexec_fn=_child_setup, start_new_session=True)
         return p.returncode, _tail(p.stderr)
 
-    def commit(self, files: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Verify ``files`` on the destination and commit those that match (see ship_remote).
-        With no files it only checks that the destination is reachable and writable."""
+    def start_commit(self, files: list[dict[str, Any]]) -> Commit:
+        """Start verifying ``files`` on the destination and committing those that match (see
+        ship_remote); the shipper sends the next batch meanwhile. With no files it only
+        checks that the destination is reachable and writable."""
         if self.dest.host:
             argv = self._ssh + [self.dest.host, "python3 -c " + shlex.quote(REMOTE_SOURCE)]
         else:
             argv = [sys.executable, "-c", REMOTE_SOURCE]
-        request = json.dumps({"root": self.dest.path, "files": files}).encode()
-        # bounded: hashing at >= 20 MB/s plus the connection's own limits
-        timeout = 300 + sum(f["bytes"] for f in files) / 20e6
+        return Commit(argv, {"root": self.dest.path, "files": files}, str(self.dest),
+                      # bounded: hashing at >= 20 MB/s plus the connection's own limits
+                      timeout=300 + sum(f["bytes"] for f in files) / 20e6)
+
+    def commit(self, files: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return self.start_commit(files).wait()
+
+
+class Commit:
+    """One verify-and-commit run on the destination (stdin, stdout, stderr in temp files,
+    so that nothing blocks while it runs in the background)."""
+
+    def __init__(self, argv: list[str], request: dict[str, Any], where: str, timeout: float):
+        self.where, self.timeout = where, timeout
+        self._out, self._err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+        with tempfile.TemporaryFile() as stdin:
+            stdin.write(json.dumps(request).encode())
+            stdin.seek(0)
+            self._proc = subprocess.Popen(argv, stdin=stdin, stdout=self._out, stderr=self._err,
+                                          preexec_fn=_child_setup, start_new_session=True)
+        self._deadline = time.monotonic() + timeout
+
+    def wait(self) -> list[dict[str, Any]]:
+        """The per-file results; raises LinkError if the destination did not answer."""
         try:
-            p = subprocess.run(argv, input=request, capture_output=True, timeout=timeout,
-                               preexec_fn=_child_setup, start_new_session=True)
+            rc = self._proc.wait(max(0.0, self._deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            raise LinkError(f"verification on {self.dest} took more than {timeout:.0f} s") from None
-        if p.returncode != 0:
-            raise LinkError(f"verification on {self.dest} failed (exit {p.returncode}): {_tail(p.stderr)}")
+            self.kill()
+            raise LinkError(f"verification on {self.where} took more than {self.timeout:.0f} s") from None
+        out, err = self._read(self._out), self._read(self._err)
+        if rc != 0:
+            raise LinkError(f"verification on {self.where} failed (exit {rc}): {_tail(err)}")
         try:
-            return json.loads(p.stdout)["results"]
+            return json.loads(out)["results"]
         except (ValueError, KeyError):
-            raise LinkError(f"verification on {self.dest} gave no answer: {_tail(p.stdout)} "
-                            f"{_tail(p.stderr)}") from None
+            raise LinkError(f"verification on {self.where} gave no answer: {_tail(out)} {_tail(err)}") from None
+
+    def kill(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.wait()
+        self._out.close()
+        self._err.close()
+
+    @staticmethod
+    def _read(f: Any) -> bytes:
+        f.seek(0)
+        data = f.read()
+        f.close()
+        return data

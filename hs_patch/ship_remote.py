@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 INCOMING = ".incoming"
 SAMPLES = "samples"
@@ -83,31 +84,32 @@ def write_entries(root, entries):
     fsync_dir(root)
 
 
-def check(path, want):
-    """True if the file at path has the wanted (size, sha256)."""
-    return os.path.isfile(path) and sha256_and_sync(path) == want
+def verify(root, f):
+    """Check one file where rsync or an interrupted run left it; move it into samples/."""
+    name = f["file"]
+    if os.path.basename(name) != name or name.startswith("."):
+        raise ValueError("refusing file name %r: not a plain sample file name" % name)
+    staged, final = os.path.join(root, INCOMING, name), os.path.join(root, SAMPLES, name)
+    want = (f["bytes"], f["sha256"])
+    status = "missing"
+    if os.path.isfile(staged):
+        if sha256_and_sync(staged) == want:
+            os.replace(staged, final)
+            return "ok"
+        os.unlink(staged)
+        status = "mismatch"
+    if os.path.isfile(final) and sha256_and_sync(final) == want:  # moved there by an interrupted run
+        return "ok"
+    return status
 
 
 def commit(root, files):
-    incoming, samples = os.path.join(root, INCOMING), os.path.join(root, SAMPLES)
+    # files are hashed in parallel (hashlib and file reads release the GIL)
+    with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
+        statuses = list(pool.map(lambda f: verify(root, f), files))
     results, arrived = [], []
-    for f in files:
-        name = f["file"]
-        if os.path.basename(name) != name or name.startswith("."):
-            raise ValueError("refusing file name %r: not a plain sample file name" % name)
-        staged, final = os.path.join(incoming, name), os.path.join(samples, name)
-        want = (f["bytes"], f["sha256"])
-        status = "missing"
-        if os.path.isfile(staged):
-            if sha256_and_sync(staged) == want:
-                os.replace(staged, final)
-                status = "ok"
-            else:
-                os.unlink(staged)
-                status = "mismatch"
-        if status != "ok" and check(final, want):  # moved there by an interrupted run
-            status = "ok"
-        results.append({"file": name, "status": status, "bytes": f["bytes"], "sha256": f["sha256"]})
+    for f, status in zip(files, statuses):
+        results.append({"file": f["file"], "status": status, "bytes": f["bytes"], "sha256": f["sha256"]})
         if status == "ok":
             arrived.append(f)
     entries = read_entries(os.path.join(root, MANIFEST))
@@ -120,7 +122,7 @@ def commit(root, files):
             entries[rec["key"]] = rec
             changed = True
     if changed:
-        fsync_dir(samples)
+        fsync_dir(os.path.join(root, SAMPLES))
         write_entries(root, entries)
     return {"results": results, "manifest": len(entries)}
 

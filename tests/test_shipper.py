@@ -191,12 +191,12 @@ class Crash(BaseException):
     """Stands for a kill -9 at a chosen point (nothing in the shipper catches it)."""
 
 
-def _crash_after(monkeypatch, cls, name: str, when=lambda *a, **k: True, before=None):
+def _crash_after(monkeypatch, cls, name: str, when=lambda result, *a: True, before=None):
     real = getattr(cls, name)
 
     def wrapper(*args, **kwargs):
         result = real(*args, **kwargs)
-        if when(*args, **kwargs):
+        if when(result, *args):
             if before:
                 before()
             raise Crash(name)
@@ -217,10 +217,10 @@ def test_cut_at_any_step_then_resumed_loses_and_duplicates_nothing(tmp_path, mon
                 for w in written[:2]:
                     os.replace(dest / ".incoming" / w.path.name, dest / "samples" / w.path.name)
             _crash_after(m, ship_link.Link, "send", before=move_half)
-        elif point == "after_commit":
-            _crash_after(m, ship_link.Link, "commit", when=lambda self, files: bool(files))
+        elif point == "after_commit":  # the destination has committed all, nothing recorded here
+            _crash_after(m, ship_link.Commit, "wait", when=lambda results, self: bool(results))
         else:  # shipped.jsonl has the first file, its local copy is still there
-            _crash_after(m, store.Manifest, "append", when=lambda self, rec: rec["op"] == "shipped")
+            _crash_after(m, store.Manifest, "append", when=lambda result, self, rec: rec["op"] == "shipped")
         with pytest.raises(Crash):
             shipper.ship(cfg)
     assert all(w.path.exists() for w in written[1:]), "local copies deleted before verification"
@@ -259,19 +259,21 @@ def test_a_file_damaged_in_transit_is_sent_again(tmp_path, monkeypatch):
 
 def test_a_file_that_never_verifies_is_kept_and_reported(tmp_path, capsys):
     samples, state, dest = dirs(tmp_path)
-    written = make_samples(samples, 3)
-    bad = written[0]
+    written = make_samples(samples, 7)
+    bad = written[2]
     data = bytearray(bad.path.read_bytes())
     data[-1] ^= 0xFF  # the local copy no longer matches its manifest sha256
     bad.path.write_bytes(bytes(data))
-    code = shipper.main(ship_cmd(samples, state, str(dest), "--retries", "2"))
+    # small batches: later batches are sent while earlier ones are verified
+    code = shipper.main(ship_cmd(samples, state, str(dest), "--retries", "2", "--batch-files", "2"))
     err = capsys.readouterr().err
     assert code == shipper.EXIT_UNVERIFIED
     assert "transfer 1 of 2" in err and "transfer 2 of 2" in err and "failed verification" in err
     assert bad.path.exists() and bad.key in store.read_manifest(samples)
     assert not (dest / "samples" / bad.path.name).exists() and not (dest / ".incoming" / bad.path.name).exists()
-    assert_destination_has(dest, written[1:])
-    assert_shipped_locally(samples, state, written[1:])
+    good = [w for w in written if w is not bad]
+    assert_destination_has(dest, good)
+    assert_shipped_locally(samples, state, good)
     st = status(state)
     assert st["state"] == "failed" and list(st["failed"]) == [bad.key] and "local copy kept" in st["failed"][bad.key]
 
