@@ -63,7 +63,10 @@ def ship(cfg: ShipConfig) -> int:
                 code = shipper.run(link)
             state = "stopped" if shipper.stop_requested else {EXIT_OK: "done"}.get(code, "failed")
             return code
-        except LinkError as e:
+        except KeyboardInterrupt:
+            state = "interrupted"
+            raise
+        except Exception as e:
             shipper.last_error = str(e)
             raise
         finally:
@@ -88,6 +91,8 @@ def check_config(cfg: ShipConfig) -> None:
     for name in ("batch_files", "batch_bytes", "retries"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    if cfg.until_file and not cfg.follow:
+        raise ConfigError("--until-file only means something with --follow")
     if cfg.poll_seconds <= 0 or cfg.bwlimit_kbps < 0:
         raise ConfigError("--poll must be > 0 and --bwlimit >= 0")
 

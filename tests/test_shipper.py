@@ -345,6 +345,7 @@ def test_bad_arguments_exit_2_and_say_what_to_fix(tmp_path, capsys):
         (ship_cmd(samples, state, str(dest), "--ssh-port", "22"), "local directory"),
         (ship_cmd(samples, state, "h:/x", "--known-hosts", str(tmp_path / "none")), "ssh-keyscan"),
         (ship_cmd(samples, state, str(dest), "--batch-files", "0"), "--batch-files must be at least 1"),
+        (ship_cmd(samples, state, str(dest), "--until-file", str(tmp_path / "done")), "only means something"),
     ]
     for argv, message in cases:
         assert shipper.main(argv) == shipper.EXIT_USAGE
