@@ -228,10 +228,11 @@ class Manifest:
 
     One line per ``os.write`` on an ``O_APPEND`` descriptor under ``flock``, so several
     processes (the hook's writer, the driver) can append to the same file safely.
+    ``name`` picks another log of the same kind (the shipper's ``shipped.jsonl``).
     """
 
-    def __init__(self, directory: str | os.PathLike):
-        self.path = Path(directory) / MANIFEST
+    def __init__(self, directory: str | os.PathLike, name: str = MANIFEST):
+        self.path = Path(directory) / name
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
 
@@ -253,25 +254,32 @@ class Manifest:
         self.append({"op": "remove", "key": key, "t": round(time.time(), 3), **extra})
 
 
-def read_manifest(directory: str | os.PathLike) -> dict[str, dict[str, Any]]:
-    """The live entries by key (the last ``add`` of a key not removed after it).
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of an append-only JSON-lines log ([] if it does not exist).
 
     A torn last line (a crash mid-append) is ignored; a bad line elsewhere is an error.
     """
-    path = Path(directory) / MANIFEST
+    path = Path(path)
     if not path.exists():
-        return {}
-    entries: dict[str, dict[str, Any]] = {}
+        return []
+    records = []
     lines = path.read_bytes().split(b"\n")
     for n, raw in enumerate(lines, 1):
         if not raw.strip():
             continue
         try:
-            rec = json.loads(raw)
+            records.append(json.loads(raw))
         except ValueError:
             if n >= len(lines) - 1:
                 break
             raise SampleError(f"{path}:{n}: unreadable manifest line; it was not written by hs_patch") from None
+    return records
+
+
+def read_manifest(directory: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """The live entries by key (the last ``add`` of a key not removed after it)."""
+    entries: dict[str, dict[str, Any]] = {}
+    for rec in read_jsonl(Path(directory) / MANIFEST):
         if rec.get("op") == "add":
             entries[rec["key"]] = rec
         elif rec.get("op") == "remove":
@@ -393,16 +401,19 @@ class DirReport:
 def check_dir(directory: str | os.PathLike, *, deep: bool = True) -> DirReport:
     """Check every sample of a directory against its manifest.
 
+    An entry's ``file`` is relative to the manifest's directory: a bare name where the
+    capture writes, ``samples/<key>.safetensors`` at a shipping destination.
     ``deep`` re-reads each file (sha256 and tensor checks); otherwise only sizes are compared.
     """
     directory = Path(directory)
     entries = read_manifest(directory)
-    files = {p.name[: -len(SUFFIX)] for p in directory.glob(f"*{SUFFIX}")}
+    sample_dirs = {directory} | {(directory / e["file"]).parent for e in entries.values()}
+    files = {p.name[: -len(SUFFIX)] for d in sample_dirs for p in d.glob(f"*{SUFFIX}")}
     rep = DirReport()
     rep.unlisted = sorted(files - entries.keys())
     for key, entry in sorted(entries.items()):
         path = directory / entry["file"]
-        if key not in files:
+        if not path.is_file():
             rep.missing.append(key)
             continue
         try:

@@ -79,6 +79,23 @@ def test_manifest_folds_removals_and_survives_a_torn_last_line(tmp_path):
         store.read_manifest(tmp_path)
 
 
+def test_check_dir_follows_entries_into_a_subdirectory(tmp_path):
+    """A shipping destination lists files as samples/<key>.safetensors next to manifest.jsonl."""
+    src = tmp_path / "src"
+    a, b = write_one(src, [1, 2]), write_one(src, [3, 4])
+    dest = tmp_path / "dest"
+    (dest / "samples").mkdir(parents=True)
+    m = store.Manifest(dest)
+    for w in (a, b):
+        (dest / "samples" / w.path.name).write_bytes(w.path.read_bytes())
+        m.append({**store.read_manifest(src)[w.key], "file": f"samples/{w.path.name}"})
+    (dest / "samples" / "stray.safetensors").write_bytes(b"x")
+    rep = store.check_dir(dest)
+    assert rep.ok == sorted([a.key, b.key]) and rep.unlisted == ["stray"] and not rep.missing
+    (dest / "samples" / a.path.name).unlink()
+    assert store.check_dir(dest, deep=False).missing == [a.key]
+
+
 def test_a_failed_write_leaves_no_sample(tmp_path, monkeypatch):
     """Disk full in the middle of a file: no sample appears, the temp file is removed."""
     real = store.os.write

@@ -1,0 +1,239 @@
+"""The shipper's batch loop: what to ship, in which batches, and what to record.
+
+Batches are pipelined: while the destination verifies batch N (sha256 of every file,
+:mod:`hs_patch.ship_remote`), rsync already sends batch N+1, so hashing costs no link
+time. A batch's files are recorded as shipped, and deleted here, only once its
+verification has answered.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hs_patch import store
+from hs_patch.ship_link import RSYNC_PER_FILE, Commit, Dest, Link, LinkError, SshOptions
+
+SHIPPED_LOG = "shipped.jsonl"
+STATUS_FILE = "shipper_status.json"
+DONE_MARKER = "driver.done"
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNVERIFIED = 0, 1, 2, 3
+MAX_LINK_FAILURES = 5  # consecutive failed batches (rsync or ssh) before giving up
+
+
+@dataclass
+class ShipConfig:
+    samples_dir: Path
+    state_dir: Path
+    dest: Dest
+    ssh: SshOptions = field(default_factory=SshOptions)
+    follow: bool = False
+    until_file: Path | None = None  # default <state-dir>/driver.done
+    poll_seconds: float = 2.0
+    batch_files: int = 200
+    batch_bytes: int = 512 << 20
+    retries: int = 3                # transfers of one file before it is given up as unverifiable
+    bwlimit_kbps: int = 0
+
+    @property
+    def done_marker(self) -> Path:
+        return self.until_file or self.state_dir / DONE_MARKER
+
+
+@dataclass
+class Pending:
+    key: str
+    entry: dict[str, Any]  # the local manifest's op: add record
+    path: Path
+    inode: int             # to never delete a file replaced since it was queued
+
+
+@dataclass
+class InFlight:
+    """A batch rsync has sent, whose verification runs on the destination."""
+
+    batch: list[Pending]
+    commit: Commit
+    rsync_rc: int
+    rsync_err: str
+
+
+class Shipper:
+    def __init__(self, cfg: ShipConfig):
+        self.cfg = cfg
+        self.shipped = {r["key"]: r for r in store.read_jsonl(cfg.state_dir / SHIPPED_LOG)
+                        if r.get("op") == "shipped"}
+        self.shipped_log = store.Manifest(cfg.state_dir, SHIPPED_LOG)
+        self.local_manifest = store.Manifest(cfg.samples_dir)
+        self.attempts: dict[tuple[str, str], int] = {}  # (key, sha256) -> failed verifications
+        self.failed: dict[str, str] = {}        # key -> why it is given up
+        self.missing_local: list[str] = []      # listed, not shipped, and no file
+        self.pending: list[Pending] = []
+        self.inflight: InFlight | None = None
+        self.run_files = self.run_bytes = 0
+        self.busy_seconds = 0.0
+        self.last_error: str | None = None
+        self.stop_requested = False
+
+    # ------------------------------------------------------------------ local side
+
+    def scan(self) -> list[Pending]:
+        """Samples the manifest lists that still have to be shipped, oldest first."""
+        self.pending, self.missing_local = [], []
+        busy = {p.key for p in self.inflight.batch} if self.inflight else set()
+        for key, entry in store.read_manifest(self.cfg.samples_dir).items():
+            name = entry.get("file", "")
+            if Path(name).name != name or name.startswith(".") or not name.endswith(store.SUFFIX):
+                self.failed[key] = f"manifest names {name!r}: not a sample file of the samples directory"
+                continue
+            path = self.cfg.samples_dir / name
+            done = self.shipped.get(key)
+            if done is not None and done["sha256"] == entry["sha256"]:
+                self.drop_local(key, path, None)  # verified before the run was cut
+                continue
+            if key in busy or self.attempts.get((key, entry["sha256"]), 0) >= self.cfg.retries:
+                continue  # being verified, or given up (listed in self.failed)
+            try:
+                inode = path.stat().st_ino
+            except FileNotFoundError:
+                self.missing_local.append(key)
+                continue
+            self.pending.append(Pending(key, entry, path, inode))
+        return self.pending
+
+    def drop_local(self, key: str, path: Path, inode: int | None) -> None:
+        """Delete a shipped sample's local file and record the removal in its manifest."""
+        try:
+            if inode is not None and path.stat().st_ino != inode:
+                return  # replaced by a newer version of the sample: that one ships on its own
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        self.local_manifest.remove(key, reason="shipped")
+
+    def record_shipped(self, p: Pending) -> None:
+        e = p.entry
+        rec = {"op": "shipped", "key": p.key, "file": e["file"], "bytes": e["bytes"],
+               "sha256": e["sha256"], "t": round(time.time(), 3)}
+        self.shipped_log.append(rec)
+        self.shipped[p.key] = rec
+        self.failed.pop(p.key, None)
+        self.drop_local(p.key, p.path, p.inode)
+
+    # ------------------------------------------------------------------ batches
+
+    def next_batch(self) -> tuple[list[Pending], bool]:
+        """Up to batch_files / batch_bytes samples (at least one). Files that failed a
+        verification go first, in a batch of their own that resends whatever is there."""
+        retry = [p for p in self.pending if self.attempts.get((p.key, p.entry["sha256"]))]
+        batch, size = [], 0
+        for p in retry or self.pending:
+            if batch and (len(batch) >= self.cfg.batch_files or size + p.entry["bytes"] > self.cfg.batch_bytes):
+                break
+            batch.append(p)
+            size += p.entry["bytes"]
+        return batch, bool(retry)
+
+    def send_batch(self, link: Link) -> InFlight:
+        """rsync the next batch and start its verification on the destination."""
+        batch, recheck = self.next_batch()
+        rc, err = link.send(self.cfg.samples_dir, [p.entry["file"] for p in batch], recheck=recheck)
+        if rc not in RSYNC_PER_FILE:
+            raise LinkError(f"rsync to {self.cfg.dest} failed (exit {rc}): {err}")
+        files = [{"file": p.entry["file"], "bytes": p.entry["bytes"], "sha256": p.entry["sha256"],
+                  "entry": p.entry} for p in batch]
+        return InFlight(batch, link.start_commit(files), rc, err)
+
+    def finish_batch(self, done: InFlight) -> None:
+        """Wait for a batch's verification; record what matched, count what did not."""
+        for p, res in zip(done.batch, done.commit.wait(), strict=True):
+            if res["status"] == "ok":
+                self.record_shipped(p)
+                self.run_files += 1
+                self.run_bytes += p.entry["bytes"]
+                continue
+            version = (p.key, p.entry["sha256"])
+            self.attempts[version] = n = self.attempts.get(version, 0) + 1
+            why = (f"{p.entry['file']}: {res['status']} at the destination after transfer {n} of "
+                   f"{self.cfg.retries} (rsync exit {done.rsync_rc}{': ' + done.rsync_err if done.rsync_err else ''})")
+            self.last_error = why
+            if n >= self.cfg.retries:
+                self.failed[p.key] = why + "; local copy kept"
+            print(f"hs-ship: {why}", file=sys.stderr)
+
+    def step(self, link: Link) -> None:
+        """Send the next batch (unless stopping) while the previous one is verified, then
+        record the previous one."""
+        started = self.send_batch(link) if self.pending and not self.stop_requested else None
+        previous, self.inflight = self.inflight, started
+        if previous is not None:
+            self.finish_batch(previous)
+
+    # ------------------------------------------------------------------ status
+
+    def write_status(self, state: str) -> None:
+        doc = {
+            "state": state, "pid": os.getpid(), "updated": round(time.time(), 3),
+            "samples_dir": str(self.cfg.samples_dir), "dest": str(self.cfg.dest),
+            "shipped": {"count": len(self.shipped), "bytes": sum(r["bytes"] for r in self.shipped.values())},
+            "this_run": {"count": self.run_files, "bytes": self.run_bytes, "busy_seconds": round(self.busy_seconds, 3)},
+            "pending": {"count": len(self.pending), "bytes": sum(p.entry["bytes"] for p in self.pending)},
+            "verifying": len(self.inflight.batch) if self.inflight else 0,
+            "throughput_bytes_per_s": round(self.run_bytes / self.busy_seconds) if self.busy_seconds else None,
+            "failed": self.failed, "missing_local": self.missing_local, "last_error": self.last_error,
+        }
+        path = self.cfg.state_dir / STATUS_FILE
+        tmp = path.with_name(f".{STATUS_FILE}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+
+    # ------------------------------------------------------------------ main loop
+
+    def pause(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not self.stop_requested and time.monotonic() < deadline:
+            time.sleep(min(0.2, seconds))
+
+    def run(self, link: Link) -> int:
+        link.commit([])  # the destination answers, is writable and has python3
+        link_failures = 0
+        try:
+            while True:
+                finished = not self.cfg.follow or self.cfg.done_marker.exists()  # before the scan
+                self.scan()
+                if self.inflight is None and not self.pending:
+                    if self.stop_requested or finished:
+                        break
+                    self.write_status("waiting")
+                    self.pause(self.cfg.poll_seconds)
+                    continue
+                if self.inflight is None and self.stop_requested:
+                    break
+                self.write_status("shipping")
+                t0 = time.monotonic()
+                try:
+                    self.step(link)
+                    self.busy_seconds += time.monotonic() - t0
+                    link_failures = 0
+                except LinkError as e:
+                    link_failures += 1
+                    self.last_error = str(e)
+                    print(f"hs-ship: {e} (failure {link_failures} of {MAX_LINK_FAILURES})", file=sys.stderr)
+                    if link_failures >= MAX_LINK_FAILURES:
+                        raise
+                    self.pause(min(2 ** link_failures, 30))
+        finally:
+            if self.inflight is not None:  # given up or interrupted: a restart verifies it again
+                self.inflight.commit.kill()
+                self.inflight = None
+        if self.missing_local:
+            self.last_error = (f"{len(self.missing_local)} samples are listed in {self.cfg.samples_dir}/"
+                               f"{store.MANIFEST} but their files are gone and were never shipped, e.g. "
+                               f"{self.missing_local[0]}: something deleted them without an op: remove line")
+            return EXIT_ERROR
+        return EXIT_UNVERIFIED if self.failed else EXIT_OK

@@ -1,0 +1,142 @@
+"""Verify-and-commit step of the shipper, run ON the destination host.
+
+The shipper sends this file's source as ``python3 -c SOURCE`` over SSH (nothing of ours
+is installed on training storage) with a JSON request on stdin, and reads a JSON answer
+on stdout. Standard library only, Python >= 3.6.
+
+Request: ``{"root": PATH, "files": [{"file": NAME, "bytes": N, "sha256": HEX, "entry": {...}}]}``
+
+For each file, rsync has left it in ``ROOT/.incoming/`` (or an interrupted run already
+moved it to ``ROOT/samples/``). Its sha256 is computed here, on the destination, and its
+data fsynced; a match is moved into ``ROOT/samples/``; a staged copy that does not match
+is deleted so it is sent again. Then ``ROOT/manifest.jsonl`` is rewritten (temp file,
+fsync, rename: a reader never sees a partial manifest) with one ``op: add`` line per
+sample, ``file`` relative to ROOT. A lock file serialises shippers sharing one ROOT.
+
+Answer: ``{"results": [{"file", "status", "bytes", "sha256"}], "manifest": N}`` where
+status is ``ok`` (in samples/, durable, in the manifest), ``mismatch`` (the copy that
+arrived was wrong and is deleted) or ``missing`` (nothing arrived).
+"""
+import fcntl
+import hashlib
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+INCOMING = ".incoming"
+SAMPLES = "samples"
+MANIFEST = "manifest.jsonl"
+LOCK = ".manifest.lock"
+
+
+def sha256_and_sync(path):
+    """(size, sha256) of a file, and its data made durable (hs_patch.store.file_sha256 is
+    not importable here)."""
+    h = hashlib.sha256()
+    size = 0
+    buf = bytearray(8 << 20)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            h.update(view[:n])
+            size += n
+        os.fsync(f.fileno())
+    return size, h.hexdigest()
+
+
+def fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_entries(path):
+    """Live entries by key, in the order they were first added."""
+    entries = {}
+    if not os.path.exists(path):
+        return entries
+    with open(path, "rb") as f:
+        for raw in f:
+            if raw.strip():
+                rec = json.loads(raw)
+                if rec.get("op") == "add":
+                    entries[rec["key"]] = rec
+                elif rec.get("op") == "remove":
+                    entries.pop(rec["key"], None)
+    return entries
+
+
+def write_entries(root, entries):
+    tmp = os.path.join(root, ".%s.%d.tmp" % (MANIFEST, os.getpid()))
+    with open(tmp, "wb") as f:
+        for rec in entries.values():
+            f.write((json.dumps(rec, separators=(",", ":"), sort_keys=True) + "\n").encode())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, MANIFEST))
+    fsync_dir(root)
+
+
+def verify(root, f):
+    """Check one file where rsync or an interrupted run left it; move it into samples/."""
+    name = f["file"]
+    if os.path.basename(name) != name or name.startswith("."):
+        raise ValueError("refusing file name %r: not a plain sample file name" % name)
+    staged, final = os.path.join(root, INCOMING, name), os.path.join(root, SAMPLES, name)
+    want = (f["bytes"], f["sha256"])
+    status = "missing"
+    if os.path.isfile(staged):
+        if sha256_and_sync(staged) == want:
+            os.replace(staged, final)
+            return "ok"
+        os.unlink(staged)
+        status = "mismatch"
+    if os.path.isfile(final) and sha256_and_sync(final) == want:  # moved there by an interrupted run
+        return "ok"
+    return status
+
+
+def commit(root, files):
+    # files are hashed in parallel (hashlib and file reads release the GIL)
+    with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
+        statuses = list(pool.map(lambda f: verify(root, f), files))
+    results, arrived = [], []
+    for f, status in zip(files, statuses):
+        results.append({"file": f["file"], "status": status, "bytes": f["bytes"], "sha256": f["sha256"]})
+        if status == "ok":
+            arrived.append(f)
+    entries = read_entries(os.path.join(root, MANIFEST))
+    changed = False
+    for f in arrived:
+        rec = dict(f["entry"], op="add", file=SAMPLES + "/" + f["file"])
+        old = entries.get(rec["key"])
+        if old is None or old.get("sha256") != rec["sha256"] or old.get("file") != rec["file"]:
+            rec["shipped"] = round(time.time(), 3)
+            entries[rec["key"]] = rec
+            changed = True
+    if changed:
+        fsync_dir(os.path.join(root, SAMPLES))
+        write_entries(root, entries)
+    return {"results": results, "manifest": len(entries)}
+
+
+def main():
+    req = json.load(sys.stdin)
+    root = os.path.expanduser(req["root"])
+    for d in (os.path.join(root, INCOMING), os.path.join(root, SAMPLES)):
+        os.makedirs(d, exist_ok=True)
+    with open(os.path.join(root, LOCK), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        answer = commit(root, req["files"])
+    json.dump(answer, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

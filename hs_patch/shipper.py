@@ -1,0 +1,222 @@
+"""The shipper: move completed samples to training storage, verified, resumable.
+
+Run as ``python3 -m hs_patch.shipper ship ...`` (``--help`` says everything an operator
+needs). Library use: :func:`ship` with a :class:`ShipConfig`, or :func:`add_arguments` +
+:func:`run_args` to mount it under another CLI.
+
+For each batch of samples listed (``op: add``) in the samples directory's manifest and
+not yet shipped: rsync them into the destination's ``.incoming/``, compute their sha256
+on the destination and move the matching ones into ``samples/`` and the destination's
+manifest (:mod:`hs_patch.ship_link`, :mod:`hs_patch.ship_remote`); then record each one
+in ``<state-dir>/shipped.jsonl``, delete the local file and append ``op: remove`` with
+``reason: shipped`` to the local manifest. Each step is safe to cut: a restart re-sends
+what the destination lacks and re-verifies what it holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from hs_patch import store
+from hs_patch.ship_link import ConfigError, Link, LinkError, SshOptions, parse_dest
+from hs_patch.ship_loop import (DONE_MARKER, EXIT_ERROR, EXIT_OK, EXIT_UNVERIFIED, EXIT_USAGE, SHIPPED_LOG,
+                                STATUS_FILE, ShipConfig, Shipper)
+
+__all__ = ["ship", "ShipConfig", "main", "add_arguments", "run_args", "SHIPPED_LOG", "STATUS_FILE",
+           "DONE_MARKER", "LOCK_FILE", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_UNVERIFIED"]
+
+LOCK_FILE = "shipper.lock"
+
+
+def ship(cfg: ShipConfig) -> int:
+    """Ship until done (see the module doc and ``--help``); returns the exit code."""
+    check_config(cfg)
+    cfg.state_dir.mkdir(parents=True, exist_ok=True)
+    with open(cfg.state_dir / LOCK_FILE, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(f"another shipper holds {cfg.state_dir / LOCK_FILE}: one shipper per "
+                              "state directory; stop it first (or wait for it)") from None
+        shipper = Shipper(cfg)
+        previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+        def on_signal(signum: int, frame: Any) -> None:
+            if shipper.stop_requested:
+                raise KeyboardInterrupt  # a second signal: stop now, mid-batch
+            shipper.stop_requested = True
+            print(f"hs-ship: {signal.Signals(signum).name}: finishing the current batch, then exiting "
+                  "(send it again to stop at once)", file=sys.stderr)
+
+        for s in previous:
+            signal.signal(s, on_signal)
+        state = "failed"
+        try:
+            shipper.write_status("starting")
+            with Link(cfg.dest, cfg.ssh, bwlimit_kbps=cfg.bwlimit_kbps) as link:
+                code = shipper.run(link)
+            state = "stopped" if shipper.stop_requested else {EXIT_OK: "done"}.get(code, "failed")
+            return code
+        except KeyboardInterrupt:
+            state = "interrupted"
+            raise
+        except Exception as e:
+            shipper.last_error = str(e)
+            raise
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            shipper.write_status(state)
+
+
+def check_config(cfg: ShipConfig) -> None:
+    """Raise ConfigError saying what to fix."""
+    if not cfg.samples_dir.is_dir():
+        raise ConfigError(f"--samples-dir {cfg.samples_dir} is not a directory (the driver's samples "
+                          "directory, e.g. /dev/shm/hs-runs/RUN/samples)")
+    if cfg.ssh.key and not os.access(cfg.ssh.key, os.R_OK):
+        raise ConfigError(f"--ssh-key {cfg.ssh.key} is not a readable file")
+    if cfg.ssh.known_hosts and not os.path.isfile(cfg.ssh.known_hosts):
+        raise ConfigError(f"--known-hosts {cfg.ssh.known_hosts} does not exist (get the storage host's key "
+                          "with ssh-keyscan, check its fingerprint, and save it there)")
+    if not cfg.dest.host and (cfg.ssh.key or cfg.ssh.port or cfg.ssh.known_hosts or cfg.ssh.options):
+        raise ConfigError(f"--dest {cfg.dest} is a local directory, so the SSH options mean nothing; "
+                          "give --dest [user@]host:path")
+    for name in ("batch_files", "batch_bytes", "retries"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    if cfg.until_file and not cfg.follow:
+        raise ConfigError("--until-file only means something with --follow")
+    if cfg.poll_seconds <= 0 or cfg.bwlimit_kbps < 0:
+        raise ConfigError("--poll must be > 0 and --bwlimit >= 0")
+
+
+# ---------------------------------------------------------------------------- CLI
+
+DESCRIPTION = """\
+Ship completed hidden-state samples to training storage, verified, then delete them here.
+
+Reads   SAMPLES_DIR/manifest.jsonl and the *.safetensors files it lists (op: add) -
+        nothing else: never an unlisted file, never .tmp/.
+Sends   with rsync over ssh (one multiplexed connection) into DEST/.incoming/, then
+        computes each file's sha256 ON THE DESTINATION (python3 there, nothing of ours
+        installed) and moves the files that match the manifest into DEST/samples/;
+        DEST/manifest.jsonl is rewritten atomically with one op: add line per sample
+        (file: samples/<key>.safetensors, bytes, sha256). A file that does not match is
+        sent again, --retries times at most; its local copy is never deleted.
+Records every verified file in STATE_DIR/shipped.jsonl
+        ({"op": "shipped", "key", "file", "bytes", "sha256", "t"}), then deletes the local
+        file and appends op: remove, reason: shipped, to SAMPLES_DIR/manifest.jsonl.
+Status  STATE_DIR/shipper_status.json (shipped, pending, throughput, failed, last error).
+
+Without --follow it ships what the manifest lists and exits. With --follow it polls the
+manifest every --poll seconds until the driver's marker (--until-file, default
+STATE_DIR/driver.done) exists and everything listed is shipped, or until SIGTERM/SIGINT:
+it then finishes the current batch and exits (a second signal stops at once).
+"""
+
+EPILOG = """\
+resume:
+  Run the same command again, after any interruption (kill -9, reboot, lost link): files the
+  destination already holds are verified there and not re-sent, partial transfers resume
+  from DEST/.incoming/.rsync-partial/, nothing is shipped twice or deleted unverified.
+
+ssh:
+  StrictHostKeyChecking=yes and BatchMode=yes by default: the storage host's key must be in
+  known_hosts (yours, or --known-hosts). ~/.ssh/config applies (an alias as host works);
+  --ssh-option values take precedence over the defaults. Under systemd use KillMode=mixed
+  so that SIGTERM reaches the shipper alone and the batch can finish.
+
+exit codes:
+  0  everything listed is shipped and verified (or stopped by a signal after its batch)
+  1  error (destination unreachable or failing, a listed file gone): fix and run again
+  2  bad arguments or configuration: the message says what to fix
+  3  some files still fail verification after --retries transfers: they are kept here
+     and named in the status file; run again to retry them
+
+example:
+  python3 -m hs_patch.shipper ship --follow --samples-dir /dev/shm/hs-runs/RUN/samples \\
+      --state-dir /var/lib/hs-patch/runs/RUN --dest hs-storage:/srv/hs-samples/RUN
+"""
+
+
+def _size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    try:
+        if text[-1:].upper() in units:
+            return int(float(text[:-1]) * units[text[-1].upper()])
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give bytes, or a number with K, M or G") from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``ship`` options (for mounting under another CLI with :func:`run_args`)."""
+    p.add_argument("--samples-dir", required=True, type=Path, metavar="DIR",
+                   help="the driver's samples directory (*.safetensors + manifest.jsonl)")
+    p.add_argument("--state-dir", required=True, type=Path, metavar="DIR",
+                   help="where shipped.jsonl, shipper_status.json and the lock live (created)")
+    p.add_argument("--dest", required=True, metavar="[USER@]HOST:PATH",
+                   help="training storage (an SSH alias works); a local directory for tests")
+    p.add_argument("--follow", action="store_true", help="keep shipping new samples until the driver is done")
+    p.add_argument("--until-file", type=Path, metavar="PATH",
+                   help=f"with --follow: stop once this exists and all is shipped (default STATE_DIR/{DONE_MARKER})")
+    p.add_argument("--poll", type=float, default=2.0, metavar="SECONDS",
+                   help="with --follow: how often to re-read the manifest when idle (default 2)")
+    p.add_argument("--batch-files", type=int, default=200, metavar="N", help="most files per rsync (default 200)")
+    p.add_argument("--batch-bytes", type=_size, default=512 << 20, metavar="SIZE",
+                   help="most bytes per rsync, e.g. 1G (default 512M)")
+    p.add_argument("--retries", type=int, default=3, metavar="N",
+                   help="transfers of a file that fails verification before giving up on it (default 3)")
+    p.add_argument("--bwlimit", type=int, default=0, metavar="KBPS", help="rsync bandwidth limit, KiB/s (0: none)")
+    p.add_argument("--ssh-key", metavar="FILE", help="identity file (default: ssh's, or ~/.ssh/config)")
+    p.add_argument("--ssh-port", type=int, metavar="PORT", help="SSH port (default 22 or ~/.ssh/config)")
+    p.add_argument("--known-hosts", metavar="FILE", help="known_hosts file holding the storage host's key")
+    p.add_argument("--ssh-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="extra ssh -o option, repeatable (e.g. Ciphers=aes128-gcm@openssh.com)")
+
+
+def run_args(args: argparse.Namespace) -> int:
+    try:
+        cfg = ShipConfig(
+            samples_dir=args.samples_dir, state_dir=args.state_dir, dest=parse_dest(args.dest),
+            ssh=SshOptions(args.ssh_key, args.ssh_port, args.known_hosts, args.ssh_option),
+            follow=args.follow, until_file=args.until_file, poll_seconds=args.poll,
+            batch_files=args.batch_files, batch_bytes=args.batch_bytes, retries=args.retries,
+            bwlimit_kbps=args.bwlimit)
+        code = ship(cfg)
+    except ConfigError as e:
+        print(f"hs-ship: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except (LinkError, OSError, store.SampleError) as e:
+        print(f"hs-ship: {e}\nhs-ship: nothing unverified was deleted; fix the cause and run the same "
+              "command again to resume", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("hs-ship: stopped mid-batch; run the same command again to resume", file=sys.stderr)
+        return EXIT_ERROR
+    status = f"{cfg.state_dir / STATUS_FILE}"
+    messages = {EXIT_OK: "done", EXIT_UNVERIFIED: f"some files failed verification and are kept; see {status}",
+                EXIT_ERROR: f"see {status}"}
+    print(f"hs-ship: {messages[code]}", file=sys.stderr)
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m hs_patch.shipper",
+                                     description="Ship hidden-state samples to training storage.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("ship", help="ship samples (verified at the destination), then delete them here",
+                       description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
