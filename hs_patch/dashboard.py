@@ -1,0 +1,135 @@
+"""The live extraction dashboard of ``fab extract`` / ``fab status`` (rich).
+
+It only reads: a snapshot (``hs_patch.snapshot``) taken on the GPU host every few
+seconds. Ctrl-C or a dropped connection detaches and says how to reattach; the job runs
+on as systemd units.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+FINISHED = ("inactive", "failed")
+
+
+def _gb(n: float | None) -> str:
+    return "-" if n is None else f"{n / 1e9:.2f} GB"
+
+
+def _state(snap: dict[str, Any], unit: str) -> str:
+    u = (snap.get("units") or {}).get(unit) or {}
+    state = u.get("ActiveState", "?")
+    if state in FINISHED and u.get("ExecMainStatus") not in (None, "", "0"):
+        state += f" (exit {u['ExecMainStatus']})"
+    return state
+
+
+def render(snap: dict[str, Any], host: str, progress: Progress, task: Any) -> Group:
+    run = snap["run"]
+    d = snap.get("driver") or {}
+    s = d.get("samples") or {}
+    tok = d.get("tokens") or {}
+    ship = snap.get("shipper") or {}
+    hook = snap.get("hook") or {}
+    total = s.get("total") or 0
+    finished = s.get("done", 0) + s.get("rejected", 0) + s.get("duplicates", 0) + s.get("failed", 0)
+    progress.update(task, total=total or None, completed=finished,
+                    description=f"{run}: {s.get('done', 0)} done / {total}")
+
+    stats = Table.grid(padding=(0, 2))
+    stats.add_column(style="bold")
+    stats.add_column()
+    stats.add_column(style="bold")
+    stats.add_column()
+    dump, samples = snap.get("dump") or {}, snap.get("samples") or {}
+    stats.add_row("driver", f"{d.get('state', '-')} [{_state(snap, f'hs-drive-{run}')}]",
+                  "shipper", f"{ship.get('state', '-')} [{_state(snap, f'hs-ship-{run}')}]")
+    stats.add_row("rejected", str(s.get("rejected", 0)), "duplicates", str(s.get("duplicates", 0)))
+    stats.add_row("failed", str(s.get("failed", 0)), "in flight", str(s.get("in_flight", 0)))
+    stats.add_row("tokens", f"{tok.get('done_now', 0):,}", "tokens/s", f"{tok.get('per_s', 0):,.0f}")
+    shipped, pending = ship.get("shipped") or {}, ship.get("pending") or {}
+    stats.add_row("written", _gb(d.get("bytes_written")), "shipped",
+                  f"{shipped.get('count', 0)} ({_gb(shipped.get('bytes'))})")
+    stats.add_row("to ship", f"{pending.get('count', 0)} ({_gb(pending.get('bytes'))})", "ship rate",
+                  _gb(ship.get("throughput_bytes_per_s")) + "/s" if ship.get("throughput_bytes_per_s") else "-")
+    paused = (d.get("dump") or {}).get("paused")
+    stats.add_row("dump dir", f"{dump.get('used_pct', '-')}% used" + ("  PAUSED (high water)" if paused else ""),
+                  "samples dir", f"{samples.get('used_pct', '-')}% used")
+    stats.add_row("server", _state(snap, "sglang") if "sglang" in (snap.get("units") or {}) else "-",
+                  "hook waits", f"{hook.get('waits', 0)} ({hook.get('wait_seconds', 0)} s)")
+
+    gpus = Table("GPU", "name", "util", "memory", box=None, padding=(0, 1))
+    for g in snap.get("gpus") or []:
+        mem = f"{(g['mem_used'] or 0) / 1024:.1f}/{(g['mem_total'] or 0) / 1024:.1f} GiB"
+        gpus.add_row(g["index"], g["name"], f"{g['util'] or 0:.0f}%", mem)
+
+    problems = []
+    for r in snap.get("rejects") or []:
+        problems.append(f"reject {r.get('file', '')}:{r.get('line', '')} {r.get('reason', '')}"[:160])
+    for who, msg in (("driver", (d.get("errors") or {}).get("last")), ("shipper", ship.get("last_error")),
+                     ("hook", hook.get("error"))):
+        if msg:
+            problems.append(f"{who}: {msg}"[:200])
+    parts: list[Any] = [progress, stats]
+    if snap.get("gpus"):
+        parts.append(gpus)
+    if problems:
+        parts.append(Panel("\n".join(problems[-8:]), title="rejects and errors", border_style="yellow"))
+    return Group(Panel(Group(*parts), title=f"hs-patch extraction on {host}", border_style="cyan"))
+
+
+def done(snap: dict[str, Any]) -> bool:
+    """Driver and shipper units both finished."""
+    run = snap["run"]
+    units = snap.get("units") or {}
+    return all((units.get(u) or {}).get("ActiveState") in FINISHED for u in (f"hs-drive-{run}", f"hs-ship-{run}")
+               if u in units)
+
+
+def watch(fetch: Callable[[], dict[str, Any]], host: str, run: str, *, interval: float = 2.0,
+          once: bool = False, console: Console | None = None) -> int:
+    """Show the dashboard until the job finishes (0), or detach on Ctrl-C / lost link (2)."""
+    from rich.live import Live
+
+    console = console or Console()
+    reattach = f"fab status --host {host} --run {run}"
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
+                        TimeRemainingColumn(), console=console)
+    task = progress.add_task(run, total=None)
+    if once:
+        snap = fetch()
+        console.print(render(snap, host, progress, task))
+        return 0
+    failures = 0
+    try:
+        with Live(console=console, refresh_per_second=4, transient=False) as live:
+            while True:
+                try:
+                    snap = fetch()
+                    failures = 0
+                except Exception as e:  # noqa: BLE001 - a flaky link must not end the job
+                    failures += 1
+                    if failures >= 5:
+                        live.stop()
+                        console.print(f"[yellow]lost the connection to {host} ({e}). The job goes on there; "
+                                      f"reattach with: {reattach}[/]")
+                        return 2
+                    time.sleep(interval)
+                    continue
+                live.update(render(snap, host, progress, task))
+                if done(snap):
+                    break
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        console.print(f"\n[yellow]detached; the job goes on on {host}. Reattach with: {reattach}[/]")
+        return 2
+    d = snap.get("driver") or {}
+    console.print(f"[green]finished[/]: driver {d.get('state')}, {((d.get('samples') or {}).get('done'))} samples; "
+                  f"shipper {(snap.get('shipper') or {}).get('state')}")
+    return 0

@@ -1,0 +1,241 @@
+"""What ``fab`` does on the GPU host over SSH: preflight, start, watch, stop.
+
+Every function takes a fabric ``Connection`` (as root, like Ansible) and the host's
+:class:`~hs_patch.fabconfig.Target`. The driver and the shipper run as transient systemd
+units (``hs-drive-<run>``, ``hs-ship-<run>``) under the service user, so the job goes on
+when the SSH session drops; ``Restart=on-abnormal`` restarts a killed one, and both
+resume where they stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from hs_patch.fabconfig import Target
+
+FORBIDDEN_FLAGS = ("--enable-dp-attention", "--enable-mixed-chunk", "--enable-two-batch-overlap",
+                   "--enable-piecewise-cuda-graph", "--enable-attn-tp-input-scattered")
+
+
+class RemoteError(RuntimeError):
+    """A remote step failed; the message says what to do."""
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+
+
+def sh(c: Any, cmd: str, *, check: bool = False, timeout: int | None = 120) -> Any:
+    """Run ``cmd`` on the host (hidden output); ``check`` raises RemoteError on failure."""
+    r = c.run(cmd, hide=True, warn=True, in_stream=False, timeout=timeout)
+    if check and r.failed:
+        raise RemoteError(f"on {c.host}: `{cmd}` failed ({r.exited}): {(r.stderr or r.stdout).strip()[-800:]}")
+    return r
+
+
+def units(run: str) -> tuple[str, str]:
+    return f"hs-drive-{run}", f"hs-ship-{run}"
+
+
+# --------------------------------------------------------------------------- preflight
+
+
+def preflight(c: Any, t: Target, *, estimated_bytes: int | None, need_gpus: bool = True) -> list[Check]:
+    """Check the host can run an extraction; each failed check says what to do."""
+    checks: list[Check] = []
+    r = sh(c, "true")
+    checks.append(Check("ssh", r.ok, f"{t.user}@{t.host}:{t.port}", "check the inventory's ansible_user/port/key"))
+    if not r.ok:
+        return checks
+    r = sh(c, f"{t.bin('hs-patch')} verify --json")
+    res = _last_json(r.stdout)
+    checks.append(Check("patch", r.ok, res.get("message") or res.get("error") or r.stderr.strip(),
+                        "run ansible-playbook site.yml (it installs SGLang and applies the patch)"))
+    if need_gpus:
+        r = sh(c, "nvidia-smi --query-gpu=name --format=csv,noheader")
+        names = [x.strip() for x in r.stdout.splitlines() if x.strip()] if r.ok else []
+        good = [n for n in names if n == t.gpu_model]
+        checks.append(Check("gpus", r.ok and len(good) == t.gpu_count == len(names),
+                            f"{len(names)} GPU(s): {', '.join(sorted(set(names))) or r.stderr.strip() or 'none'}",
+                            f"expected {t.gpu_count} x {t.gpu_model}: check the driver (nvidia-smi) or hs_gpu_count/"
+                            "hs_gpu_model in the inventory"))
+    checks.append(_server_flags(c, t))
+    for label, path in (("dump space", t.dump_dir), ("samples space", t.samples_root)):
+        free = _free_bytes(c, path)
+        need = 4 << 30
+        checks.append(Check(label, free is not None and free >= need, f"{_gb(free)} free for {path}",
+                            f"free at least {_gb(need)} there (the driver pauses at 80% use)"))
+    if t.ship_enabled:
+        cmd = f"sudo -u {t.service_user} -H ssh -o BatchMode=yes {t.storage_alias} df -Pk {shlex.quote(t.storage_dir)}"
+        r = sh(c, cmd, timeout=60)
+        free = int(r.stdout.splitlines()[-1].split()[3]) * 1024 if r.ok and r.stdout.strip() else None
+        ok = free is not None and (estimated_bytes is None or free >= estimated_bytes)
+        checks.append(Check("storage", ok, f"{t.storage_alias}:{t.storage_dir}: {_gb(free)} free, "
+                            f"{_gb(estimated_bytes)} estimated for this run" if r.ok else (r.stderr.strip() or r.stdout.strip())[-300:],
+                            "fix the storage target (ansible-playbook site.yml configures it) or free space there"))
+    return checks
+
+
+def _server_flags(c: Any, t: Target) -> Check:
+    r = sh(c, f"systemctl cat {t.service}.service")
+    if not r.ok:
+        return Check("server unit", False, r.stderr.strip(), "run ansible-playbook site.yml (services role)")
+    unit = r.stdout
+    status = _last_json(sh(c, f"{t.bin('hs-patch')} status --json").stdout)
+    need = status.get("required_server_flags") or ["--disable-radix-cache"]
+    exec_line = next((x for x in unit.splitlines() if x.startswith("ExecStart=")), "")
+    missing = [f for f in need if f not in exec_line.split()]
+    bad = [f for f in FORBIDDEN_FLAGS if f in exec_line.split()]
+    env_ok = "HS_CAPTURE=1" in unit and f"HS_CAPTURE_DIR={t.dump_dir}" in unit
+    ok = not missing and not bad and env_ok
+    detail = "capture on, flags compatible" if ok else \
+        f"missing {missing or '-'}, not allowed {bad or '-'}, capture env {'ok' if env_ok else 'missing'}"
+    return Check("server flags", ok, detail, f"set them in the services role (sglang_service_*) and re-run site.yml;"
+                                             f" HS_CAPTURE_DIR must be {t.dump_dir}")
+
+
+def _free_bytes(c: Any, path: str) -> int | None:
+    r = sh(c, f"df -Pk {shlex.quote(path)} 2>/dev/null || df -Pk {shlex.quote(str(Path(path).parent))}")
+    try:
+        return int(r.stdout.splitlines()[-1].split()[3]) * 1024
+    except (IndexError, ValueError):
+        return None
+
+
+def _gb(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**30:.1f} GiB"
+
+
+def _last_json(text: str) -> dict[str, Any]:
+    for line in reversed((text or "").strip().splitlines()):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    return {}
+
+
+def estimate_bytes(c: Any, t: Target, dataset_bytes: int) -> int:
+    """Stored bytes for a dataset: ~4 bytes of JSON per token, planes x hidden x 2 per token."""
+    r = sh(c, f"cat {shlex.quote(t.model_path)}/config.json")
+    cfg = json.loads(r.stdout) if r.ok else {}
+    hidden = int((cfg.get("text_config") or cfg).get("hidden_size", 7168))
+    planes = len(t.capture_layers) + {"pre": 1, "post": 1, "both": 2}.get(t.capture_final, 0)
+    return dataset_bytes // 4 * (planes * hidden * 2 + 9)
+
+
+# --------------------------------------------------------------------------- starting
+
+
+def prepare(c: Any, t: Target, run: str) -> None:
+    for d in (t.state_dir(run), t.samples_dir(run), f"{t.state_dir(run)}/data"):
+        sh(c, f"install -d -o {t.service_user} -g {t.service_user} -m 0750 {shlex.quote(d)}", check=True)
+    sh(c, f"install -d -o {t.service_user} -g {t.service_user} -m 0750 {shlex.quote(t.dump_dir)}", check=True)
+
+
+def upload(c: Any, t: Target, run: str, local: Path) -> str:
+    """Copy a dataset to the run's state dir (skipped when the same bytes are there)."""
+    remote = f"{t.state_dir(run)}/data/{local.name}"
+    digest = hashlib.sha256(local.read_bytes()).hexdigest()
+    r = sh(c, f"sha256sum {shlex.quote(remote)}")
+    if not (r.ok and r.stdout.split()[0] == digest):
+        c.put(str(local), remote)
+        sh(c, f"chown {t.service_user}: {shlex.quote(remote)}", check=True)
+    return remote
+
+
+def start_server(c: Any, t: Target, timeout: int, progress: Callable[[str], None]) -> None:
+    """Start the server unit (no-op when running) and wait for /health_generate."""
+    sh(c, f"systemctl start {t.service}.service", check=True)
+    url = f"http://127.0.0.1:{t.server_port}/health_generate"
+    probe = (f"{t.bin('python')} -c \"import sys,urllib.request;"
+             f"sys.exit(urllib.request.urlopen('{url}', timeout=30).status != 200)\"")
+    t0 = time.time()
+    while True:
+        if sh(c, probe, timeout=60).ok:
+            return
+        state = sh(c, f"systemctl is-active {t.service}.service").stdout.strip()
+        if state in ("failed", "inactive"):
+            log = sh(c, f"journalctl -u {t.service}.service -n 30 --no-pager").stdout
+            raise RemoteError(f"the server unit {t.service} is {state}:\n{log}\nfix it, then run fab extract again")
+        waited = time.time() - t0
+        if waited > timeout:
+            raise RemoteError(f"the server was not healthy after {timeout}s (journalctl -u {t.service}); "
+                              "raise --server-timeout if the model takes longer to load")
+        progress(f"waiting for {url} ({waited:.0f}s, unit {state})")
+        time.sleep(5)
+
+
+def unit_state(c: Any, unit: str) -> str:
+    return sh(c, f"systemctl show -p ActiveState --value {unit}.service").stdout.strip() or "unknown"
+
+
+def start_jobs(c: Any, t: Target, run: str, driver_args: list[str]) -> list[str]:
+    """Start the driver and (if shipping) the shipper units; leave running ones alone."""
+    drive, ship = units(run)
+    started = []
+    common = (f"--uid={t.service_user} --gid={t.service_user} --property=Restart=on-abnormal "
+              f"--property=RestartSec=5 --property=TimeoutStopSec=180 --property=KillMode=mixed "
+              f"--setenv=PYTHONUNBUFFERED=1 --working-directory={shlex.quote(t.state_dir(run))}")
+    jobs = [(drive, [t.bin("hs-extract"), "drive", "--run", run, "--server", f"http://127.0.0.1:{t.server_port}",
+                     "--capture-dir", t.dump_dir, "--state-dir", t.state_dir(run),
+                     "--samples-dir", t.samples_dir(run), *driver_args])]
+    if t.ship_enabled:
+        jobs.append((ship, [t.bin("python"), "-m", "hs_patch.shipper", "ship", "--samples-dir", t.samples_dir(run),
+                            "--state-dir", t.state_dir(run), "--dest", f"{t.storage_alias}:{t.storage_dir}/{run}",
+                            "--follow"]))
+    for unit, argv in jobs:
+        if unit_state(c, unit) in ("active", "activating", "reloading"):
+            continue
+        sh(c, f"systemctl reset-failed {unit}.service 2>/dev/null; systemctl stop {unit}.service 2>/dev/null")
+        cmd = f"systemd-run --unit={unit} --description='hs-patch {unit}' {common} -- " + shlex.join(argv)
+        sh(c, cmd, check=True)
+        started.append(unit)
+    return started
+
+
+# --------------------------------------------------------------------------- watching and stopping
+
+
+def snapshot(c: Any, t: Target, run: str) -> dict[str, Any]:
+    cmd = (f"{t.bin('python')} -m hs_patch.snapshot --run {run} --state-dir {shlex.quote(t.state_dir(run))} "
+           f"--samples-dir {shlex.quote(t.samples_dir(run))} --capture-dir {shlex.quote(t.dump_dir)} "
+           f"--service {t.service}")
+    r = sh(c, cmd, timeout=60)
+    if not r.ok:
+        raise RemoteError(f"cannot read the run's status on {t.host}: {r.stderr.strip()[-300:]}")
+    return json.loads(r.stdout)
+
+
+def latest_run(c: Any, t: Target) -> str | None:
+    r = sh(c, f"ls -t {shlex.quote(t.state_root)} 2>/dev/null | head -1")
+    return r.stdout.strip() or None
+
+
+def stop(c: Any, t: Target, run: str, *, server: bool = False) -> dict[str, str]:
+    """Stop the driver, then the shipper (each finishes what is in flight), optionally the server."""
+    drive, ship = units(run)
+    for unit in (drive, ship) + ((t.service,) if server else ()):
+        sh(c, f"systemctl stop {unit}.service", timeout=300)
+    return {u: unit_state(c, u) for u in (drive, ship)}
+
+
+def ship_now(c: Any, t: Target, run: str) -> tuple[int, str]:
+    """Drain shipping in the foreground (the follow unit is stopped first)."""
+    _, ship = units(run)
+    sh(c, f"systemctl stop {ship}.service")
+    cmd = (f"sudo -u {t.service_user} -H {t.bin('python')} -m hs_patch.shipper ship --samples-dir "
+           f"{shlex.quote(t.samples_dir(run))} --state-dir {shlex.quote(t.state_dir(run))} "
+           f"--dest {t.storage_alias}:{t.storage_dir}/{run}")
+    r = sh(c, cmd, timeout=None)
+    return r.exited, (r.stdout + r.stderr).strip()
