@@ -1,7 +1,7 @@
 """Back-pressure on the dump filesystems: pause sending above a high-water mark.
 
 The driver watches the filesystem of the capture dir and of the samples dir
-(``os.statvfs``: used = 1 - available / size, as ``df`` shows it). When any of them is
+(``os.statvfs``, the Use% of ``df``). When any of them is
 at or above ``high`` percent, new requests wait; they resume when all are below
 ``low`` percent (hysteresis, so the driver does not flap). Requests already at the
 server finish, so the overshoot is at most ``concurrency`` samples.
@@ -16,11 +16,11 @@ from typing import Any, Callable, Optional, Sequence
 
 
 def disk_usage(path: str) -> float:
-    """Percent of the filesystem of ``path`` in use (unavailable to unprivileged users counts as used)."""
+    """Percent of the filesystem of ``path`` in use, as ``df`` shows it: used / (used + available)."""
     st = os.statvfs(path)
-    if not st.f_blocks:
-        return 0.0
-    return 100.0 * (1.0 - st.f_bavail / st.f_blocks)
+    used = st.f_blocks - st.f_bfree
+    total = used + st.f_bavail
+    return 100.0 * used / total if total else 0.0
 
 
 class BackPressure:

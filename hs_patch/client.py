@@ -135,26 +135,3 @@ def _error_message(r: requests.Response) -> str:
         return str(body)[:300]
     except ValueError:
         return r.text[:300]
-
-
-def release_tuple(version: str) -> tuple[int, ...]:
-    """``"0.5.9"`` -> (0, 5, 9); unparseable parts end the tuple (``"0.5.10rc1"`` -> (0, 5, 10))."""
-    out = []
-    for part in str(version).split("."):
-        digits = ""
-        for ch in part:
-            if not ch.isdigit():
-                break
-            digits += ch
-        if not digits:
-            break
-        out.append(int(digits))
-        if digits != part:
-            break
-    return tuple(out)
-
-
-def has_request_ids(version: str) -> bool:
-    """SGLang >= 0.5.10 passes request ids to the forward batch, so the hook skips ``nocap-`` rids."""
-    v = release_tuple(version)
-    return len(v) >= 2 and v >= (0, 5, 10)

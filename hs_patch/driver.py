@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 from hs_patch import __version__, chat, dataset, runstate, store
 from hs_patch.backpressure import BackPressure, disk_usage
 from hs_patch.capture_dir import CaptureWatcher, RawTimeout
-from hs_patch.client import HEALTH_PROBE_IDS, ClientError, RetryPolicy, SGLangClient, has_request_ids
+from hs_patch.client import HEALTH_PROBE_IDS, ClientError, RetryPolicy, SGLangClient
 from hs_patch.finalize import FinalizeError, finalize
 from hs_patch.runstatus import RunStatus
 
@@ -138,7 +138,8 @@ class Driver:
             try:
                 d.mkdir(parents=True, exist_ok=True)
             except OSError as e:
-                raise runstate.RunError(f"cannot create {what} {d}: {e.strerror}; choose a writable directory") from None
+                raise runstate.RunError(f"cannot create {what} {d}: {e.strerror}; choose a writable "
+                                        "directory") from None
         dataset.check_sources(cfg.data)
         locks = [runstate.take_lock(self.state_dir / runstate.LOCK, f"run {cfg.run!r}"),
                  runstate.take_lock(self.capture_dir / CAPTURE_LOCK, f"capture dir {self.capture_dir}")]
