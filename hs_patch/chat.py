@@ -10,8 +10,10 @@ and the text up to its end is the template of the turns through it; when the ful
 rendering starts with those (templates that render a prefix of the conversation as a
 prefix of the text, most do) the span is everything in between: the answer and the
 end-of-turn token(s). Otherwise (templates that rewrite earlier turns, e.g. drop their
-reasoning) the span is the turn's content found in the rendered text, without the
-end-of-turn token. Characters map to tokens through the tokenizer's offsets (fast
+reasoning) the span is that turn as rendered (what follows the generation-prompt
+header in the rendering through it), or failing that the turn's bare content
+(without the end-of-turn token), found in the rendered text after the previous span; a
+turn found neither way is a reject (``mask_alignment``). Characters map to tokens through the tokenizer's offsets (fast
 tokenizers) or, for slow ones (Kimi's tiktoken tokenizer), by encoding the text up to
 each span boundary and checking that it is a prefix of the full encoding.
 """
@@ -56,15 +58,28 @@ def assistant_spans(tokenizer: Any, messages: list[dict[str, str]], full: str,
         through = render(tokenizer, messages[:i + 1], template_kwargs=template_kwargs)
         if full.startswith(through) and through.startswith(before) and cursor <= len(before) < len(through):
             span = (len(before), len(through))
-        else:
-            start = full.find(m["content"], cursor) if m["content"] else -1
-            if start < 0:
+        else:  # the turn as rendered (answer + end of turn), else its bare content, found in the text
+            span = None
+            for piece in (_rendered_turn(tokenizer, messages[:i], before, through, template_kwargs), m["content"]):
+                start = full.find(piece, cursor) if piece else -1
+                if start >= 0:
+                    span = (start, start + len(piece))
+                    break
+            if span is None:
                 raise Invalid("mask_alignment", f"assistant turn {i} is not found in the rendered chat template "
                                                 "text; the template changes it")
-            span = (start, start + len(m["content"]))
         spans.append(span)
         cursor = span[1]
     return spans
+
+
+def _rendered_turn(tokenizer: Any, history: list[dict[str, str]], before: str, through: str,
+                   template_kwargs: Optional[dict[str, Any]]) -> str:
+    """The last turn of ``through`` as rendered: what follows the last generation prompt header."""
+    plain = render(tokenizer, history, template_kwargs=template_kwargs)
+    header = before[len(plain):] if before.startswith(plain) else ""
+    at = through.rfind(header) if header else -1
+    return through[at + len(header):] if at >= 0 else ""
 
 
 def _mask_from_offsets(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:

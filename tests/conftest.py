@@ -55,3 +55,18 @@ def tiny_model():
             if name.endswith("e_score_correction_bias"):
                 p.normal_(0, 0.1)
     return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A served-model directory (config, bf16 weights, tokenizer with a chat template), built once."""
+    from tiny_model import make_tiny_model_dir
+
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
