@@ -141,9 +141,16 @@ class Driver:
                 raise runstate.RunError(f"cannot create {what} {d}: {e.strerror}; choose a writable "
                                         "directory") from None
         dataset.check_sources(cfg.data)
-        locks = [runstate.take_lock(self.state_dir / runstate.LOCK, f"run {cfg.run!r}"),
-                 runstate.take_lock(self.capture_dir / CAPTURE_LOCK, f"capture dir {self.capture_dir}")]
-        resumed = runstate.check_params(self.state_dir, cfg.identity())
+        locks: list[int] = []
+        try:
+            locks.append(runstate.take_lock(self.state_dir / runstate.LOCK, f"run {cfg.run!r}"))
+            locks.append(runstate.take_lock(self.capture_dir / CAPTURE_LOCK, f"capture dir {self.capture_dir}"))
+            return self._run_locked(runstate.check_params(self.state_dir, cfg.identity()))
+        finally:
+            for fd in locks:
+                os.close(fd)
+
+    def _run_locked(self, resumed: bool) -> Summary:
         self.ledger = runstate.Ledger(self.state_dir / runstate.LEDGER)
         self.rejects = dataset.RejectLog(self.state_dir / runstate.REJECTS)
         self.shipped = runstate.ShippedTail(self.state_dir / runstate.SHIPPED)
@@ -164,6 +171,8 @@ class Driver:
             raise
         finally:
             self.stop.set()
+            if ticker.is_alive():
+                ticker.join()
             if watcher is not None:
                 watcher.close()
             doc = self.status.snapshot()
@@ -179,8 +188,6 @@ class Driver:
             self.ledger.write("run_end", state=self.status.state, exit_code=self.exit_code,
                               message=self.status.message, samples=doc["samples"], tokens=doc["tokens"])
             self.ledger.close()
-            for fd in locks:
-                os.close(fd)
         return Summary(self.status.state, self.exit_code, self.status.message, doc)
 
     def _prepare(self, resumed: bool) -> None:

@@ -128,8 +128,9 @@ def load_done(samples_dir: Path, shipped_path: Path, *, workers: int = 4) -> Don
     samples_dir.mkdir(parents=True, exist_ok=True)
     tmp = samples_dir / store.TMPDIR
     if tmp.exists():
+        if any(tmp.iterdir()):
+            st.discarded.append(f"{tmp}: partial writes of an interrupted run")
         shutil.rmtree(tmp)
-        st.discarded.append(f"{tmp}: partial writes of an interrupted run")
     records = list(store.manifest_records(samples_dir))
     live: dict[str, dict[str, Any]] = {}
     for rec in records:

@@ -235,7 +235,11 @@ class Engine:
     # ------------------------------------------------------------------ decoding (greedy)
     def _decode(self) -> None:
         """Greedy decoding with the transformers model and its KV cache, one step per model_lock hold."""
+        import inspect
+
         eos = self.model.config.eos_token_id
+        # transformers renamed past_key_values to cache (5.x); take whichever this version has
+        cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         while True:
             req = self.decode_q.get()
             try:
@@ -243,8 +247,8 @@ class Engine:
                 step, past = torch.tensor([req.ids]), None
                 while len(out_ids) < req.max_new_tokens and (not out_ids or out_ids[-1] != eos):
                     with self.model_lock, torch.no_grad():
-                        out = self.model(input_ids=step, past_key_values=past, use_cache=True)
-                    past = out.past_key_values
+                        out = self.model(input_ids=step, use_cache=True, **{cache_arg: past})
+                    past = getattr(out, cache_arg)
                     out_ids.append(int(out.logits[0, -1].argmax()))
                     step = torch.tensor([[out_ids[-1]]])
                 self._answer(req, out_ids)
