@@ -149,13 +149,15 @@ def cmd_drive(a: argparse.Namespace) -> int:
               "(again to stop at once)", file=sys.stderr)
         driver.request_stop(f"stopped by {signal.Signals(signum).name}; run the same command to resume", EXIT_SIGNAL)
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         summary = driver.run()
     except (RunError, FileNotFoundError, ValueError, OSError, RuntimeError) as e:
         print(f"hs-extract drive: {e}", file=sys.stderr)
         return EXIT_ERROR
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     s = summary.status["samples"]
     print(json.dumps({"run": a.run, "state": summary.state, "exit_code": summary.exit_code,
                       "message": summary.message, "samples": s, "tokens": summary.status["tokens"],
