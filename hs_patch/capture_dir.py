@@ -76,11 +76,13 @@ class CaptureWatcher:
                     rec = json.loads(raw)
                 except ValueError:
                     continue  # a line torn by a crash of the writer
-                if rec.get("op") == "add":
+                if not isinstance(rec, dict) or not isinstance(rec.get("key"), str):
+                    continue  # not a record of the hook's writer
+                if rec.get("op") == "add" and "file" in rec:
                     self.seq += 1
                     self.live[rec["key"]] = dict(rec, _seq=self.seq)
                 elif rec.get("op") == "remove":
-                    self.live.pop(rec.get("key"), None)
+                    self.live.pop(rec["key"], None)
             self._cond.notify_all()
 
     def wait(self, key: str, after: int, timeout: float) -> dict[str, Any]:

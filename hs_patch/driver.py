@@ -161,10 +161,10 @@ class Driver:
             ticker.start()
             self._prepare(resumed)
             watcher = self.watcher = CaptureWatcher(self.capture_dir)
-            self._sweep(runstate.run_keys(self.state_dir / runstate.LEDGER), "leftover of an interrupted run")
+            self._sweep(self._own_raw_keys(), "leftover of an interrupted run")
             self.status.state = "running"
             self._feed()
-            self._sweep(runstate.run_keys(self.state_dir / runstate.LEDGER) | self.regen_keys, "end of run sweep")
+            self._sweep(self._own_raw_keys() | self.regen_keys, "end of run sweep")
         except Exception as e:
             self.status.state, self.status.message = "failed", str(e)
             self.ledger.write("run_failed", error=f"{type(e).__name__}: {e}")
@@ -227,6 +227,10 @@ class Driver:
                 self.status.write()
             except OSError:
                 pass  # a full or missing state dir: the next tick tries again
+
+    def _own_raw_keys(self) -> set[str]:
+        """Raw samples in the capture dir whose tokens this run sent (per its ledger)."""
+        return runstate.run_keys(self.state_dir / runstate.LEDGER, set(self.watcher.keys()))
 
     def _sweep(self, keys: set[str], reason: str) -> None:
         """Remove this run's raw samples (and SGLang's health-check probe) left in the capture dir."""

@@ -79,9 +79,12 @@ def add_drive_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--regenerate", action="store_true", help="generate each assistant turn with the served model "
                    "(normal decoding, rid nocap-..., not captured), then capture the whole conversation; "
                    "pre-tokenized lines are used as they are")
-    g.add_argument("--regen-max-new-tokens", type=int, default=2048, metavar="N", help="(default: %(default)s)")
-    g.add_argument("--regen-temperature", type=float, default=0.6, metavar="T", help="(default: %(default)s)")
-    g.add_argument("--regen-top-p", type=float, default=1.0, metavar="P", help="(default: %(default)s)")
+    g.add_argument("--regen-max-new-tokens", type=int, default=2048, metavar="N", help="longest generated turn "
+                   "(default: %(default)s)")
+    g.add_argument("--regen-temperature", type=float, default=0.6, metavar="T", help="sampling temperature of the "
+                   "generated turns; 0 is greedy (default: %(default)s)")
+    g.add_argument("--regen-top-p", type=float, default=1.0, metavar="P", help="nucleus sampling of the generated "
+                   "turns (default: %(default)s)")
     g = p.add_argument_group("requests and failures")
     g.add_argument("--concurrency", type=int, default=8, metavar="N", help="samples in flight at the server "
                    "(default: %(default)s)")
@@ -91,7 +94,8 @@ def add_drive_arguments(p: argparse.ArgumentParser) -> None:
                    "retry (default: %(default)s)")
     g.add_argument("--backoff-max", type=float, default=60.0, metavar="S", help="longest retry delay "
                    "(default: %(default)s)")
-    g.add_argument("--request-timeout", type=float, default=600.0, metavar="S", help="(default: %(default)s)")
+    g.add_argument("--request-timeout", type=float, default=600.0, metavar="S", help="longest wait for one "
+                   "/generate answer; then it is retried (default: %(default)s)")
     g.add_argument("--raw-timeout", type=float, default=120.0, metavar="S", help="how long to wait, after the "
                    "server answered, for its raw sample in --capture-dir (default: %(default)s)")
     g.add_argument("--max-consecutive-failures", type=int, default=20, metavar="N", help="stop cleanly after N "

@@ -21,6 +21,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -166,9 +167,21 @@ def load_done(samples_dir: Path, shipped_path: Path, *, workers: int = 4) -> Don
     return st
 
 
-def run_keys(ledger_path: Path) -> set[str]:
-    """Every token key this run sent to the server (captures and regeneration prompts)."""
-    return {r["key"] for r in read_jsonl(ledger_path) if r.get("event") in ("sent", "regen_turn") and "key" in r}
+_SENT_KEY = re.compile(rb'"event": "(?:sent|regen_turn)".*"key": "([0-9a-f]+)"')
+
+
+def run_keys(ledger_path: Path, among: set[str]) -> set[str]:
+    """The keys in ``among`` that this run sent to the server (captures and regeneration
+    prompts), found with one regular expression per ledger line (the ledger is long)."""
+    if not among or not ledger_path.exists():
+        return set()
+    found = set()
+    with open(ledger_path, "rb") as f:
+        for raw in f:
+            m = _SENT_KEY.search(raw)
+            if m and m.group(1).decode() in among:
+                found.add(m.group(1).decode())
+    return found
 
 
 class ShippedTail:
