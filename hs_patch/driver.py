@@ -392,6 +392,7 @@ class Driver:
         if not self.bp.wait(self.stop):
             return
         rid = self._rid("hs-", rec)
+        self.watcher.read_new()  # an earlier write of these tokens must count as before this request
         after = self.watcher.seq
         t0 = time.monotonic()
         self.ledger.write("sent", sample_id=rec.sample_id, key=key, rid=rid, tokens=len(ids),
