@@ -220,6 +220,27 @@ def write_sample(directory: str | os.PathLike, key: str, tensors: Sequence[Tenso
     return Written(key, final, len(header) + sum(t.nbytes for t in tensors), digest.hexdigest())
 
 
+def write_tensors(directory: str | os.PathLike, key: str, tensors: Mapping[str, "torch.Tensor"],
+                  metadata: Mapping[str, str], *, fsync: bool = False) -> Written:
+    """Write one sample from named CPU tensors (in the given order) with :func:`write_sample`."""
+    return write_sample(directory, key, [tensor_bytes(n, t.contiguous()) for n, t in tensors.items()],
+                        metadata, fsync=fsync)
+
+
+def verify_entry(directory: str | os.PathLike, entry: Mapping[str, Any]) -> str | None:
+    """None if the entry's file exists with the manifest's size and sha256, else what is wrong."""
+    path = Path(directory) / entry["file"]
+    try:
+        if path.stat().st_size != entry["bytes"]:
+            return f"{path}: size {path.stat().st_size}, manifest says {entry['bytes']} (truncated?)"
+        size, digest = file_sha256(path)
+    except OSError as e:
+        return f"{path}: {e.strerror or e}"
+    if digest != entry["sha256"]:
+        return f"{path}: sha256 {digest[:12]} differs from the manifest's {entry['sha256'][:12]}"
+    return None
+
+
 # --------------------------------------------------------------------------- manifest
 
 
@@ -276,10 +297,15 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     return records
 
 
+def manifest_records(directory: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every record of a directory's manifest in order (``add`` and ``remove``)."""
+    return read_jsonl(Path(directory) / MANIFEST)
+
+
 def read_manifest(directory: str | os.PathLike) -> dict[str, dict[str, Any]]:
     """The live entries by key (the last ``add`` of a key not removed after it)."""
     entries: dict[str, dict[str, Any]] = {}
-    for rec in read_jsonl(Path(directory) / MANIFEST):
+    for rec in manifest_records(directory):
         if rec.get("op") == "add":
             entries[rec["key"]] = rec
         elif rec.get("op") == "remove":

@@ -2,45 +2,20 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 
+import sglang_wheels
+
 ROOT = Path(__file__).resolve().parent.parent
-CACHE = Path(os.environ.get("HS_PATCH_TEST_CACHE", Path.home() / ".cache" / "hs-patch-tests"))
 SUPPORTED = ("0.5.9", "0.5.16", "0.5.23")
 UNSUPPORTED = "0.5.8"  # a real release the patch does not know
 
-# What the tests need from a wheel: the patched module, its neighbours, the version.
-_MEMBERS = ("sglang/__init__.py", "sglang/version.py", "sglang/srt/models/deepseek_v2.py",
-            "sglang/srt/models/kimi_k25.py", "sglang/srt/layers/aux_hidden_states.py")
-
-
-def sglang_wheel(version: str) -> Path:
-    """The real ``sglang==version`` wheel, downloaded once into the test cache."""
-    wheels = CACHE / "wheels"
-    found = sorted(wheels.glob(f"sglang-{version}-*.whl"))
-    if not found:
-        wheels.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                        "-q", "-d", str(wheels), f"sglang=={version}"], check=True)
-        found = sorted(wheels.glob(f"sglang-{version}-*.whl"))
-    assert found, f"pip download gave no sglang {version} wheel"
-    return found[0]
-
 
 def extract_site(version: str, dest: Path) -> Path:
-    """A minimal site-packages with the release's files (and dist-info for its version)."""
-    with zipfile.ZipFile(sglang_wheel(version)) as z:
-        for name in z.namelist():
-            if name in _MEMBERS or ".dist-info/" in name:
-                z.extract(name, dest)
-    return dest
+    return sglang_wheels.extract_site(sglang_wheels.sglang_wheel(version), dest)
 
 
 @pytest.fixture(scope="session")
@@ -80,3 +55,18 @@ def tiny_model():
             if name.endswith("e_score_correction_bias"):
                 p.normal_(0, 0.1)
     return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A served-model directory (config, bf16 weights, tokenizer with a chat template), built once."""
+    from tiny_model import make_tiny_model_dir
+
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir))

@@ -1,0 +1,228 @@
+"""Dataset input for the driver: read JSONL files, detect each line's format, validate.
+
+Three formats, detected per line (a file may mix them):
+
+- OpenAI ``messages``: ``{"messages": [{"role": "user", "content": "..."}, ...]}``; roles
+  ``system``, ``user``, ``assistant``, ``tool``; ``content`` a string or a list of
+  ``{"type": "text", "text": ...}`` parts.
+- ShareGPT ``conversations``: ``{"conversations": [{"from": "human", "value": "..."}, ...]}``;
+  ``from`` ``human``/``user``, ``gpt``/``assistant``/``chatgpt``, ``system``, ``tool``/``function``.
+- pre-tokenized ``input_ids``: ``{"input_ids": [int, ...], "loss_mask": [0|1, ...]}`` (the
+  mask is optional; without it every token counts).
+
+A line that is not one of these (not UTF-8, not JSON, not an object, no or several
+format fields, wrong field types, an empty conversation, no assistant turn, an unknown
+role) becomes a :class:`Reject` with its file, line number and reason; it never stops
+the run. A sample's id is ``<file name>:<line>`` (unique and stable for a given file);
+an ``id`` field of the record is kept as ``source_id``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional, Union
+
+ROLE_MAP = {"system": "system", "user": "user", "human": "user", "assistant": "assistant",
+            "gpt": "assistant", "chatgpt": "assistant", "tool": "tool", "function": "tool"}
+OPENAI_ROLES = ("system", "user", "assistant", "tool")
+FORMATS = ("messages", "conversations", "input_ids")
+
+
+@dataclass
+class Record:
+    """One valid sample of the dataset."""
+
+    sample_id: str                  # "<file name>:<line>"
+    source: str                     # file name
+    line: int                       # 1-based
+    format: str                     # messages | conversations | input_ids
+    messages: Optional[list[dict[str, str]]] = None   # normalized {"role", "content"}
+    input_ids: Optional[list[int]] = None
+    loss_mask: Optional[list[int]] = None
+    source_id: str = ""
+
+
+@dataclass
+class Reject:
+    source: str
+    line: int
+    reason: str
+    detail: str
+    sample_id: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sample_id = f"{self.source}:{self.line}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"t": round(time.time(), 3), "sample_id": self.sample_id, "source": self.source,
+                "line": self.line, "reason": self.reason, "detail": self.detail}
+
+
+class Invalid(ValueError):
+    """A record that cannot become a sample: ``reason`` is a short tag, str() says why."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
+def source_name(path: Union[str, os.PathLike]) -> str:
+    return Path(path).name
+
+
+def check_sources(paths: list[str]) -> None:
+    """Refuse missing files and two files with the same name (sample ids would collide)."""
+    seen: dict[str, str] = {}
+    for p in paths:
+        if not Path(p).is_file():
+            raise FileNotFoundError(f"dataset file {p} does not exist (give JSONL files with --data)")
+        name = source_name(p)
+        if name in seen:
+            raise ValueError(f"two dataset files are named {name!r} ({seen[name]} and {p}); sample ids are "
+                             "<file name>:<line>, so rename one of them")
+        seen[name] = p
+
+
+def count_lines(paths: list[str]) -> int:
+    """Non-blank lines of all files (the run's total before validation)."""
+    n = 0
+    for p in paths:
+        with open(p, "rb") as f:
+            n += sum(1 for raw in f if raw.strip())
+    return n
+
+
+def read(paths: list[str]) -> Iterator[Union[Record, Reject]]:
+    """Every non-blank line of every file, in order, as a Record or a Reject."""
+    for p in paths:
+        name = source_name(p)
+        with open(p, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                try:
+                    yield parse_line(raw, name, n)
+                except Invalid as e:
+                    yield Reject(name, n, e.reason, str(e))
+
+
+def parse_line(raw: bytes, source: str, line: int) -> Record:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise Invalid("not_utf8", f"byte {e.start} is not UTF-8 ({raw[e.start:e.start + 4]!r})") from None
+    try:
+        obj = json.loads(text)
+    except ValueError as e:
+        raise Invalid("bad_json", f"not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise Invalid("bad_json", f"a line must be a JSON object, got {type(obj).__name__}")
+    present = [k for k in FORMATS if k in obj]
+    if not present:
+        raise Invalid("unknown_format", f"no 'messages', 'conversations' or 'input_ids' field "
+                                        f"(fields: {sorted(obj)[:8]})")
+    if len(present) > 1:
+        raise Invalid("ambiguous_format", f"several format fields {present}; keep one")
+    fmt = present[0]
+    source_id = obj.get("id", "")
+    rec = Record(f"{source}:{line}", source, line, fmt,
+                 source_id=str(source_id) if isinstance(source_id, (str, int)) else "")
+    if fmt == "input_ids":
+        rec.input_ids, rec.loss_mask = _tokens(obj)
+    else:
+        rec.messages = _conversation(obj[fmt], fmt)
+    return rec
+
+
+def _tokens(obj: dict[str, Any]) -> tuple[list[int], Optional[list[int]]]:
+    ids = obj["input_ids"]
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise Invalid("bad_field", "input_ids must be a list of non-negative integers")
+    if not ids:
+        raise Invalid("empty", "input_ids is empty")
+    mask = obj.get("loss_mask")
+    if mask is None:
+        return ids, None
+    if not isinstance(mask, list) or not all(m in (0, 1) and not isinstance(m, float) for m in mask):
+        raise Invalid("bad_field", "loss_mask must be a list of 0/1")
+    if len(mask) != len(ids):
+        raise Invalid("bad_field", f"loss_mask has {len(mask)} entries for {len(ids)} input_ids")
+    if not any(mask):
+        raise Invalid("no_assistant_turn", "loss_mask has no 1: nothing to train on")
+    return ids, [int(m) for m in mask]
+
+
+def _content(value: Any, where: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(p, dict) for p in value):
+        texts = []
+        for part in value:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise Invalid("bad_field", f"{where}: only text content parts are supported, got "
+                                           f"type {part.get('type')!r}")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise Invalid("bad_field", f"{where}: content must be a string or a list of text parts")
+
+
+def _conversation(turns: Any, fmt: str) -> list[dict[str, str]]:
+    role_key, text_key = ("role", "content") if fmt == "messages" else ("from", "value")
+    if not isinstance(turns, list):
+        raise Invalid("bad_field", f"'{fmt}' must be a list of turns, got {type(turns).__name__}")
+    if not turns:
+        raise Invalid("empty", f"'{fmt}' is empty")
+    out = []
+    for i, turn in enumerate(turns):
+        where = f"{fmt}[{i}]"
+        if not isinstance(turn, dict):
+            raise Invalid("bad_field", f"{where} must be an object")
+        if role_key not in turn or text_key not in turn:
+            raise Invalid("bad_field", f"{where} needs '{role_key}' and '{text_key}'")
+        raw_role = turn[role_key]
+        allowed = OPENAI_ROLES if fmt == "messages" else tuple(ROLE_MAP)
+        if not isinstance(raw_role, str) or raw_role.lower() not in allowed:
+            raise Invalid("bad_role", f"{where}: role {raw_role!r} is not one of {', '.join(allowed)}")
+        out.append({"role": ROLE_MAP[raw_role.lower()], "content": _content(turn[text_key], where)})
+    if not any(t["role"] == "assistant" for t in out):
+        raise Invalid("no_assistant_turn", f"'{fmt}' has no assistant turn: nothing to train on")
+    return out
+
+
+class RejectLog:
+    """``rejects.jsonl``: one line per rejected (file, line), appended at most once across restarts."""
+
+    def __init__(self, path: Union[str, os.PathLike]):
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self.seen: set[tuple[str, int]] = set()
+        self.by_reason: dict[str, int] = {}
+        if self.path.exists():
+            for raw in self.path.read_bytes().splitlines():
+                try:
+                    rec = json.loads(raw)
+                except ValueError:
+                    continue  # a torn last line from a crash: the reject is written again
+                self._count((rec["source"], rec["line"]), rec["reason"])
+
+    def _count(self, where: tuple[str, int], reason: str) -> bool:
+        if where in self.seen:
+            return False
+        self.seen.add(where)
+        self.by_reason[reason] = self.by_reason.get(reason, 0) + 1
+        return True
+
+    def add(self, reject: Reject) -> None:
+        with self._lock:
+            if self._count((reject.source, reject.line), reject.reason):
+                with open(self.path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(reject.as_dict(), sort_keys=True) + "\n")
+
+    @property
+    def total(self) -> int:
+        return len(self.seen)

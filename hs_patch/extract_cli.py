@@ -1,0 +1,190 @@
+"""``hs-extract``: run an extraction on the GPU host, next to the capturing SGLang server.
+
+Subcommands: ``drive`` (feed a dataset through the server and finalize the samples).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from typing import Any, Optional
+
+from hs_patch import __version__
+
+DRIVE_DESCRIPTION = """\
+Feed a dataset through the local capturing SGLang server (HS_CAPTURE=1) and collect one
+final sample per conversation: the hidden states the server captured plus the loss mask
+(1 on assistant tokens) and provenance (sample id, source file, line, run).
+
+input (--data, JSONL, formats detected per line, may be mixed):
+  {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}]}   OpenAI
+  {"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", ...}]}     ShareGPT
+  {"input_ids": [1, 2, ...], "loss_mask": [0, 1, ...]}   pre-tokenized (mask optional: all 1)
+  Chats are rendered with the model's own chat template and tokenizer (--model) and sent
+  as input_ids to /generate (prefill only, max_new_tokens 1), so the server sees exactly
+  those tokens. A line that cannot become a sample (not UTF-8, bad JSON, wrong fields,
+  empty, no assistant turn, too long with --on-too-long skip, ...) goes to rejects.jsonl
+  with its file, line number and reason; it never stops the run.
+
+where files go:
+  --samples-dir   final samples <key>.safetensors + manifest.jsonl (what the shipper ships)
+  --state-dir     run.json (parameters), ledger.jsonl (every decision), rejects.jsonl,
+                  status.json (progress; --prometheus for a textfile too), lock
+  --capture-dir   the server's HS_CAPTURE_DIR: the driver picks up each raw sample there,
+                  finalizes it and deletes the raw file
+
+resume: run the same command again. Samples whose final file matches its manifest entry
+(size + sha256), or that the shipper recorded as verified (<state-dir>/shipped.jsonl),
+are skipped; everything else is redone; truncated or damaged files are discarded first.
+A restart with different parameters (data files, model, limits, regeneration) is refused.
+
+exit codes: 0 every sample done or rejected; 1 refused or error (nothing else runs);
+3 incomplete (failed or unsent samples: run again to resume); 4 stopped after
+--max-consecutive-failures; 130 stopped by SIGINT/SIGTERM (a second one kills at once)
+"""
+
+
+def add_drive_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``drive`` subcommand's options (defaults shown by --help)."""
+    g = p.add_argument_group("what to run")
+    g.add_argument("--run", required=True, metavar="NAME", help="run name: names the state and samples dirs; "
+                   "reuse it to resume")
+    g.add_argument("--data", required=True, nargs="+", metavar="FILE", help="JSONL dataset file(s); sample ids "
+                   "are <file name>:<line>, so file names must differ")
+    g.add_argument("--model", "--tokenizer", dest="model", required=True, metavar="DIR",
+                   help="the served model's directory (its tokenizer and chat template are used)")
+    g.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code "
+                   "(needed for Kimi-K2/K2.5's tiktoken tokenizer)")
+    g.add_argument("--chat-template-kwargs", default="{}", metavar="JSON", help="extra variables for the chat "
+                   "template, e.g. '{\"thinking\": false}' (default: %(default)s)")
+    g.add_argument("--limit", type=int, default=0, metavar="N", help="only the first N input lines (0: all; "
+                   "default: %(default)s)")
+    g = p.add_argument_group("where")
+    g.add_argument("--server", default="http://127.0.0.1:30000", metavar="URL", help="SGLang server "
+                   "(default: %(default)s)")
+    g.add_argument("--capture-dir", default="/dev/shm/hs_capture", metavar="DIR",
+                   help="the server's HS_CAPTURE_DIR, must be the same (default: %(default)s)")
+    g.add_argument("--state-dir", default="", metavar="DIR", help="run state (default: /var/lib/hs-patch/runs/NAME)")
+    g.add_argument("--samples-dir", default="", metavar="DIR", help="final samples (default: "
+                   "/dev/shm/hs-runs/NAME/samples)")
+    g = p.add_argument_group("length")
+    g.add_argument("--max-tokens", type=int, default=32768, metavar="N", help="longest sample in tokens "
+                   "(default: %(default)s)")
+    g.add_argument("--on-too-long", choices=("skip", "truncate"), default="skip",
+                   help="a longer sample is rejected (skip) or cut to --max-tokens (truncate) (default: %(default)s)")
+    g = p.add_argument_group("regeneration (the target model writes the assistant turns first)")
+    g.add_argument("--regenerate", action="store_true", help="generate each assistant turn with the served model "
+                   "(normal decoding, rid nocap-..., not captured), then capture the whole conversation; "
+                   "pre-tokenized lines are used as they are")
+    g.add_argument("--regen-max-new-tokens", type=int, default=2048, metavar="N", help="longest generated turn "
+                   "(default: %(default)s)")
+    g.add_argument("--regen-temperature", type=float, default=0.6, metavar="T", help="sampling temperature of the "
+                   "generated turns; 0 is greedy (default: %(default)s)")
+    g.add_argument("--regen-top-p", type=float, default=1.0, metavar="P", help="nucleus sampling of the generated "
+                   "turns (default: %(default)s)")
+    g = p.add_argument_group("requests and failures")
+    g.add_argument("--concurrency", type=int, default=8, metavar="N", help="samples in flight at the server "
+                   "(default: %(default)s)")
+    g.add_argument("--retries", type=int, default=6, metavar="N", help="retries of a request on connection "
+                   "errors, timeouts, 5xx and 429, with exponential backoff and jitter (default: %(default)s)")
+    g.add_argument("--backoff", type=float, default=1.0, metavar="S", help="first retry delay; doubles each "
+                   "retry (default: %(default)s)")
+    g.add_argument("--backoff-max", type=float, default=60.0, metavar="S", help="longest retry delay "
+                   "(default: %(default)s)")
+    g.add_argument("--request-timeout", type=float, default=600.0, metavar="S", help="longest wait for one "
+                   "/generate answer; then it is retried (default: %(default)s)")
+    g.add_argument("--raw-timeout", type=float, default=120.0, metavar="S", help="how long to wait, after the "
+                   "server answered, for its raw sample in --capture-dir (default: %(default)s)")
+    g.add_argument("--max-consecutive-failures", type=int, default=20, metavar="N", help="stop cleanly after N "
+                   "samples failed in a row (default: %(default)s)")
+    g.add_argument("--server-wait", type=float, default=600.0, metavar="S", help="wait this long at start for "
+                   "/health (default: %(default)s)")
+    g = p.add_argument_group("back-pressure and progress")
+    g.add_argument("--high-water", type=float, default=80.0, metavar="PCT", help="pause sending when the "
+                   "filesystem of --capture-dir or --samples-dir is this full (default: %(default)s)")
+    g.add_argument("--low-water", type=float, default=60.0, metavar="PCT", help="resume below this "
+                   "(default: %(default)s)")
+    g.add_argument("--status-interval", type=float, default=2.0, metavar="S", help="status.json refresh "
+                   "(default: %(default)s)")
+    g.add_argument("--prometheus", default="", metavar="FILE", help="also write the status as a Prometheus "
+                   "textfile (node_exporter textfile collector)")
+
+
+def drive_config(a: argparse.Namespace) -> Any:
+    from hs_patch.driver import DriveConfig
+
+    try:
+        kwargs = json.loads(a.chat_template_kwargs)
+    except ValueError as e:
+        raise SystemExit(f"--chat-template-kwargs is not JSON: {e}") from None
+    if not isinstance(kwargs, dict):
+        raise SystemExit("--chat-template-kwargs must be a JSON object")
+    for name in ("concurrency", "max_tokens", "max_consecutive_failures"):
+        if getattr(a, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    return DriveConfig(
+        run=a.run, data=a.data, model=a.model, server=a.server, capture_dir=a.capture_dir, state_dir=a.state_dir,
+        samples_dir=a.samples_dir, trust_remote_code=a.trust_remote_code, chat_template_kwargs=kwargs,
+        max_tokens=a.max_tokens, on_too_long=a.on_too_long, regenerate=a.regenerate,
+        regen_max_new_tokens=a.regen_max_new_tokens, regen_temperature=a.regen_temperature,
+        regen_top_p=a.regen_top_p, concurrency=a.concurrency, retries=a.retries, backoff=a.backoff,
+        backoff_max=a.backoff_max, request_timeout=a.request_timeout, raw_timeout=a.raw_timeout,
+        max_consecutive_failures=a.max_consecutive_failures, server_wait=a.server_wait, high_water=a.high_water,
+        low_water=a.low_water, status_interval=a.status_interval, prometheus=a.prometheus, limit=a.limit)
+
+
+def cmd_drive(a: argparse.Namespace) -> int:
+    from hs_patch.driver import EXIT_ERROR, EXIT_SIGNAL, Driver
+    from hs_patch.runstate import RunError
+
+    try:
+        driver = Driver(drive_config(a))
+    except RunError as e:
+        print(f"hs-extract drive: {e}", file=sys.stderr)
+        return EXIT_ERROR
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        if driver.stop.is_set():
+            raise KeyboardInterrupt  # second signal: stop now
+        print(f"hs-extract drive: {signal.Signals(signum).name}: finishing the samples in flight, then stopping "
+              "(again to stop at once)", file=sys.stderr)
+        driver.request_stop(f"stopped by {signal.Signals(signum).name}; run the same command to resume", EXIT_SIGNAL)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        summary = driver.run()
+    except (RunError, FileNotFoundError, ValueError, OSError, RuntimeError) as e:
+        print(f"hs-extract drive: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    s = summary.status["samples"]
+    print(json.dumps({"run": a.run, "state": summary.state, "exit_code": summary.exit_code,
+                      "message": summary.message, "samples": s, "tokens": summary.status["tokens"],
+                      "bytes_written": summary.status["bytes_written"]}, sort_keys=True))
+    return summary.exit_code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hs-extract", description="Run a hidden-state extraction on the GPU host.")
+    p.add_argument("--version", action="version", version=f"hs-extract {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    d = sub.add_parser("drive", help="feed a dataset through the capturing server; finalize samples",
+                       description=DRIVE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_drive_arguments(d)
+    d.set_defaults(func=cmd_drive)
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    a = build_parser().parse_args(argv)
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""A run's state on disk: parameters, lock, ledger, and what is already done (resume).
+
+Layout of ``--state-dir`` (default ``/var/lib/hs-patch/runs/<run>``):
+
+- ``run.json``      the run's identity parameters; a restart with different ones is refused
+- ``lock``          held (flock) while a driver works on the run
+- ``ledger.jsonl``  every decision, one JSON object a line: ``{"t", "event", ...}``
+- ``rejects.jsonl`` input lines that cannot become samples (file, line, reason)
+- ``status.json``   progress, rewritten every few seconds
+- ``shipped.jsonl`` written by the shipper: ``{"op": "shipped", "key", "sha256"}`` per sample
+  verified at the destination
+
+Done = a sample whose final file in the samples dir matches its manifest entry (size +
+sha256), or whose key and sha256 the shipper recorded as verified at the destination.
+Sample ids come from the samples dir's manifest (each final sample's ``add`` line carries
+its ``sample_id``), so a crash between writing a sample and writing the ledger loses nothing.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from hs_patch import store
+
+RUN_JSON, LEDGER, REJECTS, STATUS, SHIPPED, LOCK = (
+    "run.json", "ledger.jsonl", "rejects.jsonl", "status.json", "shipped.jsonl", "lock")
+
+
+class RunError(RuntimeError):
+    """The run cannot start as asked; the message says what to do."""
+
+
+class Ledger:
+    """Append-only ``ledger.jsonl``; thread-safe, one line per event, flushed at once."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._f = open(self.path, "a", encoding="utf-8")
+
+    def write(self, event: str, **fields: Any) -> None:
+        line = json.dumps({"t": round(time.time(), 3), "event": event, **fields}, sort_keys=True, default=str)
+        with self._lock:
+            self._f.write(line + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._f.close()
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Records of a JSON-lines file, skipping unreadable (torn) lines; [] if it does not exist."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    out = []
+    for raw in p.read_bytes().splitlines():
+        try:
+            rec = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+def take_lock(path: str | os.PathLike, what: str) -> int:
+    """An exclusive flock on ``path`` (kept until the process exits or the fd is closed)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = Path(path).read_text().strip() or "another process"
+        os.close(fd)
+        raise RunError(f"{what} is in use by {holder} ({path}); wait for it to finish or stop it first") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()}".encode())
+    return fd
+
+
+def check_params(state_dir: Path, params: Mapping[str, Any]) -> bool:
+    """Write run.json for a new run; for an existing one refuse different parameters.
+
+    Returns True if the run already existed (a resume).
+    """
+    path = state_dir / RUN_JSON
+    if path.exists():
+        old = json.loads(path.read_text())["params"]
+        diff = {k: (old.get(k), params.get(k)) for k in sorted(set(old) | set(params)) if old.get(k) != params.get(k)}
+        if diff:
+            lines = "\n".join(f"  {k}: was {a!r}, now {b!r}" for k, (a, b) in diff.items())
+            raise RunError(f"run {params['run']!r} already exists in {state_dir} with other parameters:\n{lines}\n"
+                           "Resume it with the same parameters, or start a new run with another --run NAME.")
+        return True
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"params": dict(params), "created": time.time()}, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+    return False
+
+
+@dataclass
+class DoneState:
+    by_id: dict[str, str] = field(default_factory=dict)    # sample_id -> key
+    by_key: dict[str, str] = field(default_factory=dict)   # key -> sample_id
+    live: int = 0          # verified in the samples dir
+    shipped: int = 0       # verified at the destination by the shipper
+    discarded: list[str] = field(default_factory=list)     # what was thrown away, and why
+
+
+def read_shipped(path: str | os.PathLike) -> dict[str, str]:
+    """key -> sha256 of the samples the shipper verified at the destination."""
+    return {r["key"]: r.get("sha256", "") for r in read_jsonl(path) if r.get("op") == "shipped" and "key" in r}
+
+
+def load_done(samples_dir: Path, shipped_path: Path, *, workers: int = 4) -> DoneState:
+    """What is complete and verified; damaged, unlisted and temporary files are removed."""
+    st = DoneState()
+    samples_dir.mkdir(parents=True, exist_ok=True)
+    tmp = samples_dir / store.TMPDIR
+    if tmp.exists():
+        if any(tmp.iterdir()):
+            st.discarded.append(f"{tmp}: partial writes of an interrupted run")
+        shutil.rmtree(tmp)
+    records = list(store.manifest_records(samples_dir))
+    live: dict[str, dict[str, Any]] = {}
+    for rec in records:
+        if rec.get("op") == "add":
+            live[rec["key"]] = rec
+        elif rec.get("op") == "remove":
+            live.pop(rec.get("key"), None)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        problems = dict(zip(live, pool.map(lambda e: store.verify_entry(samples_dir, e), live.values())))
+    manifest = store.Manifest(samples_dir)
+    for key, entry in live.items():
+        if problems[key] is None and entry.get("sample_id"):
+            st.by_id[entry["sample_id"]] = key
+            st.live += 1
+        elif problems[key] is not None:
+            (samples_dir / entry["file"]).unlink(missing_ok=True)
+            manifest.remove(key, reason="failed verification on resume", detail=problems[key])
+            st.discarded.append(problems[key])
+    listed = set(live)
+    for p in samples_dir.glob(f"*{store.SUFFIX}"):
+        if p.name[: -len(store.SUFFIX)] not in listed:
+            p.unlink()
+            st.discarded.append(f"{p}: no manifest entry (written by an interrupted run)")
+    shipped = read_shipped(shipped_path)
+    for rec in records:
+        key = rec.get("key")
+        if rec.get("op") == "add" and rec.get("sample_id") and key not in live and key in shipped \
+                and shipped[key] in ("", rec["sha256"]):
+            if rec["sample_id"] not in st.by_id:
+                st.shipped += 1
+            st.by_id[rec["sample_id"]] = key
+    st.by_key = {k: sid for sid, k in st.by_id.items()}
+    return st
+
+
+_SENT_KEY = re.compile(rb'"event": "(?:sent|regen_turn)".*"key": "([0-9a-f]+)"')
+
+
+def run_keys(ledger_path: Path, among: set[str]) -> set[str]:
+    """The keys in ``among`` that this run sent to the server (captures and regeneration
+    prompts), found with one regular expression per ledger line (the ledger is long)."""
+    if not among or not ledger_path.exists():
+        return set()
+    found = set()
+    with open(ledger_path, "rb") as f:
+        for raw in f:
+            m = _SENT_KEY.search(raw)
+            if m and m.group(1).decode() in among:
+                found.add(m.group(1).decode())
+    return found
+
+
+class ShippedTail:
+    """Counts the keys in ``shipped.jsonl`` as it grows (read incrementally)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.keys: set[str] = set()
+        self._offset = 0
+
+    def refresh(self) -> set[str]:
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return self.keys
+        if size < self._offset:
+            self.keys, self._offset = set(), 0
+        if size > self._offset:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read(size - self._offset)
+            complete = data[: data.rfind(b"\n") + 1]  # an incomplete last line is read next time
+            self._offset += len(complete)
+            for raw in complete.splitlines():
+                try:
+                    rec = json.loads(raw)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and rec.get("op") == "shipped" and "key" in rec:
+                    self.keys.add(rec["key"])
+        return self.keys

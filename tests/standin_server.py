@@ -1,0 +1,410 @@
+#!/usr/bin/env python3
+"""STAND-IN for a capturing SGLang server, for tests and benchmarks on hosts without a GPU.
+
+This is NOT SGLang. It speaks the subset of SGLang's native HTTP API that the driver
+uses, and produces samples through the SAME capture hook and sample store as the real
+patched server:
+
+- the model is a tiny random ``transformers`` DeepseekV3 from ``--model`` (see
+  tests/tiny_model.py);
+- every prefill pass runs the real patched ``DeepseekV2Model.forward`` of the chosen
+  SGLang release (taken from the release's wheel and patched by hs_patch) in
+  ``tests/sglang_sim.Sim``, with an ``hs_patch.hook.CaptureHook`` attached, so the files in
+  ``--capture-dir`` appear exactly as the real server writes them (writer threads,
+  ``<key>.safetensors``, ``manifest.jsonl``, ``hook_status.json``);
+- requests that arrive within ``--batch-window-ms`` are prefilled together, in passes of
+  at most ``--chunked-prefill-size`` tokens (a longer prompt continues in the next pass,
+  first, as SGLang's chunked prefill does), so batching and chunk reassembly are exercised;
+- request ids reach the forward batch on releases >= 0.5.10 (so ``nocap-`` rids are not
+  captured), not on 0.5.9 (so everything is), as in SGLang.
+
+Endpoints: ``POST /generate`` (``input_ids`` or ``text``, ``sampling_params``, ``rid``;
+answers ``text``, ``output_ids``, ``meta_info`` {id, finish_reason, prompt_tokens,
+completion_tokens, cached_tokens, e2e_latency}); decoding is greedy whatever the
+temperature (the transformers model with its KV cache); 400 with ``{"error": {"message"}}`` for bad input.
+``GET /health`` and ``/health_generate``: like SGLang, when idle they prefill ``input_ids
+[0]`` with a ``HEALTH_CHECK_`` rid (a capturing server writes it as a sample);
+``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0`` makes ``/health`` answer without it.
+``GET /get_server_info`` (and ``/server_info``): ``version`` (the release), ``disable_radix_cache:
+true``, ``chunked_prefill_size``, ``tp_size: 1``, ``context_length``, ``model_path``, ``standin: true``.
+
+Capture settings come from the same HS_CAPTURE_* variables as the real server
+(HS_CAPTURE_DIR is ``--capture-dir``; HS_CAPTURE_LAYERS defaults to 1,<mid>,<last>).
+Dependencies: torch, transformers, safetensors and the standard library.
+
+    python3 tests/standin_server.py --model DIR --port P --capture-dir D [--release 0.5.16]
+            [--chunked-prefill-size N] [--sglang-wheel PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import queue
+import signal
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Optional
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+
+import torch  # noqa: E402
+
+from hs_patch import config as capture_config  # noqa: E402
+from hs_patch import hook as capture_hook  # noqa: E402
+from hs_patch.releases import RELEASES, TARGET, apply_edits  # noqa: E402
+
+log = logging.getLogger("standin")
+RELEASE_DEFAULT = "0.5.16"
+
+
+@dataclass
+class Request:
+    rid: str
+    ids: list[int]
+    max_new_tokens: int
+    iid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    start: float = field(default_factory=time.time)
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Optional[dict[str, Any]] = None
+    error: Optional[str] = None
+
+
+class BadRequest(ValueError):
+    pass
+
+
+class Engine:
+    """Tokenizer, model, patched forward + capture hook, and a prefill scheduler thread."""
+
+    def __init__(self, model_dir: str, capture_dir: str, *, release: str = RELEASE_DEFAULT,
+                 wheel: Optional[str] = None, chunked_prefill_size: int = 8192, batch_window_ms: float = 5.0,
+                 context_length: Optional[int] = None):
+        from transformers import AutoTokenizer, DeepseekV3ForCausalLM
+
+        from sglang_sim import Sim, load_aux_module
+        from sglang_wheels import extract_site, sglang_wheel
+
+        if release not in RELEASES:
+            raise SystemExit(f"--release {release}: the patch supports {', '.join(RELEASES)}")
+        self.release, self.model_dir = release, str(model_dir)
+        self.chunk = chunked_prefill_size
+        self.window = batch_window_ms / 1000.0
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.model = DeepseekV3ForCausalLM.from_pretrained(self.model_dir, dtype=torch.bfloat16).eval()
+        cfg = self.model.config
+        self.context_length = context_length or int(cfg.max_position_embeddings)
+        self.vocab = int(cfg.vocab_size)
+        self._site = tempfile.TemporaryDirectory(prefix="standin-sglang-")
+        site = extract_site(Path(wheel) if wheel else sglang_wheel(release), Path(self._site.name))
+        source = apply_edits(RELEASES[release], (site / TARGET).read_text())
+        aux = load_aux_module(site) if release == "0.5.23" else None
+        n = cfg.num_hidden_layers
+        env = dict(os.environ, HS_CAPTURE="1", HS_CAPTURE_DIR=str(Path(capture_dir).resolve()))
+        env.setdefault("HS_CAPTURE_LAYERS", ",".join(map(str, sorted({1, n // 2, n - 1}))))
+        cap = capture_config.from_env(env)
+        cap.check_layers(n)
+        meta = {"sglang_release": f"{release} (stand-in)", "model_type": str(cfg.model_type),
+                "model": self.model_dir, "architecture": ",".join(cfg.architectures or []), "tp_size": "1"}
+        self.hook = capture_hook.CaptureHook(cap, hidden_size=int(cfg.hidden_size), metadata=meta)
+        self.capture = cap
+        self.refs: dict[str, Any] = {}
+        self.sim = Sim(release, source, self.model, self.refs, hook=self.hook, aux_module=aux)
+        self.incoming: "queue.Queue[Request]" = queue.Queue()
+        self.decode_q: "queue.Queue[Request]" = queue.Queue()
+        self.active = 0
+        self._lock = threading.Lock()
+        self.model_lock = threading.Lock()  # reference() hooks the model's layers: one forward at a time
+        self.passes = 0
+        for target, name in ((self._schedule, "standin-prefill"), (self._decode, "standin-decode")):
+            threading.Thread(target=target, name=name, daemon=True).start()
+
+    # ------------------------------------------------------------------ API
+    def submit(self, req: Request, timeout: float = 600.0) -> dict[str, Any]:
+        with self._lock:
+            self.active += 1
+        try:
+            self.incoming.put(req)
+            if not req.done.wait(timeout):
+                raise RuntimeError(f"request {req.rid} did not finish within {timeout:.0f}s")
+            if req.error is not None:
+                raise RuntimeError(req.error)
+            return req.result
+        finally:
+            with self._lock:
+                self.active -= 1
+
+    def idle(self) -> bool:
+        with self._lock:
+            return self.active == 0
+
+    def info(self) -> dict[str, Any]:
+        return {"version": self.release, "standin": True, "disable_radix_cache": True,
+                "chunked_prefill_size": self.chunk, "tp_size": 1, "dp_size": 1, "pp_size": 1,
+                "context_length": self.context_length, "model_path": self.model_dir,
+                "hs_capture_dir": self.capture.directory, "hs_capture_layers": list(self.capture.layers),
+                "passes": self.passes}
+
+    def close(self) -> None:
+        self.hook.close()
+        self._site.cleanup()
+
+    # ------------------------------------------------------------------ prefill scheduler
+    def _gather(self) -> list[Request]:
+        reqs = [self.incoming.get()]
+        deadline = time.monotonic() + self.window
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                reqs.append(self.incoming.get(timeout=left))
+            except queue.Empty:
+                break
+        return reqs
+
+    def _schedule(self) -> None:
+        from sglang_sim import reference
+
+        pending: list[list[Any]] = []   # [request, tokens prefilled so far]
+        while True:
+            if not pending:
+                pending.extend([r, 0] for r in self._gather())
+            else:
+                while True:
+                    try:
+                        pending.append([self.incoming.get_nowait(), 0])
+                    except queue.Empty:
+                        break
+            budget, parts, finished = self.chunk, [], []
+            while pending and budget > 0:
+                req, start = pending[0]
+                if req.iid not in self.refs:
+                    try:
+                        with self.model_lock, torch.no_grad():
+                            self.refs[req.iid] = reference(self.model, req.ids)
+                    except Exception as e:  # noqa: BLE001 - answered to the client
+                        self._fail(req, e)
+                        pending.pop(0)
+                        continue
+                n = min(len(req.ids) - start, budget)
+                parts.append((req, start, n))
+                budget -= n
+                if start + n == len(req.ids):
+                    finished.append(pending.pop(0)[0])
+                else:
+                    pending[0][1] = start + n
+            if parts and not self._pass(parts, finished):  # a failed pass fails all its requests
+                failed = {r.iid for r, _, _ in parts}
+                pending[:] = [p for p in pending if p[0].iid not in failed]
+
+    def _pass(self, parts: list[tuple[Request, int, int]], finished: list[Request]) -> bool:
+        from sglang_sim import ForwardBatch, ForwardMode, Part
+
+        sim_parts = [Part(r.iid, s, n) for r, s, n in parts]
+        ids = torch.cat([self.refs[r.iid].ids[s:s + n] for r, s, n in parts])
+        rids = None if self.release == "0.5.9" else [r.rid for r, _, _ in parts]
+        fb = ForwardBatch(ForwardMode("EXTEND"), ids, [n for _, _, n in parts], [s for _, s, _ in parts],
+                          sim_parts, rids=rids)
+        try:
+            with torch.no_grad():
+                self.sim.forward(fb)
+        except Exception as e:  # noqa: BLE001 - e.g. the capture writer failed: every request in the pass fails
+            log.error("prefill pass failed: %s", e)
+            for r, _, _ in parts:
+                self._fail(r, e)
+                self.refs.pop(r.iid, None)
+            return False
+        self.passes += 1
+        for req in finished:
+            ref = self.refs.pop(req.iid)
+            with torch.no_grad():
+                first = int(self.model.lm_head(ref.post_norm[-1:]).argmax(-1))
+            if req.max_new_tokens <= 1 or first == self.model.config.eos_token_id:
+                self._answer(req, [first])
+            else:
+                self.decode_q.put(req)
+        return True
+
+    # ------------------------------------------------------------------ decoding (greedy)
+    def _decode(self) -> None:
+        """Greedy decoding with the transformers model and its KV cache, one step per model_lock hold."""
+        import inspect
+
+        eos = self.model.config.eos_token_id
+        # transformers renamed past_key_values to cache (5.x); take whichever this version has
+        cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        while True:
+            req = self.decode_q.get()
+            try:
+                out_ids: list[int] = []
+                step, past = torch.tensor([req.ids]), None
+                while len(out_ids) < req.max_new_tokens and (not out_ids or out_ids[-1] != eos):
+                    with self.model_lock, torch.no_grad():
+                        out = self.model(input_ids=step, use_cache=True, **{cache_arg: past})
+                    past = getattr(out, cache_arg)
+                    out_ids.append(int(out.logits[0, -1].argmax()))
+                    step = torch.tensor([[out_ids[-1]]])
+                self._answer(req, out_ids)
+            except Exception as e:  # noqa: BLE001
+                self._fail(req, e)
+
+    def _answer(self, req: Request, out_ids: list[int]) -> None:
+        eos = self.model.config.eos_token_id
+        if out_ids and out_ids[-1] == eos:
+            finish = {"type": "stop", "matched": eos}
+        else:
+            finish = {"type": "length", "length": len(out_ids)}
+        req.result = {"text": self.tokenizer.decode(out_ids, skip_special_tokens=True), "output_ids": out_ids,
+                      "meta_info": {"id": req.rid, "finish_reason": finish, "prompt_tokens": len(req.ids),
+                                    "completion_tokens": len(out_ids), "cached_tokens": 0,
+                                    "e2e_latency": round(time.time() - req.start, 4)}}
+        req.done.set()
+
+    def _fail(self, req: Request, e: BaseException) -> None:
+        req.error = f"{type(e).__name__}: {e}"
+        req.done.set()
+
+    # ------------------------------------------------------------------ request parsing (as SGLang checks it)
+    def parse(self, body: Any) -> Request:
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        if body.get("stream"):
+            raise BadRequest("streaming is not supported by the stand-in server")
+        ids = body.get("input_ids")
+        if ids is None and isinstance(body.get("text"), str):
+            ids = self.tokenizer(body["text"], add_special_tokens=False)["input_ids"]
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+            raise BadRequest("give input_ids as a non-empty list of token ids (batched requests are not supported)")
+        if any(t < 0 or t >= self.vocab for t in ids):
+            raise BadRequest(f"token id out of range [0, {self.vocab})")
+        params = body.get("sampling_params") or {}
+        max_new = int(params.get("max_new_tokens", 128))
+        if len(ids) >= self.context_length:
+            raise BadRequest(f"The input ({len(ids)} tokens) is longer than the model's context length "
+                             f"({self.context_length} tokens).")
+        max_new = max(1, min(max_new, self.context_length - len(ids)))
+        rid = body.get("rid") or uuid.uuid4().hex
+        return Request(str(rid), list(ids), max_new)
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    engine: Engine
+
+    def log_message(self, fmt: str, *args: Any) -> None:
+        log.debug("%s " + fmt, self.address_string(), *args)
+
+    def _send(self, code: int, body: Any = None) -> None:
+        data = b"" if body is None else json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:  # noqa: N802
+        if self.path in ("/get_server_info", "/server_info"):
+            self._send(200, self.engine.info())
+        elif self.path in ("/health", "/health_generate"):
+            generate = self.path == "/health_generate" or os.environ.get(
+                "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "1").lower() not in ("0", "false")
+            if not generate or not self.engine.idle():
+                self._send(200)
+                return
+            try:
+                self.engine.submit(Request(f"HEALTH_CHECK_{uuid.uuid4().hex}", [0], 1), timeout=20)
+                self._send(200)
+            except RuntimeError:
+                self._send(503)
+        else:
+            self._send(404, {"detail": "Not Found"})
+
+    def do_POST(self) -> None:  # noqa: N802
+        if self.path != "/generate":
+            self._send(404, {"detail": "Not Found"})
+            return
+        try:
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null")
+            req = self.engine.parse(body)
+        except (ValueError, BadRequest) as e:
+            self._send(400, {"error": {"message": str(e)}})
+            return
+        try:
+            self._send(200, self.engine.submit(req))
+        except RuntimeError as e:
+            self._send(500, {"error": {"message": str(e)}})
+
+
+class StandinServer:
+    """The stand-in, started in this process (tests) or by :func:`main`."""
+
+    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0):
+        self.engine = engine
+        handler = type("BoundHandler", (Handler,), {"engine": engine})
+        handler_server = type("StandinHTTPServer", (ThreadingHTTPServer,), {"request_queue_size": 128})
+        self.httpd = handler_server((host, port), handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.url = f"http://{host}:{self.port}"
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> "StandinServer":
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="standin-http", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.engine.close()
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="model directory (tests/tiny_model.py writes one)")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--capture-dir", required=True, help="where the hook writes samples (HS_CAPTURE_DIR)")
+    ap.add_argument("--release", default=RELEASE_DEFAULT, choices=list(RELEASES),
+                    help="SGLang release whose patched forward runs (default: %(default)s)")
+    ap.add_argument("--sglang-wheel", help="that release's wheel (default: downloaded once into "
+                    "$HS_PATCH_TEST_CACHE/wheels, ~/.cache/hs-patch-tests/wheels)")
+    ap.add_argument("--chunked-prefill-size", type=int, default=8192, help="token budget of one prefill pass "
+                    "(default: %(default)s)")
+    ap.add_argument("--batch-window-ms", type=float, default=5.0, help="requests arriving within this window are "
+                    "prefilled together (default: %(default)s)")
+    ap.add_argument("--context-length", type=int, help="default: the model's max_position_embeddings")
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: %(default)s)")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s standin %(levelname)s %(message)s")
+    torch.set_num_threads(a.threads)
+    engine = Engine(a.model, a.capture_dir, release=a.release, wheel=a.sglang_wheel,
+                    chunked_prefill_size=a.chunked_prefill_size, batch_window_ms=a.batch_window_ms,
+                    context_length=a.context_length)
+    server = StandinServer(engine, a.host, a.port)
+    log.warning("STAND-IN server, NOT SGLang: patched forward of SGLang %s on a tiny transformers model, "
+                "capturing layers %s into %s; listening on %s", a.release, list(engine.capture.layers),
+                engine.capture.directory, server.url)
+
+    def on_term(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        server.httpd.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.httpd.server_close()
+        engine.close()  # drain the capture writer, as the real server does at exit
+
+
+if __name__ == "__main__":
+    main()

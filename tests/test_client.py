@@ -1,0 +1,84 @@
+"""The SGLang client: retries with backoff on transient errors, none on refusals."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from hs_patch.client import ClientError, RetryPolicy, ServerRejected, SGLangClient
+
+
+class Flaky(BaseHTTPRequestHandler):
+    """Answers /generate with the statuses queued in ``plan``, then 200."""
+
+    plan: list[int] = []
+    seen: list[dict] = []
+
+    def log_message(self, *a):
+        pass
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        Flaky.seen.append(body)
+        status = Flaky.plan.pop(0) if Flaky.plan else 200
+        out = {"text": "x", "output_ids": [1], "meta_info": {"id": body["rid"]}} if status == 200 else \
+            {"error": {"message": f"status {status}"}}
+        data = json.dumps(out).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture
+def flaky():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Flaky)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    Flaky.plan, Flaky.seen = [], []
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_transient_errors_are_retried_and_reported(flaky):
+    retries = []
+    c = SGLangClient(flaky, policy=RetryPolicy(retries=3, backoff=0.01, backoff_max=0.02), on_retry=retries.append)
+    Flaky.plan = [503, 500]
+    out = c.generate([1, 2, 3], {"max_new_tokens": 1}, "rid-1", context={"sample_id": "s:1"})
+    assert out["meta_info"]["id"] == "rid-1"
+    assert [r["attempt"] for r in retries] == [1, 2] and "HTTP 503" in retries[0]["error"]
+    assert retries[0]["sample_id"] == "s:1"
+    assert Flaky.seen[0] == {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}, "rid": "rid-1",
+                             "stream": False}
+
+
+def test_refusals_are_not_retried(flaky):
+    c = SGLangClient(flaky, policy=RetryPolicy(retries=3, backoff=0.01))
+    Flaky.plan = [400]
+    with pytest.raises(ServerRejected, match="HTTP 400: status 400"):
+        c.generate([1], {}, "r")
+    assert len(Flaky.seen) == 1
+
+
+def test_unreachable_server_gives_up_after_the_retries():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    retries = []
+    c = SGLangClient(f"http://127.0.0.1:{port}", policy=RetryPolicy(retries=2, backoff=0.01), on_retry=retries.append)
+    with pytest.raises(ClientError, match="after 3 attempt"):
+        c.generate([1], {}, "r")
+    assert len(retries) == 2 and not c.health()
+    with pytest.raises(ClientError, match="not healthy"):
+        c.wait_healthy(0.1, poll=0.05)
+
+
+def test_backoff_doubles_with_jitter_and_a_cap():
+    p = RetryPolicy(retries=10, backoff=1.0, backoff_max=5.0)
+    for attempt, full in ((1, 1.0), (2, 2.0), (3, 4.0), (4, 5.0), (9, 5.0)):
+        d = p.delay(attempt)
+        assert full * 0.5 <= d <= full

@@ -1,0 +1,43 @@
+"""The hs-extract command line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hs_patch import extract_cli
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_drive_help_answers_the_questions():
+    out = subprocess.run([sys.executable, "-m", "hs_patch.extract_cli", "drive", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    for needle in ("resume: run the same command again", "rejects.jsonl", "ledger.jsonl", "status.json",
+                   "/var/lib/hs-patch/runs/NAME", "/dev/shm/hs-runs/NAME/samples", "HS_CAPTURE_DIR",
+                   "(default: http://127.0.0.1:30000)", "--high-water PCT", "(default: 80.0)", "exit codes:"):
+        assert needle in out, needle
+
+
+def test_drive_options_map_to_the_config(tmp_path):
+    a = extract_cli.build_parser().parse_args(
+        ["drive", "--run", "r", "--data", "a.jsonl", "b.jsonl", "--tokenizer", "/m", "--regenerate",
+         "--chat-template-kwargs", '{"thinking": false}', "--on-too-long", "truncate", "--concurrency", "3"])
+    cfg = extract_cli.drive_config(a)
+    assert (cfg.model, cfg.data, cfg.regenerate, cfg.on_too_long, cfg.concurrency) == (
+        "/m", ["a.jsonl", "b.jsonl"], True, "truncate", 3)
+    assert cfg.chat_template_kwargs == {"thinking": False}
+    assert (cfg.state_dir, cfg.samples_dir) == ("/var/lib/hs-patch/runs/r", "/dev/shm/hs-runs/r/samples")
+    a.chat_template_kwargs = "{nope"
+    with pytest.raises(SystemExit, match="not JSON"):
+        extract_cli.drive_config(a)
+
+
+def test_refused_run_exits_1_with_the_reason(tmp_path, tiny_model_dir, capsys):
+    rc = extract_cli.main(["drive", "--run", "r", "--data", str(tmp_path / "missing.jsonl"), "--model",
+                           str(tiny_model_dir), "--state-dir", str(tmp_path / "s"), "--samples-dir",
+                           str(tmp_path / "d"), "--capture-dir", str(tmp_path / "c")])
+    assert rc == 1 and "missing.jsonl does not exist" in capsys.readouterr().err
