@@ -156,6 +156,7 @@ class Driver:
         self.shipped = runstate.ShippedTail(self.state_dir / runstate.SHIPPED)
         ticker = threading.Thread(target=self._tick, name="hs-status", daemon=True)
         watcher = None
+        (self.state_dir / runstate.DONE).unlink(missing_ok=True)  # a shipper following us must wait
         try:
             self.status.write()
             ticker.start()
@@ -188,6 +189,8 @@ class Driver:
             self.ledger.write("run_end", state=self.status.state, exit_code=self.exit_code,
                               message=self.status.message, samples=doc["samples"], tokens=doc["tokens"])
             self.ledger.close()
+            if self.status.state == "finished":  # tells `hs-extract ship --follow` nothing more will come
+                (self.state_dir / runstate.DONE).touch()
         return Summary(self.status.state, self.exit_code, self.status.message, doc)
 
     def _prepare(self, resumed: bool) -> None:

@@ -1,6 +1,8 @@
 """``hs-extract``: run an extraction on the GPU host, next to the capturing SGLang server.
 
-Subcommands: ``drive`` (feed a dataset through the server and finalize the samples).
+Subcommands: ``drive`` (feed a dataset through the server and finalize the samples),
+``ship`` (move finished samples to training storage, verified), ``snapshot`` (one JSON
+view of a run, for the dashboard).
 """
 
 from __future__ import annotations
@@ -177,6 +179,17 @@ def build_parser() -> argparse.ArgumentParser:
                        description=DRIVE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_drive_arguments(d)
     d.set_defaults(func=cmd_drive)
+    from hs_patch import shipper, snapshot
+
+    s = sub.add_parser("ship", help="ship finished samples to training storage, verified there, then delete "
+                       "them here", description=shipper.DESCRIPTION, epilog=shipper.EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    shipper.add_arguments(s)
+    s.set_defaults(func=shipper.run_args)
+    n = sub.add_parser("snapshot", help="print one JSON snapshot of a run (what fab's dashboard shows)",
+                       description=snapshot.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    snapshot.add_arguments(n)
+    n.set_defaults(func=snapshot.run_args)
     return p
 
 

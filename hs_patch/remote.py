@@ -191,7 +191,7 @@ def start_jobs(c: Any, t: Target, run: str, driver_args: list[str]) -> list[str]
                      "--capture-dir", t.dump_dir, "--state-dir", t.state_dir(run),
                      "--samples-dir", t.samples_dir(run), *driver_args])]
     if t.ship_enabled:
-        jobs.append((ship, [t.bin("python"), "-m", "hs_patch.shipper", "ship", "--samples-dir", t.samples_dir(run),
+        jobs.append((ship, [t.bin("hs-extract"), "ship", "--samples-dir", t.samples_dir(run),
                             "--state-dir", t.state_dir(run), "--dest", f"{t.storage_alias}:{t.storage_dir}/{run}",
                             "--follow"]))
     for unit, argv in jobs:
@@ -208,7 +208,7 @@ def start_jobs(c: Any, t: Target, run: str, driver_args: list[str]) -> list[str]
 
 
 def snapshot(c: Any, t: Target, run: str) -> dict[str, Any]:
-    cmd = (f"{t.bin('python')} -m hs_patch.snapshot --run {run} --state-dir {shlex.quote(t.state_dir(run))} "
+    cmd = (f"{t.bin('hs-extract')} snapshot --run {run} --state-dir {shlex.quote(t.state_dir(run))} "
            f"--samples-dir {shlex.quote(t.samples_dir(run))} --capture-dir {shlex.quote(t.dump_dir)} "
            f"--service {t.service}")
     r = sh(c, cmd, timeout=60)
@@ -234,7 +234,7 @@ def ship_now(c: Any, t: Target, run: str) -> tuple[int, str]:
     """Drain shipping in the foreground (the follow unit is stopped first)."""
     _, ship = units(run)
     sh(c, f"systemctl stop {ship}.service")
-    cmd = (f"sudo -u {t.service_user} -H {t.bin('python')} -m hs_patch.shipper ship --samples-dir "
+    cmd = (f"sudo -u {t.service_user} -H {t.bin('hs-extract')} ship --samples-dir "
            f"{shlex.quote(t.samples_dir(run))} --state-dir {shlex.quote(t.state_dir(run))} "
            f"--dest {t.storage_alias}:{t.storage_dir}/{run}")
     r = sh(c, cmd, timeout=None)

@@ -34,6 +34,9 @@ from hs_patch import store
 
 RUN_JSON, LEDGER, REJECTS, STATUS, SHIPPED, LOCK = (
     "run.json", "ledger.jsonl", "rejects.jsonl", "status.json", "shipped.jsonl", "lock")
+# Written by the driver when it has finished a pass over the data (nothing more will come
+# this time), removed when a driver starts; ``hs-extract ship --follow`` stops on it.
+DONE = "driver.done"
 
 
 class RunError(RuntimeError):

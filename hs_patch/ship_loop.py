@@ -19,9 +19,10 @@ from typing import Any
 from hs_patch import store
 from hs_patch.ship_link import RSYNC_PER_FILE, Commit, Dest, Link, LinkError, SshOptions
 
-SHIPPED_LOG = "shipped.jsonl"
+from hs_patch.runstate import DONE as DONE_MARKER  # noqa: E402
+from hs_patch.runstate import SHIPPED as SHIPPED_LOG  # noqa: E402
+
 STATUS_FILE = "shipper_status.json"
-DONE_MARKER = "driver.done"
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNVERIFIED = 0, 1, 2, 3
 MAX_LINK_FAILURES = 5  # consecutive failed batches (rsync or ssh) before giving up
 

@@ -1,6 +1,6 @@
 """One JSON snapshot of an extraction run, taken on the GPU host for the dashboard.
 
-``python -m hs_patch.snapshot --run NAME --state-dir D --samples-dir S --capture-dir C``
+``hs-extract snapshot --run NAME --state-dir D --samples-dir S --capture-dir C``
 prints the driver's ``status.json``, the shipper's ``shipper_status.json``, the hook's
 ``hook_status.json``, the state of the run's systemd units and of the server unit, the
 filesystem usage of the dump and samples directories, per-GPU utilisation and memory
@@ -110,17 +110,24 @@ def take(run: str, state_dir: str, samples_dir: str, capture_dir: str, service: 
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hs_patch.snapshot", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--run", required=True)
     ap.add_argument("--state-dir", required=True)
     ap.add_argument("--samples-dir", required=True)
     ap.add_argument("--capture-dir", required=True)
-    ap.add_argument("--service", default="sglang")
-    a = ap.parse_args(argv)
+    ap.add_argument("--service", default="sglang", help="the SGLang server's systemd unit")
+
+
+def run_args(a: argparse.Namespace) -> int:
     print(json.dumps(take(a.run, a.state_dir, a.samples_dir, a.capture_dir, a.service)))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hs_patch.snapshot", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    return run_args(ap.parse_args(argv))
 
 
 if __name__ == "__main__":
