@@ -166,6 +166,9 @@ class Driver:
             self.status.state = "running"
             self._feed()
             self._sweep(self._own_raw_keys() | self.regen_keys, "end of run sweep")
+            # the capture dir is this driver's alone (locked): whatever is left was not asked for by
+            # this run (SGLang's warm-up request, another client, a first chunk the server dropped)
+            self._sweep(set(self.watcher.keys()), "not requested by this run")
         except Exception as e:
             self.status.state, self.status.message = "failed", str(e)
             self.ledger.write("run_failed", error=f"{type(e).__name__}: {e}")

@@ -51,7 +51,14 @@ def drive(standin: StandinServer, model_dir: Path, tmp_path: Path, data: list[Pa
 
 def test_example_dataset_end_to_end_then_resume(standin, tiny_model_dir, tiny_tokenizer, tmp_path):
     prom = tmp_path / "hs.prom"
+    # a raw sample nobody in this run asked for (SGLang's warm-up request, another client)
+    foreign = torch.tensor([7, 7, 7], dtype=torch.int64)
+    capture = Path(standin.engine.capture.directory)
+    w = store.write_sample(capture, store.sample_key(foreign), [store.tensor_bytes("input_ids", foreign)],
+                           {"format": store.FORMAT})
+    store.Manifest(capture).add(w)
     summary = drive(standin, tiny_model_dir, tmp_path, [EXAMPLE], prometheus=str(prom))
+    assert not w.path.exists(), "the end-of-run sweep removes raw samples the run did not ask for"
     s = summary.status["samples"]
     assert summary.exit_code == EXIT_OK and summary.state == "finished"
     assert (s["done"], s["rejected"], s["duplicates"], s["failed"], s["remaining"], s["total"]) == (19, 12, 1, 0, 0, 32)
