@@ -351,7 +351,9 @@ class Lab:
             "key": state.get("key"),
             "known_hosts": state.get("known_hosts"),
             "gateway": state.get("gateway"),
-            "hosts": [{"name": h["name"], "address": h["address"], "user": "root", "port": 22}
+            # Each host entry is also a molecule instance-config entry.
+            "hosts": [{"name": h["name"], "instance": h["name"], "address": h["address"], "user": "root",
+                       "port": 22, "identity_file": state.get("key")}
                       for h in state.get("hosts", [])],
         }
 
