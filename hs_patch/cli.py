@@ -1,0 +1,149 @@
+"""``hs-patch``: apply / verify / revert / status of the capture patch, and sample inspection."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from hs_patch import __version__, config, patcher
+from hs_patch.releases import DEFAULT_RELEASE, RELEASES
+from hs_patch.server_checks import REQUIRED_FLAGS
+
+EXIT_OK, EXIT_ERROR, EXIT_REFUSED, EXIT_VERIFY = 0, 1, 2, 3
+
+DESCRIPTION = f"""\
+Patch an installed SGLang so that its DeepseekV2/V3 model (Kimi-K2.5, DeepSeek-V3) dumps
+the hidden states it computes during prefill, for EAGLE-3 drafter training.
+
+Supported SGLang releases: {", ".join(RELEASES)} (default pin {DEFAULT_RELEASE}); each is
+recognised by the sha256 of its deepseek_v2.py. Anything else is refused unchanged.
+
+exit codes: 0 ok, 1 error, 2 refused (nothing written), 3 verify failed
+"""
+
+CAPTURE_HELP = """\
+capture is configured by environment variables of the SGLang server (read once at start):
+  HS_CAPTURE=1                 turn capture on (unset: the server behaves as if unpatched)
+  HS_CAPTURE_DIR=/dev/shm/hs_capture
+  HS_CAPTURE_LAYERS=2,30,58,60 residual stream ENTERING each layer (= output of layer i-1)
+  HS_CAPTURE_FINAL=pre         last layer's output: pre | post (final norm) | both | none
+  more: HS_CAPTURE_SLOTS, _SLOT_TOKENS, _WRITERS, _STALL_SECONDS, _SKIP_RID_PREFIX, _RANK
+  (see the README). Server flags it needs: --disable-radix-cache, and on 0.5.16+
+  --disable-prefill-cuda-graph.
+"""
+
+
+def _site_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--site", metavar="DIR", help="directory that contains sglang/ (default: where this Python "
+                   "finds sglang, without importing it)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (for Ansible changed_when)")
+
+
+def _status(site: str | None) -> dict[str, Any]:
+    t = patcher.inspect_target(site)
+    try:
+        capture: dict[str, Any] = config.from_env().as_dict()
+    except config.ConfigError as e:
+        capture = {"error": str(e)}
+    release = t.release.version if t.release else None
+    return {"action": "status", "release": release, "installed_version": t.installed_version,
+            "state": t.state, "site": str(t.site), "files": [t.describe()],
+            "backup": str(t.backup) if t.backup.exists() else None, "capture": capture,
+            "required_server_flags": REQUIRED_FLAGS.get(release or "", []),
+            "message": f"SGLang {release or t.installed_version or '?'}: {t.state}"}
+
+
+def _inspect(path: str, deep: bool) -> dict[str, Any]:
+    try:
+        from hs_patch import store
+    except ImportError as e:  # pragma: no cover - store imports only the standard library
+        raise SystemExit(f"hs-patch inspect needs the host extra: pip install 'hs-patch[host]' ({e})")
+    p = Path(path)
+    if p.is_dir():
+        rep = store.check_dir(p, deep=deep)
+        return {"action": "inspect", "directory": str(p), "ok": len(rep.ok), "bad": rep.bad,
+                "missing": rep.missing, "unlisted": rep.unlisted, "tokens": rep.tokens, "bytes": rep.nbytes,
+                "clean": rep.clean,
+                "message": f"{len(rep.ok)} ok, {len(rep.bad)} bad, {len(rep.missing)} missing, "
+                           f"{len(rep.unlisted)} not in the manifest"}
+    entry = store.read_manifest(p.parent).get(p.name[: -len(store.SUFFIX)])
+    s = store.read_sample(p, entry=entry)
+    shapes = {k: [list(v.shape), str(v.dtype).replace("torch.", "")] for k, v in s.tensors.items()}
+    return {"action": "inspect", "file": str(p), "key": s.key, "metadata": s.metadata, "tensors": shapes,
+            "manifest_checked": entry is not None, "clean": True,
+            "message": f"{s.key}: {s.metadata['num_tokens']} tokens, planes {s.metadata['planes']}"}
+
+
+def _print(res: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(res, sort_keys=True))
+        return
+    print(res.get("message", ""))
+    if res["action"] == "status":
+        print(f"  file: {res['files'][0]['path']}\n  sha256: {res['files'][0]['sha256']}")
+        print(f"  capture: {json.dumps(res['capture'])}")
+        if res["required_server_flags"]:
+            print(f"  server flags needed with capture on: {' '.join(res['required_server_flags'])}")
+    if res["action"] == "inspect":
+        for k in ("bad", "missing", "unlisted"):
+            for item in (res.get(k) or {}):
+                print(f"  {k}: {item}{': ' + res[k][item] if isinstance(res[k], dict) else ''}")
+        if "tensors" in res:
+            for name, (shape, dtype) in res["tensors"].items():
+                print(f"  {name}: {dtype} {shape}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hs-patch", description=DESCRIPTION, epilog=CAPTURE_HELP,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"hs-patch {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    actions: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+        "apply": lambda a: patcher.apply(a.site),
+        "verify": lambda a: patcher.verify(a.site),
+        "revert": lambda a: patcher.revert(a.site),
+        "status": lambda a: _status(a.site),
+        "inspect": lambda a: _inspect(a.path, not a.quick),
+    }
+    helps = {
+        "apply": "patch deepseek_v2.py (idempotent; keeps the original for revert)",
+        "verify": "exit 0 only if the patch is present, intact, compiles and sits where it must",
+        "revert": "restore the byte-identical original (idempotent)",
+        "status": "release, pristine/patched/unknown, capture configuration, required server flags",
+        "inspect": "validate a sample file or a dump directory against its manifest",
+    }
+    for name, text in helps.items():
+        p = sub.add_parser(name, help=text, description=text)
+        if name == "inspect":
+            p.add_argument("path", help="a sample .safetensors file or a directory with manifest.jsonl")
+            p.add_argument("--quick", action="store_true", help="directories: compare sizes only, skip sha256")
+            p.add_argument("--json", action="store_true", help="print one JSON object")
+        else:
+            _site_arg(p)
+    args = parser.parse_args(argv)
+    as_json = args.json
+    try:
+        res = actions[args.command](args)
+    except patcher.Refused as e:
+        return _fail(args.command, str(e), EXIT_REFUSED, as_json)
+    except patcher.VerifyFailed as e:
+        return _fail(args.command, str(e), EXIT_VERIFY, as_json)
+    except Exception as e:  # noqa: BLE001 - one line for the user, not a traceback
+        kind = type(e).__name__
+        return _fail(args.command, f"{kind}: {e}", EXIT_ERROR if kind != "SampleError" else EXIT_VERIFY, as_json)
+    _print(res, as_json)
+    return EXIT_OK if res.get("clean", True) else EXIT_VERIFY
+
+
+def _fail(command: str, message: str, code: int, as_json: bool) -> int:
+    if as_json:
+        print(json.dumps({"action": command, "changed": False, "error": message, "exit_code": code}))
+    print(f"hs-patch {command}: {message}", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

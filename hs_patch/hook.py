@@ -1,0 +1,320 @@
+"""The capture hook that runs inside the SGLang server (imported only when HS_CAPTURE=1).
+
+The patched ``DeepseekV2Model`` calls, per forward pass::
+
+    _hs = self._hs_capture.begin(forward_batch, input_ids)   # None: nothing to capture
+    ... layer(..., captured_last_layer_outputs=_hs.collector(i, <SGLang's own collector>))
+    ... _hs.final_prenorm(<output of the last layer, before the final norm>)
+    _hs.finish(<hidden states after the final norm>)
+
+Rules it keeps: only plain prefill passes (``ForwardMode.EXTEND``), never decode, never
+while a CUDA graph is being captured or torch.compile traces; one tensor-parallel rank
+writes (under TP every rank holds the full residual stream); what the model computes
+and returns is never changed (captures are copies). On the GPU a captured tensor is
+snapshotted with a device clone on the compute stream (its storage is updated in place
+later), then copied to pinned host memory on a side stream, so the forward pass never
+waits for PCIe or disk. A background writer (``writer.py``) writes the files. When all
+staging buffers are busy the forward pass waits (back-pressure, logged); past
+HS_CAPTURE_STALL_SECONDS, or if the writer failed, the server fails loudly. Nothing is
+ever dropped silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any, Optional
+
+import torch
+
+from hs_patch import config as capture_config
+from hs_patch import server_checks, store
+from hs_patch.writer import PassRecord, Writer
+
+log = logging.getLogger("hs_patch")
+
+
+def attach(model: torch.nn.Module, config: Any, release: str) -> Optional["CaptureHook"]:
+    """Called by the patched ``DeepseekV2Model.__init__`` when HS_CAPTURE is set.
+
+    Refuses unsupported server settings (raises, so the server does not start), and
+    returns None on ranks that do not write.
+    """
+    cfg = capture_config.from_env()
+    if not cfg.enabled:
+        return None
+    cfg.check_layers(int(config.num_hidden_layers))
+    settings = server_checks.read_settings()
+    problems = server_checks.refusals(settings)
+    if problems:
+        raise RuntimeError("hs_patch capture (HS_CAPTURE=1) cannot run with these SGLang settings:\n  - "
+                           + "\n  - ".join(problems))
+    if settings["tp_rank"] != cfg.rank:
+        return None
+    meta = {
+        "sglang_release": release,
+        "model_type": str(getattr(config, "model_type", "")),
+        "model": str(getattr(config, "_name_or_path", "") or ""),
+        "architecture": ",".join(getattr(config, "architectures", None) or []),
+        "tp_size": str(settings["tp_size"]),
+    }
+    hook = CaptureHook(cfg, hidden_size=int(config.hidden_size), metadata=meta)
+    _register(hook)
+    log.info("hs_patch: capturing layers %s + final=%s into %s (rank %d of %d)",
+             list(cfg.layers), cfg.final, cfg.directory, settings["tp_rank"], settings["tp_size"])
+    return hook
+
+
+class _Slot:
+    """Host staging memory for one pass: int64 ids + one [capacity, H] buffer per plane."""
+
+    def __init__(self) -> None:
+        self.capacity = 0
+        self.ids: Optional[torch.Tensor] = None
+        self.planes: list[Optional[torch.Tensor]] = []
+
+    def ensure(self, tokens: int, nplanes: int, pinned: bool) -> None:
+        if tokens > self.capacity or len(self.planes) != nplanes or (
+                self.ids is not None and self.ids.is_pinned() != pinned):
+            self.capacity = max(tokens, self.capacity)
+            self.ids = torch.empty(self.capacity, dtype=torch.int64, pin_memory=pinned)
+            self.planes = [None] * nplanes
+
+    def plane(self, idx: int, like: torch.Tensor, pinned: bool) -> torch.Tensor:
+        buf = self.planes[idx]
+        if buf is None or buf.dtype != like.dtype or buf.shape[1] != like.shape[1]:
+            buf = torch.empty((self.capacity, like.shape[1]), dtype=like.dtype, pin_memory=pinned)
+            self.planes[idx] = buf
+        return buf
+
+
+class CaptureHook:
+    """One per captured model; owns the staging buffers, the copy stream and the writer."""
+
+    def __init__(self, cfg: capture_config.CaptureConfig, *, hidden_size: int, metadata: dict[str, str]):
+        self.cfg = cfg
+        self.hidden_size = hidden_size
+        self.planes = store.plane_names(cfg.layers, cfg.final)
+        self.layer_index = {layer: k for k, layer in enumerate(cfg.layers)}
+        final = store.FINAL_PLANES[cfg.final]
+        self.pre_index = self.planes.index("final.pre_norm") if "final.pre_norm" in final else None
+        self.post_index = self.planes.index("final.post_norm") if "final.post_norm" in final else None
+        self._free: "queue.Queue[_Slot]" = queue.Queue()
+        for _ in range(cfg.slots):
+            self._free.put(_Slot())
+        self._streams: dict[Any, torch.cuda.Stream] = {}
+        self._current: Optional[_Pass] = None
+        self.waits = 0
+        self.wait_seconds = 0.0
+        meta = {
+            "format": store.FORMAT,
+            "layers": ",".join(map(str, cfg.layers)),
+            "final": cfg.final,
+            "planes": ",".join(self.planes),
+            "hidden_size": str(hidden_size),
+            "convention": "layer.<i> = residual stream entering decoder layer i (output of layer i-1); "
+                          "final.pre_norm = output of the last layer before the final norm",
+            **metadata,
+        }
+        self.writer = Writer(cfg.directory, self.planes, meta, workers=cfg.writers,
+                             skip_rid_prefix=cfg.skip_rid_prefix, fsync=not _on_tmpfs(cfg.directory))
+        self.writer.extra_status = lambda: {"waits": self.waits, "wait_seconds": round(self.wait_seconds, 3),
+                                            "free_slots": self._free.qsize()}
+
+    # ------------------------------------------------------------------ per pass
+    def begin(self, forward_batch: Any, input_ids: Optional[torch.Tensor]) -> Optional["_Pass"]:
+        mode = forward_batch.forward_mode
+        name = getattr(mode, "name", str(mode))
+        if name != "EXTEND":
+            if name in ("MIXED", "SPLIT_PREFILL"):
+                raise RuntimeError(f"hs_patch: {name} prefill passes cannot be captured; see the startup checks")
+            return None
+        if torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            return None
+        if self.writer.error is not None:
+            raise RuntimeError(f"hs_patch: the sample writer failed ({self.writer.error}); samples after it were "
+                               f"not written. Fix the cause (disk full? permissions on {self.cfg.directory}?) "
+                               "and restart the server.") from self.writer.error
+        if self._current is not None:  # the previous pass raised before finish(): give its buffer back
+            log.warning("hs_patch: a prefill pass ended without finishing its capture; it is not written")
+            self._free.put(self._current.slot)
+            self._current = None
+        ids = input_ids if input_ids is not None else forward_batch.input_ids
+        seq_lens = forward_batch.extend_seq_lens_cpu
+        prefix_lens = forward_batch.extend_prefix_lens_cpu
+        if seq_lens is None:
+            seq_lens = forward_batch.extend_seq_lens.tolist()
+        if prefix_lens is None:
+            prefix_lens = forward_batch.extend_prefix_lens.tolist()
+        tokens = int(ids.shape[0])
+        if sum(seq_lens) != tokens:
+            raise RuntimeError(f"hs_patch: the pass has {tokens} tokens but extend_seq_lens sum to "
+                               f"{sum(seq_lens)} (padded batch?); capture cannot split it per request")
+        slot = self._acquire()
+        p = _Pass(self, slot, tokens, list(seq_lens), list(prefix_lens), getattr(forward_batch, "rids", None))
+        p.copy_ids(ids)
+        self._current = p
+        return p
+
+    def _acquire(self) -> _Slot:
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            pass
+        t0 = time.monotonic()
+        log.warning("hs_patch: all %d staging buffers are busy; the forward pass waits for the writer",
+                    self.cfg.slots)
+        try:
+            slot = self._free.get(timeout=self.cfg.stall_seconds)
+        except queue.Empty:
+            raise RuntimeError(
+                f"hs_patch: the sample writer has been behind for {self.cfg.stall_seconds:.0f}s "
+                f"(HS_CAPTURE_STALL_SECONDS); {self.cfg.directory} is too slow or blocked. Failing loudly "
+                "instead of dropping samples.") from None
+        self.waits += 1
+        self.wait_seconds += time.monotonic() - t0
+        return slot
+
+    def stream(self, device: torch.device) -> torch.cuda.Stream:
+        s = self._streams.get(device)
+        if s is None:
+            s = self._streams[device] = torch.cuda.Stream(device=device)
+        return s
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Drain the writer (tests, benchmarks; the server just exits)."""
+        self.writer.close(timeout)
+
+
+class _Tee:
+    """Stands in for SGLang's aux-state collector of one layer and copies what it gets to us."""
+
+    __slots__ = ("_pass", "_idx", "_inner")
+
+    def __init__(self, p: "_Pass", idx: int, inner: Any):
+        self._pass, self._idx, self._inner = p, idx, inner
+
+    def append(self, t: torch.Tensor) -> None:
+        """List style (0.5.16): SGLang already cloned what it would overwrite later."""
+        if self._inner is not None:
+            self._inner.append(t)
+        self._pass.put(self._idx, t, owned=True)
+
+    def capture(self, t: torch.Tensor, *, owned: bool = False) -> None:
+        """Accumulator style (0.5.23, and the 0.5.9 patch): copy unless ownership is given."""
+        if self._inner is not None:
+            self._inner.capture(t, owned=owned)
+        self._pass.put(self._idx, t, owned=owned)
+
+    def __len__(self) -> int:
+        return len(self._inner) if self._inner is not None else 0
+
+
+class _Pass:
+    """The capture of one prefill pass."""
+
+    def __init__(self, hook: CaptureHook, slot: _Slot, tokens: int, seq_lens: list[int],
+                 prefix_lens: list[int], rids: Optional[list[str]]):
+        self.hook, self.slot, self.tokens = hook, slot, tokens
+        self.seq_lens, self.prefix_lens = seq_lens, prefix_lens
+        self.rids = list(rids) if rids is not None else None
+        self.done = [False] * len(hook.planes)
+        self.cuda: Optional[torch.device] = None
+        self.deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def copy_ids(self, ids: torch.Tensor) -> None:
+        pinned = ids.is_cuda
+        self.slot.ensure(self.tokens, len(self.hook.planes), pinned)
+        dst = self.slot.ids[: self.tokens]
+        if ids.is_cuda:
+            self.cuda = ids.device
+            stream = self.hook.stream(ids.device)
+            stream.wait_stream(torch.cuda.current_stream(ids.device))
+            with torch.cuda.stream(stream):
+                dst.copy_(ids, non_blocking=True)
+            ids.record_stream(stream)
+        else:
+            dst.copy_(ids)
+
+    def collector(self, layer_id: int, inner: Any) -> Any:
+        idx = self.hook.layer_index.get(layer_id)
+        return inner if idx is None else _Tee(self, idx, inner)
+
+    def put(self, idx: int, t: torch.Tensor, owned: bool) -> None:
+        if self.done[idx]:
+            raise RuntimeError(f"hs_patch: {self.hook.planes[idx]} captured twice in one pass")
+        if t.dim() != 2 or t.shape[0] != self.tokens:
+            raise RuntimeError(f"hs_patch: {self.hook.planes[idx]} has shape {tuple(t.shape)}, expected "
+                               f"({self.tokens}, hidden): a code path the hook does not support")
+        self.done[idx] = True
+        dst = self.slot.plane(idx, t, pinned=t.is_cuda)[: self.tokens]
+        if t.is_cuda:
+            stream = self.hook.stream(t.device)
+            src = t if owned else t.clone()  # snapshot now: SGLang updates its residual in place later
+            stream.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+            src.record_stream(stream)  # keep src's memory until the copy has run
+        else:  # CPU (tests, benchmarks): copy at finish(), like the asynchronous GPU copy would
+            self.deferred.append((dst, t if owned else t.clone()))
+
+    def final_prenorm(self, t: torch.Tensor, owned: bool = False) -> None:
+        if self.hook.pre_index is not None:
+            self.put(self.hook.pre_index, t, owned)
+
+    def finish(self, post_norm: torch.Tensor) -> None:
+        hook = self.hook
+        if hook.post_index is not None:
+            self.put(hook.post_index, post_norm, owned=False)
+        hook._current = None
+        missing = [hook.planes[k] for k, d in enumerate(self.done) if not d]
+        if missing:
+            hook._free.put(self.slot)
+            raise RuntimeError(f"hs_patch: {missing} were not captured in this pass (a layer ran outside "
+                               "the patched loop?); refusing to write incomplete samples")
+        for dst, src in self.deferred:
+            dst.copy_(src)
+        wait = None
+        if self.cuda is not None:
+            event = torch.cuda.Event()
+            event.record(hook.stream(self.cuda))
+            wait = event.synchronize
+        n = self.tokens
+        slot = self.slot
+        hook.writer.submit(PassRecord(
+            ids=slot.ids[:n], planes=[slot.planes[k][:n] for k in range(len(hook.planes))],
+            seq_lens=self.seq_lens, prefix_lens=self.prefix_lens, rids=self.rids,
+            wait=wait, release=lambda: hook._free.put(slot)))
+
+
+def _on_tmpfs(path: str) -> bool:
+    """True if ``path`` is on tmpfs (/dev/shm): fsync is pointless there."""
+    best, fstype = "", ""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3 and (path == parts[1] or path.startswith(parts[1].rstrip("/") + "/")) \
+                        and len(parts[1]) > len(best):
+                    best, fstype = parts[1], parts[2]
+    except OSError:
+        return False
+    return fstype == "tmpfs"
+
+
+# Interpreter exit: let the writer finish what is queued (daemon threads would be cut).
+_HOOKS: list[CaptureHook] = []
+_lock = threading.Lock()
+
+
+def _register(hook: CaptureHook) -> None:
+    import atexit
+
+    with _lock:
+        if not _HOOKS:
+            atexit.register(lambda: [h.close(timeout=float(os.environ.get("HS_CAPTURE_EXIT_SECONDS", "60")))
+                                     for h in _HOOKS])
+        _HOOKS.append(hook)

@@ -1,0 +1,246 @@
+"""The SGLang releases the patch supports and the exact edits it makes to each.
+
+A release is recognised by the sha256 of its pristine ``deepseek_v2.py`` (read from the
+released wheels); the patched file's sha256 is recorded too, so ``verify`` can tell an
+intact patch from a damaged one. Each edit replaces one anchor that must occur exactly
+once in the pristine file. Every inserted line carries or follows an ``hs_patch`` marker.
+
+Where the capture sits, per release (all capture the residual stream *entering* layer i,
+after the layer's input communication, so it is the fully reduced state):
+
+- 0.5.9: the decoder layer has no capture point, so the patch adds one right after
+  ``prepare_attn`` (which completes any all-reduce deferred by flashinfer fusion: the
+  trap where ``hidden_states + residual`` in the model loop is a per-rank partial sum).
+- 0.5.16: the layer's own ``captured_last_layer_outputs`` list (EAGLE-3's path).
+- 0.5.23: the layer's ``capture_gathered`` collector (``AuxHiddenStatePacker`` path).
+
+The last layer's output is taken where the final norm produces it (pre-norm residual
+and post-norm output), and SGLang's own EAGLE-3 capture keeps working alongside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TARGET = "sglang/srt/models/deepseek_v2.py"
+
+
+@dataclass(frozen=True)
+class Edit:
+    anchor: str
+    replacement: str
+
+
+@dataclass(frozen=True)
+class Release:
+    version: str
+    torch: str
+    pristine_sha256: str
+    patched_sha256: str
+    edits: tuple[Edit, ...]
+
+
+def _init_block(version: str) -> Edit:
+    return Edit(
+        "        self.layers_to_capture = []\n",
+        "        self.layers_to_capture = []\n"
+        "        # hs_patch: hidden-state capture, off unless HS_CAPTURE=1 (see hs_patch.hook)\n"
+        "        import os as _hs_os\n"
+        "\n"
+        "        self._hs_capture = None\n"
+        '        if _hs_os.environ.get("HS_CAPTURE", "") not in ("", "0"):\n'
+        "            from hs_patch.hook import attach as _hs_attach\n"
+        "\n"
+        f'            self._hs_capture = _hs_attach(self, config, "{version}")\n',
+    )
+
+
+_BEGIN = (
+    "        _hs = (  # hs_patch: None unless this pass is a prefill to capture\n"
+    "            self._hs_capture.begin(forward_batch, input_ids)\n"
+    "            if self._hs_capture is not None\n"
+    "            else None\n"
+    "        )\n"
+)
+
+_FINISH = (
+    "        if _hs is not None:  # hs_patch: hand the pass to the writer\n"
+    "            _hs.finish(hidden_states)\n"
+)
+
+_NORM = Edit(
+    "                if residual is None:\n"
+    "                    hidden_states = self.norm(hidden_states)\n"
+    "                else:\n"
+    "                    hidden_states, _ = self.norm(hidden_states, residual)\n",
+    "                if residual is None:\n"
+    "                    if _hs is not None:  # hs_patch: last layer's output, pre-norm\n"
+    "                        _hs.final_prenorm(hidden_states)\n"
+    "                    hidden_states = self.norm(hidden_states)\n"
+    "                else:\n"
+    "                    hidden_states, _hs_prenorm = self.norm(hidden_states, residual)\n"
+    "                    if _hs is not None:  # hs_patch: last layer's output, pre-norm\n"
+    "                        _hs.final_prenorm(_hs_prenorm)\n",
+)
+
+_COLLECTOR_NEW = (
+    "                    captured_last_layer_outputs=(\n"
+    "                        aux_hidden_states if i in self.layers_to_capture else None\n"
+    "                    )\n"
+    "                    if _hs is None\n"
+    "                    else _hs.collector(  # hs_patch\n"
+    "                        i, aux_hidden_states if i in self.layers_to_capture else None\n"
+    "                    ),\n"
+)
+
+_RETURN = "        if len(aux_hidden_states) == 0:\n            return hidden_states\n"
+
+
+def _finish(ret_tail: str) -> Edit:
+    return Edit(_RETURN + ret_tail, _FINISH + _RETURN + ret_tail)
+
+
+V0_5_9 = Release(
+    version="0.5.9",
+    torch="2.9.1",
+    pristine_sha256="4071b9a6a6ac71e1143204708df42f2ba5bd163a5d7a020579242df56e490a35",
+    patched_sha256="93ade4c9f8bf16e55092fc153963a7c20f8168f1c7c1966a051bc5481632260a",
+    edits=(
+        # DeepseekV2DecoderLayer.forward: a capture point after the input communication
+        Edit(
+            "        gemm_output_zero_allocator: BumpAllocator = None,\n"
+            "        llama_4_scaling: Optional[torch.Tensor] = None,\n"
+            "    ) -> torch.Tensor:\n"
+            "        quant_format = (",
+            "        gemm_output_zero_allocator: BumpAllocator = None,\n"
+            "        llama_4_scaling: Optional[torch.Tensor] = None,\n"
+            "        captured_last_layer_outputs: Optional[Any] = None,  # hs_patch\n"
+            "    ) -> torch.Tensor:\n"
+            "        quant_format = (",
+        ),
+        Edit(
+            "        hidden_states, residual = self.layer_communicator.prepare_attn(\n"
+            "            hidden_states,\n"
+            "            residual,\n"
+            "            forward_batch,\n"
+            "            quant_format,\n"
+            "        )\n",
+            "        hidden_states, residual = self.layer_communicator.prepare_attn(\n"
+            "            hidden_states,\n"
+            "            residual,\n"
+            "            forward_batch,\n"
+            "            quant_format,\n"
+            "        )\n"
+            "        if captured_last_layer_outputs is not None:  # hs_patch: the reduced input\n"
+            "            captured_last_layer_outputs.capture(residual)\n",
+        ),
+        _init_block("0.5.9"),
+        Edit(
+            "        aux_hidden_states = []\n"
+            "        for i in range(normal_start_layer, normal_end_layer):\n",
+            "        aux_hidden_states = []\n"
+            + _BEGIN
+            + "        for i in range(normal_start_layer, normal_end_layer):\n",
+        ),
+        Edit(
+            "                    gemm_output_zero_allocator,\n"
+            "                    llama_4_scaling,\n"
+            "                )\n"
+            "\n"
+            "        if normal_end_layer != self.end_layer:\n",
+            "                    gemm_output_zero_allocator,\n"
+            "                    llama_4_scaling,\n"
+            "                    captured_last_layer_outputs=(\n"
+            "                        None if _hs is None else _hs.collector(i, None)  # hs_patch\n"
+            "                    ),\n"
+            "                )\n"
+            "\n"
+            "        if normal_end_layer != self.end_layer:\n",
+        ),
+        _NORM,
+        _finish("        return hidden_states, aux_hidden_states\n"),
+    ),
+)
+
+V0_5_16 = Release(
+    version="0.5.16",
+    torch="2.11.0",
+    pristine_sha256="47709951b15d7ac494c25f079a242c17375a8ee01007c829ea0c9ab604794689",
+    patched_sha256="44d22fcfc255f106c06e1fe1dd36a4a58d8e7c5ce5864479b21bfc0128ccf3d6",
+    edits=(
+        _init_block("0.5.16"),
+        Edit(
+            "        aux_hidden_states = []\n"
+            "        if self.pp_group.is_first_rank:\n"
+            "            topk_indices = None\n",
+            "        aux_hidden_states = []\n"
+            "        if self.pp_group.is_first_rank:\n"
+            "            topk_indices = None\n" + _BEGIN,
+        ),
+        Edit(
+            "                    captured_last_layer_outputs=(\n"
+            "                        aux_hidden_states if i in self.layers_to_capture else None\n"
+            "                    ),\n",
+            _COLLECTOR_NEW,
+        ),
+        _NORM,
+        _finish("        return hidden_states, aux_hidden_states\n"),
+    ),
+)
+
+V0_5_23 = Release(
+    version="0.5.23",
+    torch="2.14.1",
+    pristine_sha256="f61f93019bf1e7680f45a1fe227244433e1b22021cb955e53d25b9cf900473f9",
+    patched_sha256="14ce5b9bca48d371f7b7ecee48e3bebb456787fe816cc44e9206d050ee9e6c94",
+    edits=(
+        _init_block("0.5.23"),
+        Edit(
+            "        aux_hidden_states = AuxHiddenStatePacker(len(self.layers_to_capture))\n",
+            "        aux_hidden_states = AuxHiddenStatePacker(len(self.layers_to_capture))\n" + _BEGIN,
+        ),
+        Edit(
+            "                    captured_last_layer_outputs=aux_hidden_states\n"
+            "                    if i in self.layers_to_capture\n"
+            "                    else None,\n",
+            _COLLECTOR_NEW,
+        ),
+        Edit(
+            "                hidden_states = residual_batch.final_norm(\n"
+            "                    hidden_states, forward_batch, self.norm\n"
+            "                )\n",
+            "                hidden_states = residual_batch.final_norm(\n"
+            "                    hidden_states,\n"
+            "                    forward_batch,\n"
+            "                    self.norm,\n"
+            "                    capture=None if _hs is None else _hs.final_prenorm,  # hs_patch\n"
+            "                )\n",
+        ),
+        _finish("        return hidden_states, aux_hidden_states.finalize()\n"),
+    ),
+)
+
+RELEASES = {r.version: r for r in (V0_5_9, V0_5_16, V0_5_23)}
+DEFAULT_RELEASE = "0.5.9"
+
+
+def by_pristine_sha(sha: str) -> Release | None:
+    return next((r for r in RELEASES.values() if r.pristine_sha256 == sha), None)
+
+
+def by_patched_sha(sha: str) -> Release | None:
+    return next((r for r in RELEASES.values() if r.patched_sha256 == sha), None)
+
+
+class PatchError(Exception):
+    """The pristine text does not have an anchor exactly once."""
+
+
+def apply_edits(release: Release, text: str) -> str:
+    """The patched text of ``release``'s pristine ``deepseek_v2.py``."""
+    for n, edit in enumerate(release.edits, 1):
+        count = text.count(edit.anchor)
+        if count != 1:
+            raise PatchError(f"edit {n} of {release.version}: anchor found {count} times, expected once")
+        text = text.replace(edit.anchor, edit.replacement)
+    return text
