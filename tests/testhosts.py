@@ -243,7 +243,10 @@ class Lab:
         proc = subprocess.Popen(
             ["systemd-nspawn", "--boot", "--quiet", "--directory", str(merged), "--machine", host["machine"],
              f"--network-namespace-path=/run/netns/{ns}", "--register=no", "--keep-unit",
-             "--console=passive", "--resolv-conf=off", "--timezone=off", "--link-journal=no"],
+             "--console=passive", "--resolv-conf=off", "--timezone=off", "--link-journal=no",
+             # Like a real PID 1, let the guest's systemd grant LimitMEMLOCK=infinity to services
+             # (only where this machine may raise hard limits: CAP_SYS_RESOURCE; else a no-op).
+             "--rlimit=RLIMIT_MEMLOCK=infinity"],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         host["pid"] = proc.pid
