@@ -21,7 +21,7 @@ HS_CAPTURE_SLOTS          2                      pinned host staging buffers (ea
                                                  waits for the writer (back-pressure)
 HS_CAPTURE_SLOT_TOKENS    16384                  initial size of a staging buffer in tokens
                                                  (grows if a pass is larger)
-HS_CAPTURE_WRITERS        2                      threads writing sample files
+HS_CAPTURE_WRITERS        4                      threads writing (and sha256-hashing) files
 HS_CAPTURE_STALL_SECONDS  300                    if the writer stays this long behind, the
                                                  server fails loudly instead of waiting on
 HS_CAPTURE_SKIP_RID_PREFIX nocap-                requests whose id starts with this are not
@@ -54,7 +54,7 @@ class CaptureConfig:
     final: str = "pre"
     slots: int = 2
     slot_tokens: int = 16384
-    writers: int = 2
+    writers: int = 4
     stall_seconds: float = 300.0
     skip_rid_prefix: str = "nocap-"
     rank: int = 0
@@ -124,7 +124,7 @@ def from_env(env: Mapping[str, str] | None = None) -> CaptureConfig:
         final=final,
         slots=_int(env, "HS_CAPTURE_SLOTS", 2, 1),
         slot_tokens=_int(env, "HS_CAPTURE_SLOT_TOKENS", 16384, 1),
-        writers=_int(env, "HS_CAPTURE_WRITERS", 2, 1),
+        writers=_int(env, "HS_CAPTURE_WRITERS", 4, 1),
         stall_seconds=stall_seconds,
         skip_rid_prefix=env.get("HS_CAPTURE_SKIP_RID_PREFIX", "nocap-"),
         rank=_int(env, "HS_CAPTURE_RANK", 0, 0),

@@ -32,7 +32,7 @@ import torch
 
 from hs_patch import config as capture_config
 from hs_patch import server_checks, store
-from hs_patch.writer import PassRecord, Writer
+from hs_patch.writer import PassRecord, Writer, skipped
 
 log = logging.getLogger("hs_patch")
 
@@ -149,12 +149,15 @@ class CaptureHook:
             seq_lens = forward_batch.extend_seq_lens.tolist()
         if prefix_lens is None:
             prefix_lens = forward_batch.extend_prefix_lens.tolist()
+        rids = getattr(forward_batch, "rids", None)
+        if rids is not None and all(skipped(r, self.cfg.skip_rid_prefix) for r in rids):
+            return None  # e.g. a regeneration or health-check pass: nothing to copy
         tokens = int(ids.shape[0])
         if sum(seq_lens) != tokens:
             raise RuntimeError(f"hs_patch: the pass has {tokens} tokens but extend_seq_lens sum to "
                                f"{sum(seq_lens)} (padded batch?); capture cannot split it per request")
         slot = self._acquire()
-        p = _Pass(self, slot, tokens, list(seq_lens), list(prefix_lens), getattr(forward_batch, "rids", None))
+        p = _Pass(self, slot, tokens, list(seq_lens), list(prefix_lens), rids)
         p.copy_ids(ids)
         self._current = p
         return p

@@ -162,18 +162,19 @@ def encode_header(tensors: Sequence[TensorBytes], metadata: Mapping[str, str]) -
     return len(body).to_bytes(8, "little") + body
 
 
-def _writev_all(fd: int, buffers: list[memoryview]) -> None:
-    """os.writev until every byte is written (writev may write less than asked)."""
-    bufs = [memoryview(b).cast("B") for b in buffers if len(memoryview(b).cast("B"))]
-    while bufs:
-        n = os.writev(fd, bufs[:1024])  # IOV_MAX
-        while n and bufs:
-            if n >= len(bufs[0]):
-                n -= len(bufs[0])
-                bufs.pop(0)
-            else:
-                bufs[0] = bufs[0][n:]
-                n = 0
+CHUNK = 1 << 20  # hash and write 1 MiB at a time: the bytes are read from memory once
+
+
+def _write_hashed(fd: int, buffers: list[Any], digest: Any) -> None:
+    """Write every buffer to ``fd`` and feed it to ``digest``, chunk by chunk, so each chunk
+    is hashed while it is still in the CPU cache (about twice as fast as two passes)."""
+    for buf in buffers:
+        view = memoryview(buf).cast("B")
+        for start in range(0, len(view), CHUNK):
+            chunk = view[start:start + CHUNK]
+            digest.update(chunk)
+            while chunk:
+                chunk = chunk[os.write(fd, chunk):]
 
 
 @dataclass
@@ -188,8 +189,8 @@ def write_sample(directory: str | os.PathLike, key: str, tensors: Sequence[Tenso
                  metadata: Mapping[str, str], *, fsync: bool = False) -> Written:
     """Write one sample atomically (temp file + rename) and return its size and sha256.
 
-    The safetensors format is written directly with ``os.writev`` from the callers'
-    buffers (the capture hook's pinned host memory), so no byte is copied in Python;
+    The safetensors format is written directly from the callers' buffers (the capture
+    hook's pinned host memory), so no byte is copied in Python;
     :func:`read_sample` reads the files back with the ``safetensors`` library.
     """
     directory = Path(directory)
@@ -203,12 +204,10 @@ def write_sample(directory: str | os.PathLike, key: str, tensors: Sequence[Tenso
             raise SampleError(f"{t.name!r}: {got} bytes given for shape {t.shape} {t.dtype}")
         buffers.extend(t.buffers)
     digest = hashlib.sha256()
-    for b in buffers:
-        digest.update(b)
     tmp = tmp_dir / f"{key}.{os.getpid()}.{threading.get_ident()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        _writev_all(fd, buffers)
+        _write_hashed(fd, buffers, digest)
         if fsync:
             os.fsync(fd)
     except BaseException:

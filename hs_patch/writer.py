@@ -38,6 +38,14 @@ log = logging.getLogger("hs_patch")
 STATUS_FILE = "hook_status.json"
 
 
+HEALTH_CHECK_PREFIX = "HEALTH_CHECK"  # SGLang's /health_generate probes (sglang.srt.constants)
+
+
+def skipped(rid: Optional[str], prefix: str) -> bool:
+    """Requests the hook does not capture: the configured prefix and SGLang's health checks."""
+    return rid is not None and (str(rid).startswith(HEALTH_CHECK_PREFIX) or bool(prefix) and str(rid).startswith(prefix))
+
+
 @dataclass
 class PassRecord:
     """One prefill pass on host memory, as the hook hands it over."""
@@ -148,7 +156,7 @@ class Writer:
             s, e = offset, offset + int(n)
             offset = e
             rid = rec.rids[j] if rec.rids is not None else None
-            if rid is not None and self.skip_rid_prefix and str(rid).startswith(self.skip_rid_prefix):
+            if skipped(rid, self.skip_rid_prefix):
                 self.stats.skipped += 1
                 continue
             ids = rec.ids[s:e]

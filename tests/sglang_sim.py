@@ -27,53 +27,12 @@ from __future__ import annotations
 import ast
 import types
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
-
-# ----------------------------------------------------------------------------- reference
-
-
-@dataclass
-class Reference:
-    """Per-token values of one request from the transformers model, by layer."""
-
-    ids: torch.Tensor                 # [L]
-    layer_in: list[torch.Tensor]      # n_layers x [L, H]: residual stream entering layer i
-    attn_out: list[torch.Tensor]      # n_layers x [L, H]
-    mlp_out: list[torch.Tensor]       # n_layers x [L, H]
-    pre_norm: torch.Tensor            # [L, H]
-    post_norm: torch.Tensor           # [L, H]
-
-
-def reference(model: Any, ids: list[int]) -> Reference:
-    """Run ``model`` (a transformers DeepseekV3ForCausalLM) on one request and record it."""
-    inner = model.model
-    n = len(inner.layers)
-    rec: dict[str, list] = {"in": [None] * n, "attn": [None] * n, "mlp": [None] * n}
-    hooks = []
-    for i, layer in enumerate(inner.layers):
-        hooks.append(layer.register_forward_pre_hook(
-            lambda m, args, kwargs, i=i: rec["in"].__setitem__(i, (args[0] if args else kwargs["hidden_states"])[0].clone()),
-            with_kwargs=True))
-        hooks.append(layer.self_attn.register_forward_hook(
-            lambda m, a, out, i=i: rec["attn"].__setitem__(i, out[0][0].clone())))
-        hooks.append(layer.mlp.register_forward_hook(
-            lambda m, a, out, i=i: rec["mlp"].__setitem__(i, out[0].clone())))
-    norm: dict[str, torch.Tensor] = {}
-    hooks.append(inner.norm.register_forward_hook(
-        lambda m, a, out: norm.update(pre=a[0][0].clone(), post=out[0].clone())))
-    try:
-        with torch.no_grad():
-            model(torch.tensor([ids]), use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
-    return Reference(torch.tensor(ids, dtype=torch.int64), rec["in"], rec["attn"], rec["mlp"],
-                     norm["pre"], norm["post"])
-
+from hf_reference import Reference, reference  # noqa: F401  (re-exported for tests)
 
 # ----------------------------------------------------------------------------- batches
 
@@ -105,7 +64,7 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int]
     extend_prefix_lens_cpu: list[int]
     parts: list[Part]
-    rids: Optional[list[str]] = None
+    rids: list[str] | None = None
     can_run_tbo: bool = False
     residual_stream: Any = None
 
@@ -123,7 +82,7 @@ class FusedNorm:
     def __init__(self, hf_norm: Any):
         self.hf = hf_norm
 
-    def __call__(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, *a: Any):
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, *a: Any):
         if residual is None:
             return rmsnorm(self.hf, x)
         residual.add_(x)
@@ -238,7 +197,7 @@ class Sim:
     def _layer(self, i: int, layer_forward: Any, hf_layer: Any) -> Any:
         sim = self
 
-        def prepare_attn(h: torch.Tensor, residual: Optional[torch.Tensor], fb: ForwardBatch, *a: Any):
+        def prepare_attn(h: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch, *a: Any):
             if residual is None:
                 return rmsnorm(hf_layer.input_layernorm, h), h
             if getattr(h, "_sglang_needs_allreduce_fusion", False):

@@ -81,20 +81,20 @@ def test_manifest_folds_removals_and_survives_a_torn_last_line(tmp_path):
 
 def test_a_failed_write_leaves_no_sample(tmp_path, monkeypatch):
     """Disk full in the middle of a file: no sample appears, the temp file is removed."""
-    real = store.os.writev
+    real = store.os.write
     calls = []
 
-    def writev(fd, bufs):
+    def write(fd, data):
         calls.append(1)
-        if len(calls) > 1:
+        if len(calls) > 2:
             raise OSError(28, "No space left on device")
-        return real(fd, [bytes(memoryview(bufs[0])[:100])])  # a short write first
+        return real(fd, bytes(memoryview(data)[:100]))  # short writes first
 
-    monkeypatch.setattr(store.os, "writev", writev)
+    monkeypatch.setattr(store.os, "write", write)
     with pytest.raises(OSError, match="No space"):
         write_one(tmp_path, list(range(50)))
     assert not list(tmp_path.glob("*.safetensors")) and not list((tmp_path / store.TMPDIR).iterdir())
-    monkeypatch.setattr(store.os, "writev", real)
+    monkeypatch.setattr(store.os, "write", real)
     bad = store.TensorBytes("layer.0", "BF16", (2, H), [memoryview(bytearray(10))])
     with pytest.raises(store.SampleError, match="bytes given"):
         store.write_sample(tmp_path, "k", [bad], {})
