@@ -337,8 +337,14 @@ class Lab:
             else:
                 raise LabError(f"could not unmount {merged}")
         if host.get("netns_created"):
-            if Path("/run/netns", host["netns"]).exists():
-                _run(["ip", "netns", "del", host["netns"]])
+            for _ in range(10):
+                if not Path("/run/netns", host["netns"]).exists():
+                    break
+                if _run(["ip", "netns", "del", host["netns"]], check=False).returncode == 0:
+                    break
+                time.sleep(0.5)
+            else:
+                raise LabError(f"could not delete network namespace {host['netns']}")
             if _run(["ip", "link", "show", host["veth"]], check=False).returncode == 0:
                 _run(["ip", "link", "del", host["veth"]], check=False)
         propagate = Path("/run/systemd/nspawn/propagate", host.get("machine", ""))
