@@ -1,0 +1,52 @@
+"""Shipping from the GPU stand-in to the storage host, as the service user, with rsync over SSH."""
+
+import pytest
+import testinfra
+
+testinfra_hosts = ["ansible://gpu1"]
+
+
+@pytest.fixture(scope="module")
+def storage(request):
+    return testinfra.get_host("ansible://storage1", ansible_inventory=request.config.option.ansible_inventory)
+
+
+def test_shipping_key(host):
+    key = host.file("/var/lib/sglang/.ssh/id_hs_ship")
+    assert key.user == "sglang" and key.mode == 0o600
+    assert host.file("/var/lib/sglang/.ssh").mode == 0o700
+
+
+def test_ssh_alias(host):
+    cfg = host.file("/var/lib/sglang/.ssh/config").content_string
+    for line in ("Host hs-storage", "HostName 198.51.100.11", "User hs-ingest", "StrictHostKeyChecking yes"):
+        assert line in cfg
+
+
+def test_known_hosts_pins_the_storage_host_key(host, storage):
+    real = storage.file("/etc/ssh/ssh_host_ed25519_key.pub").content_string.split()[1]
+    known = host.file("/var/lib/sglang/.ssh/known_hosts_hs-storage").content_string
+    assert real in known
+    assert len([l for l in known.splitlines() if l.strip()]) == 1
+
+
+def test_rsync_on_both_ends(host, storage):
+    assert host.package("rsync").is_installed
+    assert storage.package("rsync").is_installed
+
+
+def test_storage_side(storage):
+    d = storage.file("/srv/hs-samples")
+    assert d.is_directory and d.user == "hs-ingest" and d.mode == 0o750
+    home = storage.user("hs-ingest").home
+    auth = storage.file(f"{home}/.ssh/authorized_keys").content_string
+    assert auth.startswith("restrict ")
+
+
+def test_service_user_ships_a_file(host, storage):
+    host.run_test("head -c 1048576 /dev/urandom > /tmp/sample.bin && chmod 644 /tmp/sample.bin")
+    sha = host.check_output("sha256sum /tmp/sample.bin").split()[0]
+    host.run_test("runuser -u sglang -- rsync -a --checksum /tmp/sample.bin hs-storage:/srv/hs-samples/")
+    assert storage.check_output("sha256sum /srv/hs-samples/sample.bin").split()[0] == sha
+    assert storage.file("/srv/hs-samples/sample.bin").user == "hs-ingest"
+    storage.run_test("rm -f /srv/hs-samples/sample.bin")

@@ -1,0 +1,66 @@
+"""The SGLang unit on the test host, running the stand-in server."""
+
+import json
+
+testinfra_hosts = ["ansible://gpu_hosts"]
+
+UNIT = "/etc/systemd/system/sglang.service"
+
+
+def _debug(host):
+    return json.loads(host.check_output("python3 -c \"import urllib.request as u; "
+                                        "print(u.urlopen('http://127.0.0.1:30000/debug').read().decode())\""))
+
+
+def test_unit_passes_systemd_analyze_verify(host):
+    host.run_test(f"systemd-analyze verify {UNIT}")
+
+
+def test_unit_content(host):
+    text = host.file(UNIT).content_string
+    execstart = next(line for line in text.splitlines() if line.startswith("ExecStart="))
+    for part in ("--model-path /models/test-model", "--tp-size 8", "--host 127.0.0.1", "--port 30000",
+                 "--disable-radix-cache", "--trust-remote-code"):
+        assert part in execstart
+    assert "--disable-prefill-cuda-graph" not in execstart  # 0.5.9 does not need it
+    for line in ('Environment="HS_CAPTURE=1"', 'Environment="HS_CAPTURE_DIR=/dev/shm/hs_capture"',
+                 'Environment="HS_CAPTURE_LAYERS=2,30,58,60"', 'Environment="HS_CAPTURE_FINAL=pre"',
+                 "Restart=on-failure", "LimitMEMLOCK=infinity", "User=sglang"):
+        assert line in text.splitlines()
+
+
+def test_running_but_not_enabled(host):
+    svc = host.service("sglang")
+    assert svc.is_running
+    assert not svc.is_enabled, "extraction starts it; it does not start at boot"
+
+
+def test_server_sees_the_unit_wiring(host):
+    d = _debug(host)
+    assert d["env"] == {"HS_CAPTURE": "1", "HS_CAPTURE_DIR": "/dev/shm/hs_capture",
+                        "HS_CAPTURE_LAYERS": "2,30,58,60", "HS_CAPTURE_FINAL": "pre"}
+    assert d["argv"]["tp_size"] == 8 and d["argv"]["host"] == "127.0.0.1"
+    assert "--disable-radix-cache" in d["argv"]["rest"]
+    assert d["uid"] == host.user("sglang").uid
+    # systemd applies LimitMEMLOCK=infinity; inside a test host it is capped by the
+    # container's own hard limit when this machine may not raise it (no CAP_SYS_RESOURCE).
+    assert host.check_output("systemctl show --property=LimitMEMLOCK --value sglang") == "infinity"
+    pid1_hard = host.check_output("awk '/Max locked memory/ {print $5}' /proc/1/limits")
+    assert d["memlock"] == "unlimited" or str(d["memlock"]) == pid1_hard
+    assert d["cwd"] == "/var/lib/sglang"
+
+
+def test_bound_to_loopback_only(host):
+    assert host.socket("tcp://127.0.0.1:30000").is_listening
+    assert not host.socket("tcp://0.0.0.0:30000").is_listening
+    assert not host.socket("tcp://198.51.100.10:30000").is_listening
+
+
+def test_restarted_after_the_kill(host):
+    out = host.check_output("systemctl show --property=NRestarts --value sglang")
+    assert int(out) >= 1
+    starts = host.file("/var/lib/sglang/starts.log").content_string.splitlines()
+    assert len(starts) >= 2
+    status = host.check_output("python3 -c \"import urllib.request as u; "
+                               "print(u.urlopen('http://127.0.0.1:30000/health_generate').status)\"")
+    assert status == "200"

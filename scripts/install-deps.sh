@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# System packages the test suite needs on a Debian/Ubuntu control node (CI included).
+# Idempotent: apt-get install skips what is already there.
+#   debootstrap, systemd-container : build and boot the SSH test hosts (tests/testhosts.py)
+#   iproute2                       : network namespaces, veth pairs and the lab bridge
+#   openssh-client                 : Ansible, testinfra and fabric reach the test hosts over real SSH
+#   rsync                          : the shipping role and ansible.posix.synchronize
+set -euo pipefail
+
+packages=(debootstrap systemd-container rsync openssh-client iproute2 ca-certificates)
+
+if [ "$(id -u)" -ne 0 ]; then
+    echo "install-deps.sh: run as root (sudo bash scripts/install-deps.sh)" >&2
+    exit 1
+fi
+
+missing=()
+for p in "${packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+
+if [ "${#missing[@]}" -gt 0 ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -q
+    apt-get install -y -q --no-install-recommends "${missing[@]}"
+else
+    echo "install-deps.sh: all of ${packages[*]} already installed"
+fi

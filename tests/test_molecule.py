@@ -1,0 +1,231 @@
+"""The Ansible bundle's tests: linters, syntax, pre-flight checks, the test-host lab, and every molecule scenario.
+
+The molecule scenarios (molecule/<role>/) boot real SSH test hosts with
+tests/testhosts.py, so they need root, systemd-nspawn, debootstrap and the
+network to the Debian mirror and PyPI once (both cached under
+/var/cache/hs-patch-tests afterwards). Install with
+``sudo bash scripts/install-deps.sh && python3 -m pip install -e '.[test]'``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIOS = sorted(p.parent.name for p in (ROOT / "molecule").glob("*/molecule.yml"))
+ROLES = sorted(p.name for p in (ROOT / "roles").iterdir() if (p / "tasks/main.yml").exists())
+BIN = Path(sys.executable).parent
+
+
+def _tool(name: str) -> str:
+    """The tool installed next to this Python (pip install -e '.[test]'), else from PATH."""
+    cand = BIN / name
+    return str(cand) if cand.exists() else (shutil.which(name) or name)
+
+
+def _run(cmd: list[str], timeout: int = 900, **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PY_COLORS": "0", "ANSIBLE_FORCE_COLOR": "0", "NO_COLOR": "1"}
+    env.update(kw.pop("env", {}))
+    return subprocess.run(cmd, cwd=kw.pop("cwd", ROOT), capture_output=True, text=True, timeout=timeout,
+                          env=env, check=False, **kw)
+
+
+def _tail(proc: subprocess.CompletedProcess, n: int = 80) -> str:
+    return "\n".join((proc.stdout + proc.stderr).splitlines()[-n:])
+
+
+def _lab_prereqs() -> str | None:
+    if os.geteuid() != 0:
+        return "test hosts need root"
+    missing = [t for t in ("systemd-nspawn", "debootstrap", "ip", "ssh") if shutil.which(t) is None]
+    if missing:
+        return f"missing {', '.join(missing)}: run sudo bash scripts/install-deps.sh"
+    return None
+
+
+# --- static checks -------------------------------------------------------------------
+
+
+def test_every_role_has_a_scenario_and_argument_specs():
+    assert set(ROLES) == {"gpu_host", "sglang", "hs_patch", "sglang_service", "sample_shipping"}
+    for role in ROLES:
+        assert role in SCENARIOS, f"no molecule scenario for role {role}"
+        specs = yaml.safe_load((ROOT / "roles" / role / "meta/argument_specs.yml").read_text())
+        options = specs["argument_specs"]["main"]["options"]
+        defaults = yaml.safe_load((ROOT / "roles" / role / "defaults/main.yml").read_text())
+        assert set(options) == set(defaults), f"{role}: argument_specs and defaults/main.yml disagree"
+        for name, spec in options.items():
+            assert name.startswith(role + "_"), f"{role}: variable {name} is not role-prefixed"
+            assert spec["description"] and spec["description"] != name, f"{role}: {name} undocumented"
+
+
+def test_yamllint():
+    proc = _run([_tool("yamllint"), "--strict", "."])
+    assert proc.returncode == 0, _tail(proc)
+
+
+def test_ansible_lint_production_profile():
+    proc = _run([_tool("ansible-lint"), "--profile", "production"], timeout=600)
+    assert proc.returncode == 0, _tail(proc)
+    assert "Profile 'production' was required, and it passed" in proc.stdout + proc.stderr
+
+
+def test_site_syntax_check():
+    proc = _run([_tool("ansible-playbook"), "site.yml", "--syntax-check"])
+    assert proc.returncode == 0, _tail(proc)
+
+
+# --- pre-flight ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def local_inventory(tmp_path: Path) -> Path:
+    """gpu_hosts = this machine over the local connection, with the production group_vars."""
+    inv = tmp_path / "inventory"
+    inv.mkdir()
+    (inv / "group_vars").symlink_to(ROOT / "inventory" / "group_vars")
+    (inv / "hosts.yml").write_text(yaml.safe_dump({"all": {"children": {"gpu_hosts": {"hosts": {
+        "preflight-local": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}}}}}}))
+    return inv
+
+
+def _preflight(inv: Path, tmp_path: Path, extra: dict) -> subprocess.CompletedProcess:
+    # Fits this machine's memory and names a storage host: the defaults are for the GPU host.
+    base = {"hs_dump_budget_gib": 1, "hs_shm_headroom_gib": 1, "hs_storage_host": "storage.example"}
+    varfile = tmp_path / "extra.json"
+    varfile.write_text(json.dumps({**base, **extra}))
+    return _run([_tool("ansible-playbook"), "-i", str(inv), "-e", f"@{varfile}", "playbooks/preflight.yml"],
+                timeout=300)
+
+
+def test_preflight_accepts_the_defaults(local_inventory, tmp_path):
+    proc = _preflight(local_inventory, tmp_path, {})
+    assert proc.returncode == 0, _tail(proc)
+    assert "failed=0" in proc.stdout
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"hs_sglang_version": "0.5.10"}, "naming a release hs-patch supports"),
+    ({"hs_sglang_version": 0.6}, "must be a quoted string"),
+    ({"hs_sglang_install_source": "conda"}, "must be pypi or wheelhouse"),
+    ({"hs_sglang_install_source": "wheelhouse", "hs_sglang_wheelhouse": "/nonexistent/wh"},
+     "is not an absolute path to a directory on the control node"),
+    ({"hs_sglang_install_source": "wheelhouse", "hs_sglang_wheelhouse": "wheelhouse"},
+     "is not an absolute path to a directory on the control node"),
+    ({"hs_model_path": "models/kimi"}, "hs_model_path must be an absolute path"),
+    ({"hs_dump_dir": "/dev/shm/my dumps"}, "hs_dump_dir must be an absolute path without spaces"),
+    ({"hs_model_architecture": "LlamaForCausalLM"}, "is not served by SGLang's deepseek_v2.py"),
+    ({"hs_tp_size": 3}, "hs_tp_size a power of two"),
+    ({"hs_tp_size": 16}, "hs_tp_size a power of two no larger than it"),
+    ({"hs_gpu_count": "8"}, "hs_gpu_count must be an integer"),
+    ({"hs_capture_layers": [2, 2, 58]}, "distinct non-negative integers"),
+    ({"hs_capture_layers": "2,30,58,60"}, "hs_capture_layers must be a non-empty list"),
+    ({"hs_capture_final": "after"}, "hs_capture_final one of pre, post, both, none"),
+    ({"hs_dump_budget_gib": 100000}, "fit in 80% of"),
+    ({"hs_server_port": 80}, "hs_server_port must be an integer 1024-65535"),
+    ({"hs_nvidia_driver_branch": "550"}, "570 or newer for Blackwell"),
+    ({"hs_service_user": "root"}, "not root"),
+    ({"hs_storage_host": ""}, "set hs_storage_host"),
+    ({"hs_storage_managed": False}, "hs_storage_host_key to its SSH host key"),
+])
+def test_preflight_refuses_bad_inventory(local_inventory, tmp_path, extra, message):
+    proc = _preflight(local_inventory, tmp_path, extra)
+    assert proc.returncode != 0, f"{extra} was accepted"
+    flat = " ".join((proc.stdout + proc.stderr).split())
+    assert message in flat, _tail(proc)
+
+
+def test_preflight_skips_storage_when_shipping_is_off(local_inventory, tmp_path):
+    proc = _preflight(local_inventory, tmp_path, {"hs_storage_host": "", "hs_ship_enabled": False})
+    assert proc.returncode == 0, _tail(proc)
+
+
+# --- the test-host lab ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_testhosts_up_down_leaves_nothing(tmp_path):
+    """Two hosts reach each other over SSH; down removes every netns, link, mount and process."""
+    if reason := _lab_prereqs():
+        pytest.skip(reason)
+    sys.path.insert(0, str(ROOT))
+    from tests.testhosts import Lab
+
+    def snapshot():
+        netns = set(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else set()
+        links = set(_run(["ip", "-o", "link", "show"]).stdout.split("\n"))
+        links = {line.split(":")[1].strip().split("@")[0] for line in links if line.strip()}
+        mounts = {line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()}
+        return netns, links, mounts
+
+    before = snapshot()
+    lab = Lab(tmp_path / "lab")
+    started = time.monotonic()
+    try:
+        desc = lab.up([("gpu", "203.0.113.10"), ("storage", "203.0.113.11")], gateway="203.0.113.1/24")
+        assert [h["address"] for h in desc["hosts"]] == ["203.0.113.10", "203.0.113.11"]
+        state = lab.load()
+        pids = [h["pid"] for h in state["hosts"]]
+        assert lab.ssh("gpu", "hostname").stdout.strip() == "gpu"
+        assert lab.ssh("storage", "systemctl is-system-running").stdout.strip() in ("running", "degraded")
+        # host to host over the lab bridge (storage's sshd answers; no key needed to prove reachability)
+        probe = lab.ssh("gpu", "python3 -c \"import socket; s = socket.create_connection(('storage', 22), 5); "
+                               "print(s.recv(64).decode().split('-')[0])\"", check=False)
+        assert probe.stdout.strip() == "SSH", probe.stderr
+        # one pinned host key per host (the lab keeps strict host key checking on)
+        known = Path(desc["known_hosts"]).read_text()
+        assert known.count("ssh-ed25519") == 2
+    finally:
+        lab.down()
+    assert time.monotonic() - started < 120
+    after = snapshot()
+    assert after[0] == before[0], "network namespaces left behind"
+    assert after[1] == before[1], "network links left behind"
+    assert after[2] == before[2], "mounts left behind"
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    assert not (tmp_path / "lab" / "lab.json").exists()
+
+
+# --- molecule scenarios -----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_molecule_scenario(scenario):
+    """destroy, syntax, create, prepare, check, converge, idempotence, side_effect, verify, destroy."""
+    if reason := _lab_prereqs():
+        pytest.skip(reason)
+    started = time.monotonic()
+    proc = _run([_tool("molecule"), "test", "--scenario-name", scenario], timeout=900,
+                env={"PATH": f"{BIN}:{os.environ.get('PATH', '')}"})
+    took = time.monotonic() - started
+    print(f"molecule {scenario}: {took:.0f}s")
+    assert proc.returncode == 0, _tail(proc, 150)
+    out = proc.stdout + proc.stderr
+    for step in ("check", "converge", "idempotence", "side_effect", "verify"):
+        assert f"{step}: Executed: Successful" in out, f"{scenario}: step {step} did not run successfully"
+
+
+def test_docs_list_every_variable_with_its_default():
+    """docs/ansible.md stays accurate: every knob and role variable, with the default in the code."""
+    doc = (ROOT / "docs" / "ansible.md").read_text()
+    rows = {line.split("|")[1].strip().strip("`"): line.split("|")[2].strip()
+            for line in doc.splitlines() if line.startswith("| `")}
+    knobs = yaml.safe_load((ROOT / "inventory/group_vars/gpu_hosts.yml").read_text())
+    for role in ROLES:
+        knobs.update(yaml.safe_load((ROOT / "roles" / role / "defaults/main.yml").read_text()))
+    for name, default in knobs.items():
+        assert name in rows, f"docs/ansible.md does not list {name}"
+        shown = rows[name].strip("`")
+        expected = '""' if default == "" else (default if isinstance(default, str) else json.dumps(default))
+        assert shown == expected, f"docs/ansible.md shows {name} = {shown}, the code has {expected}"
