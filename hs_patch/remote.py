@@ -64,7 +64,7 @@ def preflight(c: Any, t: Target, *, estimated_bytes: int | None, need_gpus: bool
     if need_gpus:
         r = sh(c, "nvidia-smi --query-gpu=name --format=csv,noheader")
         names = [x.strip() for x in r.stdout.splitlines() if x.strip()] if r.ok else []
-        good = [n for n in names if n == t.gpu_model]
+        good = [n for n in names if t.gpu_model in n]  # hs_gpu_model: a part of the name nvidia-smi prints
         checks.append(Check("gpus", r.ok and len(good) == t.gpu_count == len(names),
                             f"{len(names)} GPU(s): {', '.join(sorted(set(names))) or r.stderr.strip() or 'none'}",
                             f"expected {t.gpu_count} x {t.gpu_model}: check the driver (nvidia-smi) or hs_gpu_count/"

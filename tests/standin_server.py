@@ -61,6 +61,7 @@ import torch  # noqa: E402
 
 from hs_patch import config as capture_config  # noqa: E402
 from hs_patch import hook as capture_hook  # noqa: E402
+from hs_patch import patcher  # noqa: E402
 from hs_patch.releases import RELEASES, TARGET, apply_edits  # noqa: E402
 
 log = logging.getLogger("standin")
@@ -88,7 +89,7 @@ class Engine:
 
     def __init__(self, model_dir: str, capture_dir: str, *, release: str = RELEASE_DEFAULT,
                  wheel: Optional[str] = None, chunked_prefill_size: int = 8192, batch_window_ms: float = 5.0,
-                 context_length: Optional[int] = None):
+                 context_length: Optional[int] = None, installed: bool = False):
         from transformers import AutoTokenizer, DeepseekV3ForCausalLM
 
         from sglang_sim import Sim, load_aux_module
@@ -105,8 +106,15 @@ class Engine:
         self.context_length = context_length or int(cfg.max_position_embeddings)
         self.vocab = int(cfg.vocab_size)
         self._site = tempfile.TemporaryDirectory(prefix="standin-sglang-")
-        site = extract_site(Path(wheel) if wheel else sglang_wheel(release), Path(self._site.name))
-        source = apply_edits(RELEASES[release], (site / TARGET).read_text())
+        if installed:  # the SGLang installed (and patched, e.g. by Ansible) for this Python
+            target = patcher.inspect_target(None)
+            if target.state != "patched":
+                raise SystemExit(f"{target.path} is {target.state}, not patched: run hs-patch apply")
+            release, site, source = target.release.version, target.site, target.text
+            self.release = release
+        else:
+            site = extract_site(Path(wheel) if wheel else sglang_wheel(release), Path(self._site.name))
+            source = apply_edits(RELEASES[release], (site / TARGET).read_text())
         aux = load_aux_module(site) if release == "0.5.23" else None
         n = cfg.num_hidden_layers
         env = dict(os.environ, HS_CAPTURE="1", HS_CAPTURE_DIR=str(Path(capture_dir).resolve()))
@@ -368,10 +376,15 @@ class StandinServer:
 
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="model directory (tests/tiny_model.py writes one)")
+    ap.add_argument("--model", "--model-path", dest="model", required=True,
+                    help="model directory (tests/tiny_model.py writes one)")
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--capture-dir", required=True, help="where the hook writes samples (HS_CAPTURE_DIR)")
+    ap.add_argument("--capture-dir", default=os.environ.get("HS_CAPTURE_DIR"),
+                    help="where the hook writes samples (default: $HS_CAPTURE_DIR)")
+    ap.add_argument("--installed-sglang", action="store_true", help="run the deepseek_v2.py of the SGLang "
+                    "installed for this Python (it must be patched: e.g. by ansible-playbook site.yml); "
+                    "SGLang's own server flags on the command line are then accepted and ignored")
     ap.add_argument("--release", default=RELEASE_DEFAULT, choices=list(RELEASES),
                     help="SGLang release whose patched forward runs (default: %(default)s)")
     ap.add_argument("--sglang-wheel", help="that release's wheel (default: downloaded once into "
@@ -382,13 +395,19 @@ def main(argv: Optional[list[str]] = None) -> None:
                     "prefilled together (default: %(default)s)")
     ap.add_argument("--context-length", type=int, help="default: the model's max_position_embeddings")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: %(default)s)")
-    a = ap.parse_args(argv)
+    a, ignored = ap.parse_known_args(argv)
+    if ignored and not a.installed_sglang:
+        ap.error(f"unrecognized arguments: {' '.join(ignored)}")
+    if not a.capture_dir:
+        ap.error("--capture-dir or HS_CAPTURE_DIR is required")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s standin %(levelname)s %(message)s")
     torch.set_num_threads(a.threads)
     engine = Engine(a.model, a.capture_dir, release=a.release, wheel=a.sglang_wheel,
                     chunked_prefill_size=a.chunked_prefill_size, batch_window_ms=a.batch_window_ms,
-                    context_length=a.context_length)
+                    context_length=a.context_length, installed=a.installed_sglang)
     server = StandinServer(engine, a.host, a.port)
+    if ignored:
+        log.info("stand-in: SGLang server flags accepted and ignored: %s", " ".join(ignored))
     log.warning("STAND-IN server, NOT SGLang: patched forward of SGLang %s on a tiny transformers model, "
                 "capturing layers %s into %s; listening on %s", a.release, list(engine.capture.layers),
                 engine.capture.directory, server.url)

@@ -1,0 +1,215 @@
+#!/usr/bin/env python3
+"""Try the whole flow without a GPU host, in a few minutes (run as root).
+
+    sudo python3 tests/demo.py            # up, provision, extract, ship, check, tear down
+    sudo python3 tests/demo.py --keep     # leave the hosts up to look around; later:
+    sudo python3 tests/demo.py --down
+
+1. boots two local test hosts (tests/testhosts.py: Debian 12, real systemd, real SSH, in
+   their own network namespace): ``gpu`` (198.51.100.40) and ``storage`` (198.51.100.41);
+2. runs ``ansible-playbook site.yml`` against them with a generated inventory: the GPU
+   steps are faked (an ``nvidia-smi`` printing 8 RTX PRO 6000 rows, no driver install),
+   SGLang 0.5.9 comes from a wheelhouse and is patched and verified, the server unit runs
+   the STAND-IN server (tests/standin_server.py: not SGLang; it runs the deepseek_v2.py
+   Ansible just patched, on a tiny random DeepseekV3, through the real capture hook);
+3. runs ``fab extract`` on the bundled dataset (examples/data/tiny_chat.jsonl) with the
+   live dashboard, shipping to the storage host;
+4. copies the destination back and checks every sample (size, sha256, tensors, loss
+   mask), and that the dump and samples dirs on the GPU host are empty;
+5. tears everything down (unless ``--keep``).
+
+Wheels are cached in /var/cache/hs-patch-tests (the first run downloads ~250 MB: torch
+CPU, transformers). The end-to-end tests (tests/test_e2e.py) use the same ``Demo``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(HERE), str(ROOT)]
+
+from testhosts import CACHE_DIR, Lab  # noqa: E402
+
+GPU, STORAGE = ("gpu", "198.51.100.40"), ("storage", "198.51.100.41")
+SGLANG = "0.5.9"
+VENV = "/opt/hs-patch/venv"
+STANDIN_DIR = "/opt/hs-patch/standin"
+STANDIN_FILES = ("standin_server.py", "sglang_sim.py", "hf_reference.py", "sglang_wheels.py")
+STANDIN_NEEDS = ("torch==2.13.0", "transformers", "safetensors", "requests", "pyyaml")
+MODEL = "/models/tiny"
+EXAMPLE = ROOT / "examples" / "data" / "tiny_chat.jsonl"
+
+# What the test hosts need instead of the production defaults (the rest comes from
+# inventory/group_vars/gpu_hosts.yml, copied as it is).
+GPU_VARS = {
+    "hs_storage_host": STORAGE[0], "hs_dump_budget_gib": 2, "hs_shm_headroom_gib": 1,
+    "gpu_host_nvidia_driver_install": False, "gpu_host_apt_cache_valid_time": 0,
+    "gpu_host_nvidia_smi": "/usr/local/bin/nvidia-smi", "gpu_host_nvidia_version_file": "/etc/hs-test/nvidia-version",
+    "hs_sglang_install_source": "wheelhouse", "hs_sglang_wheelhouse": str(CACHE_DIR / "wheelhouse"),
+    "sglang_pip_no_deps": True, "hs_model_path": MODEL, "hs_model_architecture": "DeepseekV3ForCausalLM",
+    "hs_capture_layers": [1, 2, 3], "sglang_service_restart_sec": 1,
+    "sglang_service_launcher": f"{VENV}/bin/python {STANDIN_DIR}/standin_server.py --installed-sglang "
+                               "--chunked-prefill-size 256",
+    "sample_shipping_apt_cache_valid_time": 0,
+}
+
+
+def say(msg: str) -> None:
+    print(f"\n=== demo: {msg}", flush=True)
+
+
+def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    print("+ " + shlex.join(cmd), flush=True)
+    return subprocess.run(cmd, check=True, **kw)
+
+
+class Demo:
+    """Two test hosts provisioned by site.yml, and fab pointed at them."""
+
+    def __init__(self, state_dir: str | Path):
+        self.dir = Path(state_dir)
+        self.lab = Lab(self.dir / "lab")
+        self.inventory = self.dir / "inventory"
+
+    # ------------------------------------------------------------------ hosts
+    def up(self) -> None:
+        say("booting the test hosts")
+        self.lab.up([GPU, STORAGE])
+        self._write_inventory()
+
+    def down(self) -> None:
+        self.lab.down()
+
+    def _write_inventory(self) -> None:
+        lab = self.lab.ansible_inventory()["all"]["hosts"]
+        hosts = {"all": {"children": {"gpu_hosts": {"hosts": {GPU[0]: lab[GPU[0]]}},
+                                      "training_storage": {"hosts": {STORAGE[0]: lab[STORAGE[0]]}}}}}
+        (self.inventory / "group_vars").mkdir(parents=True, exist_ok=True)
+        (self.inventory / "host_vars").mkdir(exist_ok=True)
+        (self.inventory / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
+        shutil.copy(ROOT / "inventory" / "group_vars" / "gpu_hosts.yml", self.inventory / "group_vars")
+        (self.inventory / "host_vars" / f"{GPU[0]}.yml").write_text(yaml.safe_dump(GPU_VARS, sort_keys=False))
+
+    def ssh(self, host: str, command: str, check: bool = True, timeout: int = 300) -> subprocess.CompletedProcess:
+        return self.lab.ssh(host, command, check=check, timeout=timeout)
+
+    def rsync(self, src: str, dest: str) -> None:
+        d = self.lab.describe()
+        ssh = (f"ssh -i {d['key']} -o IdentitiesOnly=yes -o BatchMode=yes -o StrictHostKeyChecking=yes "
+               f"-o UserKnownHostsFile={d['known_hosts']} -l root")
+        run(["rsync", "-a", "-e", ssh, src, dest], stdout=subprocess.DEVNULL)
+
+    def addr(self, host: str) -> str:
+        return dict([GPU, STORAGE])[host]
+
+    # ------------------------------------------------------------------ provisioning
+    def provision(self) -> None:
+        say("wheels for the test hosts (cached)")
+        wheelhouse = CACHE_DIR / "wheelhouse"
+        if not list(wheelhouse.glob(f"sglang-{SGLANG}-*.whl")):
+            run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheelhouse), f"sglang=={SGLANG}"])
+        standin = CACHE_DIR / "standin-wheels"
+        if not (standin / ".complete").exists():
+            run([sys.executable, "-m", "pip", "download", "-q", "-d", str(standin), *STANDIN_NEEDS])
+            (standin / ".complete").touch()
+        say("fake GPUs, the tiny model and the stand-in server on the GPU test host")
+        self.ssh(GPU[0], "mkdir -p /etc/hs-test /usr/local/bin " + MODEL + " " + STANDIN_DIR + "/wheels")
+        gpus = {"count": 8, "name": "NVIDIA RTX PRO 6000 Blackwell Server Edition", "driver": "580.95.05"}
+        self.ssh(GPU[0], f"echo {shlex.quote(json.dumps(gpus))} > /etc/hs-test/fake-gpus.json && "
+                         "printf 'NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release "
+                         "Build\\n' > /etc/hs-test/nvidia-version")
+        self.rsync(str(ROOT / "molecule" / "shared" / "files" / "fake-nvidia-smi"), f"{self.addr(GPU[0])}:/usr/local/bin/nvidia-smi")
+        with tempfile.TemporaryDirectory() as tmp:
+            from tiny_model import make_tiny_model_dir
+
+            make_tiny_model_dir(Path(tmp) / "tiny")
+            self.rsync(f"{tmp}/tiny/", f"{self.addr(GPU[0])}:{MODEL}/")
+        for f in STANDIN_FILES:
+            self.rsync(str(HERE / f), f"{self.addr(GPU[0])}:{STANDIN_DIR}/{f}")
+        self.rsync(f"{standin}/", f"{self.addr(GPU[0])}:{STANDIN_DIR}/wheels/")
+        say("ansible-playbook site.yml")
+        env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg")}
+        run(["ansible-playbook", "-i", str(self.inventory), str(ROOT / "site.yml")], cwd=ROOT, env=env)
+        say("the stand-in server's dependencies into the venv (a real host has them with SGLang)")
+        self.ssh(GPU[0], f"{VENV}/bin/pip install -q --no-index --find-links {STANDIN_DIR}/wheels "
+                         + " ".join(shlex.quote(x) for x in STANDIN_NEEDS), timeout=900)
+
+    # ------------------------------------------------------------------ fab
+    def fab(self, *args: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
+        cmd = ["fab", *args, "--host", GPU[0], "--inventory", str(self.inventory),
+               "--known-hosts", self.lab.describe()["known_hosts"]]
+        print("+ " + shlex.join(cmd), flush=True)
+        return subprocess.run(cmd, cwd=ROOT, check=check, **kw)
+
+    def fetch_destination(self, run_name: str, dest: Path) -> Path:
+        """Copy the run's destination from the storage host (to check it here)."""
+        self.rsync(f"{self.addr(STORAGE[0])}:/srv/hs-samples/{run_name}/", f"{dest}/")
+        return dest
+
+
+def check_destination(dest: Path, expected_ids: set[str] | None = None) -> dict:
+    """0 lost, 0 duplicated, 0 truncated at the destination: every file listed once, verified."""
+    from hs_patch import store
+
+    entries = store.read_jsonl(dest / store.MANIFEST)
+    keys = [e["key"] for e in entries if e.get("op") == "add"]
+    assert len(keys) == len(set(keys)), "a sample is listed twice at the destination"
+    rep = store.check_dir(dest, deep=True)
+    assert rep.clean, f"destination: bad={rep.bad} missing={rep.missing} unlisted={rep.unlisted}"
+    ids = {store.read_sample(dest / e["file"]).metadata["sample_id"] for e in store.read_manifest(dest).values()}
+    if expected_ids is not None:
+        assert ids == expected_ids, f"lost {sorted(expected_ids - ids)[:5]}, unexpected {sorted(ids - expected_ids)[:5]}"
+    return {"samples": len(ids), "bytes": rep.nbytes, "tokens": rep.tokens}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--state-dir", default="/tmp/hs-demo", help="where the lab and the inventory live")
+    ap.add_argument("--keep", action="store_true", help="leave the test hosts running at the end")
+    ap.add_argument("--down", action="store_true", help="only tear down a kept demo")
+    a = ap.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("demo: run as root (network namespaces and systemd-nspawn): sudo python3 tests/demo.py")
+    demo = Demo(a.state_dir)
+    if a.down:
+        demo.down()
+        return 0
+    ok = False
+    try:
+        demo.up()
+        demo.provision()
+        say("fab extract (live dashboard; Ctrl-C only detaches)")
+        demo.fab("extract", "--dataset", str(EXAMPLE), "--run", "demo")
+        say("checking the samples at the destination")
+        with tempfile.TemporaryDirectory() as tmp:
+            res = check_destination(demo.fetch_destination("demo", Path(tmp)))
+        left = demo.ssh(GPU[0], "find /dev/shm/hs_capture /dev/shm/hs-runs -name '*.safetensors' | wc -l").stdout
+        assert left.strip() == "0", f"{left.strip()} sample files left on the GPU host"
+        print(f"demo: {res['samples']} samples, {res['tokens']} tokens, {res['bytes']} bytes at the destination, "
+              "all verified; nothing left in the dump and samples dirs")
+        ok = True
+    finally:
+        if a.keep:
+            print(f"demo: hosts kept; fab --help status, then: sudo python3 tests/demo.py --down "
+                  f"(inventory: {demo.inventory}, known_hosts: {demo.lab.describe().get('known_hosts')})")
+        else:
+            say("tearing down")
+            demo.down()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
