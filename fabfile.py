@@ -24,6 +24,20 @@ from fabric import Connection, task
 from hs_patch import dashboard, remote
 from hs_patch.fabconfig import ConfigError, Target, check_run_name, load
 
+
+def _errors(body):
+    """Report a failed remote step as one clear line instead of a traceback."""
+    import functools
+
+    @functools.wraps(body)
+    def wrapper(*args, **kwargs):
+        try:
+            return body(*args, **kwargs)
+        except (remote.RemoteError, ConfigError) as e:
+            sys.exit(f"fab: {e}")
+
+    return wrapper
+
 COMMON = {
     "host": "GPU host: its name or address in the inventory",
     "inventory": "Ansible inventory directory (default: inventory/ or $HS_INVENTORY)",
@@ -70,6 +84,7 @@ def _say(msg: str) -> None:
             "turns first (not captured), then capture the whole conversation",
             "server-timeout": "seconds to wait for the server to become healthy (default 1800)",
             "interval": "dashboard refresh in seconds", "detach": "start and return without the dashboard"})
+@_errors
 def extract(c, host, dataset, run=None, limit=0, regenerate=False, remote_dataset=False, inventory=None,
             known_hosts=None, server_timeout=1800, interval=2, detach=False):
     """Preflight, start the server, run the driver and the shipper as systemd units, watch them live."""
@@ -81,7 +96,8 @@ def extract(c, host, dataset, run=None, limit=0, regenerate=False, remote_datase
     data_bytes = local.stat().st_size if not remote_dataset else \
         int(remote.sh(conn, f"stat -c %s {dataset}", check=True).stdout)
     _say(f"preflight on {t.host} (run {run})")
-    checks = remote.preflight(conn, t, estimated_bytes=remote.estimate_bytes(conn, t, data_bytes))
+    estimated, per_token = remote.estimate_bytes(conn, t, data_bytes)
+    checks = remote.preflight(conn, t, estimated_bytes=estimated, bytes_per_token=per_token)
     for ch in checks:
         print(f"  {'ok  ' if ch.ok else 'FAIL'} {ch.name:14} {ch.detail}" + ("" if ch.ok else f"\n       -> {ch.fix}"))
     if not all(ch.ok for ch in checks):
@@ -106,6 +122,7 @@ def extract(c, host, dataset, run=None, limit=0, regenerate=False, remote_datase
 
 
 @task(help={**COMMON, "once": "print one snapshot and exit", "interval": "refresh in seconds"})
+@_errors
 def status(c, host, run=None, once=False, inventory=None, known_hosts=None, interval=2):
     """Reattach to a run's live dashboard (or print it once)."""
     conn, t = _connect(host, inventory, known_hosts)
@@ -115,6 +132,7 @@ def status(c, host, run=None, once=False, inventory=None, known_hosts=None, inte
 
 
 @task(help={**COMMON, "server": "stop the SGLang server unit too"})
+@_errors
 def stop(c, host, run=None, server=False, inventory=None, known_hosts=None):
     """Stop a run cleanly: the driver, then the shipper finish what is in flight (resume with fab extract)."""
     conn, t = _connect(host, inventory, known_hosts)
@@ -124,6 +142,7 @@ def stop(c, host, run=None, server=False, inventory=None, known_hosts=None):
 
 
 @task(help=COMMON)
+@_errors
 def ship(c, host, run=None, inventory=None, known_hosts=None):
     """Ship every finished sample of a run now, verified at the destination, and wait for it."""
     conn, t = _connect(host, inventory, known_hosts)
@@ -134,6 +153,7 @@ def ship(c, host, run=None, inventory=None, known_hosts=None):
 
 
 @task(help={k: v for k, v in COMMON.items() if k != "run"})
+@_errors
 def verify(c, host, inventory=None, known_hosts=None):
     """Run hs-patch verify on the host: exit 0 only if the patch is present and intact."""
     conn, t = _connect(host, inventory, known_hosts)

@@ -19,7 +19,9 @@ FINISHED = ("inactive", "failed")
 
 
 def _gb(n: float | None) -> str:
-    return "-" if n is None else f"{n / 1e9:.2f} GB"
+    if n is None:
+        return "-"
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def _state(snap: dict[str, Any], unit: str) -> str:
@@ -71,7 +73,7 @@ def render(snap: dict[str, Any], host: str, progress: Progress, task: Any) -> Gr
 
     problems = []
     for r in snap.get("rejects") or []:
-        problems.append(f"reject {r.get('file', '')}:{r.get('line', '')} {r.get('reason', '')}"[:160])
+        problems.append(f"reject {r.get('source', '')}:{r.get('line', '')} {r.get('reason', '')}"[:160])
     for who, msg in (("driver", (d.get("errors") or {}).get("last")), ("shipper", ship.get("last_error")),
                      ("hook", hook.get("error"))):
         if msg:
@@ -130,6 +132,7 @@ def watch(fetch: Callable[[], dict[str, Any]], host: str, run: str, *, interval:
         console.print(f"\n[yellow]detached; the job goes on on {host}. Reattach with: {reattach}[/]")
         return 2
     d = snap.get("driver") or {}
+    console.print()
     console.print(f"[green]finished[/]: driver {d.get('state')}, {((d.get('samples') or {}).get('done'))} samples; "
                   f"shipper {(snap.get('shipper') or {}).get('state')}")
     return 0

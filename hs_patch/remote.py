@@ -50,7 +50,11 @@ def units(run: str) -> tuple[str, str]:
 # --------------------------------------------------------------------------- preflight
 
 
-def preflight(c: Any, t: Target, *, estimated_bytes: int | None, need_gpus: bool = True) -> list[Check]:
+MAX_SAMPLE_TOKENS = 32768  # hs-extract drive --max-tokens default
+
+
+def preflight(c: Any, t: Target, *, estimated_bytes: int | None, bytes_per_token: int,
+              need_gpus: bool = True) -> list[Check]:
     """Check the host can run an extraction; each failed check says what to do."""
     checks: list[Check] = []
     r = sh(c, "true")
@@ -70,11 +74,19 @@ def preflight(c: Any, t: Target, *, estimated_bytes: int | None, need_gpus: bool
                             f"expected {t.gpu_count} x {t.gpu_model}: check the driver (nvidia-smi) or hs_gpu_count/"
                             "hs_gpu_model in the inventory"))
     checks.append(_server_flags(c, t))
+    r = sh(c, f"cd / && sudo -u {t.service_user} find {shlex.quote(t.model_path)} -maxdepth 1 ! -readable")
+    unreadable = r.stdout.split()
+    checks.append(Check("model", r.ok and not unreadable and sh(c, f"test -f {shlex.quote(t.model_path)}/config.json").ok,
+                        f"{t.model_path} readable by {t.service_user}" if r.ok and not unreadable else
+                        f"{t.model_path}: not readable by {t.service_user}: {' '.join(unreadable)[:200] or r.stderr.strip()}",
+                        f"put the model there and let {t.service_user} read it (chmod -R a+rX {t.model_path})"))
+    # room for the run, or at least for its largest possible sample (the driver pauses
+    # sending at 80% use and the shipper frees space as it goes)
+    need = max(64 << 20, min(estimated_bytes or 0, bytes_per_token * MAX_SAMPLE_TOKENS))
     for label, path in (("dump space", t.dump_dir), ("samples space", t.samples_root)):
         free = _free_bytes(c, path)
-        need = 4 << 30
         checks.append(Check(label, free is not None and free >= need, f"{_gb(free)} free for {path}",
-                            f"free at least {_gb(need)} there (the driver pauses at 80% use)"))
+                            f"free at least {_gb(need)} there (one sample of {MAX_SAMPLE_TOKENS} tokens)"))
     if t.ship_enabled:
         cmd = f"sudo -u {t.service_user} -H ssh -o BatchMode=yes {t.storage_alias} df -Pk {shlex.quote(t.storage_dir)}"
         r = sh(c, cmd, timeout=60)
@@ -125,13 +137,15 @@ def _last_json(text: str) -> dict[str, Any]:
     return {}
 
 
-def estimate_bytes(c: Any, t: Target, dataset_bytes: int) -> int:
-    """Stored bytes for a dataset: ~4 bytes of JSON per token, planes x hidden x 2 per token."""
+def estimate_bytes(c: Any, t: Target, dataset_bytes: int) -> tuple[int, int]:
+    """(stored bytes for a dataset, bytes per token): ~4 bytes of JSON per token, planes x
+    hidden x 2 (+ 9 for the id and the loss mask) per token."""
     r = sh(c, f"cat {shlex.quote(t.model_path)}/config.json")
     cfg = json.loads(r.stdout) if r.ok else {}
     hidden = int((cfg.get("text_config") or cfg).get("hidden_size", 7168))
     planes = len(t.capture_layers) + {"pre": 1, "post": 1, "both": 2}.get(t.capture_final, 0)
-    return dataset_bytes // 4 * (planes * hidden * 2 + 9)
+    per_token = planes * hidden * 2 + 9
+    return dataset_bytes // 4 * per_token, per_token
 
 
 # --------------------------------------------------------------------------- starting
@@ -156,7 +170,7 @@ def upload(c: Any, t: Target, run: str, local: Path) -> str:
 
 def start_server(c: Any, t: Target, timeout: int, progress: Callable[[str], None]) -> None:
     """Start the server unit (no-op when running) and wait for /health_generate."""
-    sh(c, f"systemctl start {t.service}.service", check=True)
+    sh(c, f"systemctl reset-failed {t.service}.service 2>/dev/null; systemctl start {t.service}.service", check=True)
     url = f"http://127.0.0.1:{t.server_port}/health_generate"
     probe = (f"{t.bin('python')} -c \"import sys,urllib.request;"
              f"sys.exit(urllib.request.urlopen('{url}', timeout=30).status != 200)\"")

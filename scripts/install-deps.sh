@@ -4,10 +4,11 @@
 #   debootstrap, systemd-container : build and boot the SSH test hosts (tests/testhosts.py)
 #   iproute2                       : network namespaces, veth pairs and the lab bridge
 #   openssh-client                 : Ansible, testinfra and fabric reach the test hosts over real SSH
-#   rsync                          : the shipping role and ansible.posix.synchronize
+#   rsync                          : the shipping role, the shipper, ansible.posix.synchronize
+#   openssh-server                 : the shipper's tests run a private sshd on 127.0.0.1
 set -euo pipefail
 
-packages=(debootstrap systemd-container rsync openssh-client iproute2 ca-certificates)
+packages=(debootstrap systemd-container rsync openssh-client openssh-server iproute2 ca-certificates)
 
 if [ "$(id -u)" -ne 0 ]; then
     echo "install-deps.sh: run as root (sudo bash scripts/install-deps.sh)" >&2

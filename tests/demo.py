@@ -132,11 +132,13 @@ class Demo:
                          "printf 'NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release "
                          "Build\\n' > /etc/hs-test/nvidia-version")
         self.rsync(str(ROOT / "molecule" / "shared" / "files" / "fake-nvidia-smi"), f"{self.addr(GPU[0])}:/usr/local/bin/nvidia-smi")
+        self.ssh(GPU[0], "chmod 0755 /usr/local/bin/nvidia-smi")
         with tempfile.TemporaryDirectory() as tmp:
             from tiny_model import make_tiny_model_dir
 
             make_tiny_model_dir(Path(tmp) / "tiny")
             self.rsync(f"{tmp}/tiny/", f"{self.addr(GPU[0])}:{MODEL}/")
+        self.ssh(GPU[0], f"chmod -R a+rX {MODEL}")  # save_pretrained writes weights 0600
         for f in STANDIN_FILES:
             self.rsync(str(HERE / f), f"{self.addr(GPU[0])}:{STANDIN_DIR}/{f}")
         self.rsync(f"{standin}/", f"{self.addr(GPU[0])}:{STANDIN_DIR}/wheels/")

@@ -75,7 +75,7 @@ SNAP = {
               "sglang": {"ActiveState": "active"}},
     "dump": {"used_pct": 81.0}, "samples": {"used_pct": 12.0},
     "gpus": [{"index": "0", "name": "NVIDIA RTX PRO 6000 Blackwell", "util": 97, "mem_used": 90000, "mem_total": 97000}],
-    "rejects": [{"file": "chat.jsonl", "line": 5, "reason": "no assistant turn"}],
+    "rejects": [{"source": "chat.jsonl", "line": 5, "reason": "no assistant turn"}],
 }
 
 
@@ -85,7 +85,7 @@ def test_dashboard_shows_progress_rates_gpus_and_problems():
     code = dashboard.watch(lambda: SNAP, "gpu1", "r1", once=True, console=console)
     text = out.getvalue()
     assert code == 0
-    for needle in ("40 done / 100", "PAUSED", "2,048", "5.80 GB", "30 (4.40 GB)", "RTX PRO 6000", "97%",
+    for needle in ("40 done / 100", "PAUSED", "2,048", "5.80 GB", "30 (4.40 GB)", "chat.jsonl:5", "RTX PRO 6000", "97%",
                    "no assistant turn", "timeout on line 7", "81.0% used"):
         assert needle in text, needle
     assert not dashboard.done(SNAP)
