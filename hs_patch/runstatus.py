@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from hs_patch import store
+
 
 @dataclass
 class Counters:
@@ -94,16 +96,10 @@ class RunStatus:
 
     def write(self) -> dict[str, Any]:
         doc = self.snapshot()
-        _atomic_write(self.path, json.dumps(doc, indent=1, sort_keys=True))
+        store.write_text_atomic(self.path, json.dumps(doc, indent=1, sort_keys=True))
         if self.prometheus is not None:
-            _atomic_write(self.prometheus, prometheus_text(doc))
+            store.write_text_atomic(self.prometheus, prometheus_text(doc))
         return doc
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def prometheus_text(doc: dict[str, Any]) -> str:

@@ -188,10 +188,7 @@ class Shipper:
             "throughput_bytes_per_s": round(self.run_bytes / self.busy_seconds) if self.busy_seconds else None,
             "failed": self.failed, "missing_local": self.missing_local, "last_error": self.last_error,
         }
-        path = self.cfg.state_dir / STATUS_FILE
-        tmp = path.with_name(f".{STATUS_FILE}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        store.write_text_atomic(self.cfg.state_dir / STATUS_FILE, json.dumps(doc, indent=1, sort_keys=True))
 
     # ------------------------------------------------------------------ main loop
 

@@ -241,6 +241,14 @@ def verify_entry(directory: str | os.PathLike, entry: Mapping[str, Any]) -> str 
     return None
 
 
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Replace a small file (status, progress) so a reader never sees half of it."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 # --------------------------------------------------------------------------- manifest
 
 

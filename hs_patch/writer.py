@@ -234,9 +234,7 @@ class Writer:
                "tokens": st.tokens, "bytes": st.bytes, "merged": st.merged, "skipped": st.skipped,
                "errors": st.errors, "queued": self._queue.qsize(),
                "error": None if self.error is None else str(self.error), **self.extra_status()}
-        tmp = self.directory / f".{STATUS_FILE}.{os.getpid()}.tmp"
         try:
-            tmp.write_text(json.dumps(doc, sort_keys=True))
-            os.replace(tmp, self.directory / STATUS_FILE)
+            store.write_text_atomic(self.directory / STATUS_FILE, json.dumps(doc, sort_keys=True))
         except OSError as e:  # a status file must never stop capture
             log.warning("hs_patch: cannot write %s: %s", STATUS_FILE, e)

@@ -36,25 +36,9 @@ def site(release_sources: dict[str, Path], tmp_path: Path, request: pytest.Fixtu
 @pytest.fixture(scope="session")
 def tiny_model():
     """A tiny random DeepseekV3 (MLA + MoE + yarn rope), bf16, seeded."""
-    import torch
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from tiny_model import random_model
 
-    cfg = DeepseekV3Config(
-        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
-        n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1,
-        kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-        max_position_embeddings=4096, rope_theta=10000.0,
-        rope_scaling={"type": "yarn", "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
-                      "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
-        tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(cfg).to(torch.bfloat16).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("e_score_correction_bias"):
-                p.normal_(0, 0.1)
-    return model
+    return random_model(vocab_size=256)
 
 
 @pytest.fixture(scope="session")

@@ -54,30 +54,38 @@ def make_tokenizer(out: Path, vocab_size: int = 512) -> None:
     ft.save_pretrained(str(out))
 
 
-def make_tiny_model_dir(out: str | Path, *, hidden: int = 64, layers: int = 4, vocab_size: int = 512) -> Path:
-    """Write the model directory (config, weights, tokenizer) and return its path."""
+def random_model(*, hidden: int = 64, layers: int = 4, vocab_size: int = 512, eos_token_id: int = 2):
+    """A tiny random DeepseekV3ForCausalLM (MLA + MoE + YaRN rope), bf16, seeded, in memory."""
     import torch
-    from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    make_tokenizer(out, vocab_size)
-    eos = AutoTokenizer.from_pretrained(str(out)).convert_tokens_to_ids("<|im_end|>")
     cfg = DeepseekV3Config(
         vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
         n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1,
         kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-        max_position_embeddings=4096, rope_theta=10000.0, bos_token_id=1, eos_token_id=eos,
+        max_position_embeddings=4096, rope_theta=10000.0, bos_token_id=1, eos_token_id=eos_token_id,
         rope_scaling={"type": "yarn", "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
                       "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
         tie_word_embeddings=False)
     torch.manual_seed(0)
     model = DeepseekV3ForCausalLM(cfg).to(torch.bfloat16).eval()
-    with torch.no_grad():
+    with torch.no_grad():  # non-trivial routing: the correction bias is zero by default
         for name, p in model.named_parameters():
             if name.endswith("e_score_correction_bias"):
                 p.normal_(0, 0.1)
+    return model
+
+
+def make_tiny_model_dir(out: str | Path, *, hidden: int = 64, layers: int = 4, vocab_size: int = 512) -> Path:
+    """Write the model directory (config, weights, tokenizer) and return its path."""
+    from transformers import AutoTokenizer
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(out, vocab_size)
+    eos = AutoTokenizer.from_pretrained(str(out)).convert_tokens_to_ids("<|im_end|>")
+    model = random_model(hidden=hidden, layers=layers, vocab_size=vocab_size, eos_token_id=eos)
     model.save_pretrained(str(out))
     cj = json.loads((out / "config.json").read_text())
     cj.update({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"})
