@@ -201,18 +201,19 @@ def start_jobs(c: Any, t: Target, run: str, driver_args: list[str]) -> list[str]
     common = (f"--uid={t.service_user} --gid={t.service_user} --property=Restart=on-abnormal "
               f"--property=RestartSec=5 --property=TimeoutStopSec=180 --property=KillMode=mixed "
               f"--setenv=PYTHONUNBUFFERED=1 --working-directory={shlex.quote(t.state_dir(run))}")
-    jobs = [(drive, [t.bin("hs-extract"), "drive", "--run", run, "--server", f"http://127.0.0.1:{t.server_port}",
+    # the driver exits 130 when it stops on SIGTERM (fab stop): a clean stop, not a failure
+    jobs = [(drive, ["--property=SuccessExitStatus=130", "--", t.bin("hs-extract"), "drive", "--run", run, "--server", f"http://127.0.0.1:{t.server_port}",
                      "--capture-dir", t.dump_dir, "--state-dir", t.state_dir(run),
                      "--samples-dir", t.samples_dir(run), *driver_args])]
     if t.ship_enabled:
-        jobs.append((ship, [t.bin("hs-extract"), "ship", "--samples-dir", t.samples_dir(run),
+        jobs.append((ship, ["--", t.bin("hs-extract"), "ship", "--samples-dir", t.samples_dir(run),
                             "--state-dir", t.state_dir(run), "--dest", f"{t.storage_alias}:{t.storage_dir}/{run}",
                             "--follow"]))
     for unit, argv in jobs:
         if unit_state(c, unit) in ("active", "activating", "reloading"):
             continue
         sh(c, f"systemctl reset-failed {unit}.service 2>/dev/null; systemctl stop {unit}.service 2>/dev/null")
-        cmd = f"systemd-run --unit={unit} --description='hs-patch {unit}' {common} -- " + shlex.join(argv)
+        cmd = f"systemd-run --unit={unit} --description='hs-patch {unit}' {common} " + shlex.join(argv)
         sh(c, cmd, check=True)
         started.append(unit)
     return started

@@ -66,8 +66,13 @@ def unit(demo: Demo, name: str) -> dict:
 
 
 def assert_gpu_host_empty(demo: Demo) -> None:
-    left = demo.ssh(GPU[0], "find /dev/shm/hs_capture /dev/shm/hs-runs -name '*.safetensors' | wc -l").stdout.strip()
-    assert left == "0", f"{left} sample files left in the dump or samples dirs"
+    left = demo.ssh(GPU[0], "find /dev/shm/hs_capture /dev/shm/hs-runs -name '*.safetensors'").stdout.split()
+    if left:
+        detail = demo.ssh(GPU[0], "ls -la --time-style=full-iso " + " ".join(left) + "; for f in " + " ".join(left)
+                          + "; do k=$(basename $f .safetensors); grep -h $k /dev/shm/hs_capture/manifest.jsonl "
+                          "/dev/shm/hs-runs/*/samples/manifest.jsonl /var/lib/hs-patch/runs/*/ledger.jsonl; done",
+                          check=False).stdout
+        raise AssertionError(f"{len(left)} sample files left in the dump or samples dirs:\n{detail[-3000:]}")
 
 
 def test_fab_extract_example_dataset(demo, tmp_path):
@@ -94,9 +99,9 @@ def test_faults_lose_nothing(demo, tmp_path):
     """One run through every fault: the dump dir filled to the high-water mark, the SSH
     session of the dashboard dropped, the server killed, the driver killed, the shipper
     killed while shipping. The run still ends with every sample once, verified."""
-    data = tmp_path / "chats.jsonl"
+    data = tmp_path / "chats.jsonl"  # noqa: the run's name differs each time, so a kept demo can rerun it
     expected = set(write_chats(data, 1200, words=24))
-    run = "faults"
+    run = f"faults-{time.strftime('%H%M%S')}"
     state = f"/var/lib/hs-patch/runs/{run}"
     log = open(tmp_path / "fab.log", "w")
     watcher = subprocess.Popen(
@@ -156,5 +161,31 @@ def test_faults_lose_nothing(demo, tmp_path):
     events = [json.loads(x) for x in demo.ssh(GPU[0], f"cat {state}/ledger.jsonl").stdout.splitlines()]
     kinds = [e["event"] for e in events]
     assert "pause" in kinds and "resume" in kinds and kinds.count("run_start") >= 2
+    check_destination(demo.fetch_destination(run, tmp_path / "dest"), expected)
+    assert_gpu_host_empty(demo)
+
+
+def test_stop_then_resume(demo, tmp_path):
+    """fab stop leaves nothing half-written; the same fab extract resumes to the end."""
+    data = tmp_path / "stop.jsonl"
+    expected = set(write_chats(data, 600, words=24))
+    run = f"stopped-{time.strftime('%H%M%S')}"
+    state = f"/var/lib/hs-patch/runs/{run}"
+    assert demo.fab("extract", "--dataset", str(data), "--run", run, "--detach",
+                    capture_output=True, text=True).returncode == 0
+    done = lambda: (remote_json(demo, f"{state}/status.json") or {}).get("samples", {}).get("done", 0)  # noqa: E731
+    wait("some samples", lambda: done() >= 50)
+    out = demo.fab("stop", "--run", run, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert unit(demo, f"hs-drive-{run}")["ActiveState"] == "inactive"
+    assert unit(demo, f"hs-ship-{run}")["ActiveState"] == "inactive"
+    assert remote_json(demo, f"{state}/status.json")["state"] == "stopped"
+    inspect = demo.ssh(GPU[0], f"/opt/hs-patch/venv/bin/hs-patch inspect /dev/shm/hs-runs/{run}/samples", check=False)
+    assert inspect.returncode == 0, inspect.stdout + inspect.stderr  # every file complete and listed
+    assert done() < len(expected), "the stop came too late to test anything"
+
+    again = demo.fab("extract", "--dataset", str(data), "--run", run, capture_output=True, text=True)
+    assert again.returncode == 0 and "finished" in again.stdout, again.stdout[-2000:]
+    assert demo.fab("ship", "--run", run, capture_output=True, text=True).returncode == 0
     check_destination(demo.fetch_destination(run, tmp_path / "dest"), expected)
     assert_gpu_host_empty(demo)
