@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import torch  # noqa: E402
 
 import loopback_sshd  # noqa: E402
-from hs_patch import store  # noqa: E402
+from hs_patch import reader, store  # noqa: E402
 from hs_patch.ship_link import SshOptions  # noqa: E402
 
 HIDDEN = 7168
@@ -90,7 +90,7 @@ def run_plain(argv: list[str], dest: Path, files: int) -> float:
 def run_shipper(argv: list[str], src: Path, dest: Path, files: int) -> float:
     seconds = timed(argv)
     left = list(src.glob(f"*{store.SUFFIX}"))
-    arrived = store.check_dir(dest, deep=False)
+    arrived = reader.check_dir(dest, deep=False)
     if left or len(arrived.ok) != files or not arrived.clean:
         raise SystemExit(f"the shipper left {len(left)} files, the destination has {len(arrived.ok)} of {files}")
     shutil.rmtree(dest)

@@ -83,6 +83,8 @@ class CaptureWatcher:
                     self.live[rec["key"]] = dict(rec, _seq=self.seq)
                 elif rec.get("op") == "remove":
                     self.live.pop(rec["key"], None)
+                elif rec.get("op") == "superseded" and rec["key"] in self.live:
+                    self.live[rec["key"]]["_superseded"] = True
             self._cond.notify_all()
 
     def wait(self, key: str, after: int, timeout: float) -> dict[str, Any]:
@@ -105,6 +107,11 @@ class CaptureWatcher:
     def keys(self) -> list[str]:
         with self._cond:
             return list(self.live)
+
+    def superseded(self) -> set[str]:
+        """Raw samples the hook marked as the first part of a longer (chunked) prompt."""
+        with self._cond:
+            return {k for k, r in self.live.items() if r.get("_superseded")}
 
     def remove(self, key: str, **why: Any) -> bool:
         """Delete a raw sample and record ``op: remove``; False if it was not there."""

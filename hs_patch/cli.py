@@ -58,19 +58,19 @@ def _status(site: str | None) -> dict[str, Any]:
 
 def _inspect(path: str, deep: bool) -> dict[str, Any]:
     try:
-        from hs_patch import store
+        from hs_patch import reader, store
     except ImportError as e:  # pragma: no cover - store imports only the standard library
         raise SystemExit(f"hs-patch inspect needs the host extra: pip install 'hs-patch[host]' ({e})")
     p = Path(path)
     if p.is_dir():
-        rep = store.check_dir(p, deep=deep)
+        rep = reader.check_dir(p, deep=deep)
         return {"action": "inspect", "directory": str(p), "ok": len(rep.ok), "bad": rep.bad,
                 "missing": rep.missing, "unlisted": rep.unlisted, "tokens": rep.tokens, "bytes": rep.nbytes,
                 "clean": rep.clean,
                 "message": f"{len(rep.ok)} ok, {len(rep.bad)} bad, {len(rep.missing)} missing, "
                            f"{len(rep.unlisted)} not in the manifest"}
     entry = store.read_manifest(p.parent).get(p.name[: -len(store.SUFFIX)])
-    s = store.read_sample(p, entry=entry)
+    s = reader.read_sample(p, entry=entry)
     shapes = {k: [list(v.shape), str(v.dtype).replace("torch.", "")] for k, v in s.tensors.items()}
     return {"action": "inspect", "file": str(p), "key": s.key, "metadata": s.metadata, "tensors": shapes,
             "manifest_checked": entry is not None, "clean": True,

@@ -227,6 +227,8 @@ class Driver:
             watcher = getattr(self, "watcher", None)
             if watcher is not None:
                 self._sweep(set(self.regen_keys), "regeneration prompt (captured by SGLang < 0.5.10)")
+                # first parts of chunked prompts, unless a request of exactly those tokens waits for one
+                self._sweep(watcher.superseded(), "first part of a chunked prompt")
             if self.bp is not None and self.status.state in ("running", "paused"):
                 self.status.state = "paused" if self.bp.paused else "running"
             try:

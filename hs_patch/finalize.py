@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import torch
 
-from hs_patch import store
+from hs_patch import reader, store
 from hs_patch.capture_dir import CaptureWatcher
 
 
@@ -30,7 +30,7 @@ def finalize(watcher: CaptureWatcher, entry: Mapping[str, Any], samples_dir: str
     """Write the final sample for the raw capture ``entry``; returns what was written."""
     raw_path = watcher.directory / entry["file"]
     try:
-        raw = store.read_sample(raw_path, entry=entry)
+        raw = reader.read_sample(raw_path, entry=entry)
     except store.SampleError as e:
         raise FinalizeError(f"the raw sample the server wrote is unusable: {e}") from None
     n = int(raw.input_ids.shape[0])

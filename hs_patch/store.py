@@ -30,9 +30,9 @@ import json
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -227,6 +227,19 @@ def write_tensors(directory: str | os.PathLike, key: str, tensors: Mapping[str, 
                         metadata, fsync=fsync)
 
 
+def file_sha256(path: str | os.PathLike) -> tuple[int, str]:
+    """(size, sha256) of a file, read in 8 MiB blocks."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(8 << 20)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            h.update(view[:n])
+            size += n
+    return size, h.hexdigest()
+
+
 def verify_entry(directory: str | os.PathLike, entry: Mapping[str, Any]) -> str | None:
     """None if the entry's file exists with the manifest's size and sha256, else what is wrong."""
     path = Path(directory) / entry["file"]
@@ -321,159 +334,14 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, dict[str, Any]]:
     return entries
 
 
+def superseded(directory: str | os.PathLike) -> set[str]:
+    """Live samples the hook recorded as the first part of a longer (chunked) prompt."""
+    live = read_manifest(directory)
+    return {r["key"] for r in manifest_records(directory) if r.get("op") == "superseded" and r["key"] in live}
+
+
 def log_error(directory: str | os.PathLike, record: Mapping[str, Any]) -> None:
     """Append one JSON line to ``errors.jsonl`` (samples that could not be produced)."""
     line = json.dumps({"t": round(time.time(), 3), **record}, sort_keys=True) + "\n"
     with open(Path(directory) / ERRORS, "a", encoding="utf-8") as f:
         f.write(line)
-
-
-# --------------------------------------------------------------------------- reading
-
-
-@dataclass
-class Sample:
-    path: Path
-    metadata: dict[str, str]
-    tensors: dict[str, "torch.Tensor"] = field(repr=False)
-
-    @property
-    def key(self) -> str:
-        return self.metadata["key"]
-
-    @property
-    def input_ids(self) -> "torch.Tensor":
-        return self.tensors["input_ids"]
-
-    @property
-    def planes(self) -> list[str]:
-        return self.metadata["planes"].split(",")
-
-    def plane(self, name: str) -> "torch.Tensor":
-        return self.tensors[name]
-
-
-def file_sha256(path: str | os.PathLike) -> tuple[int, str]:
-    """(size, sha256) of a file, read in 8 MiB blocks."""
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(8 << 20)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            h.update(view[:n])
-            size += n
-    return size, h.hexdigest()
-
-
-def read_sample(path: str | os.PathLike, *, entry: Mapping[str, Any] | None = None) -> Sample:
-    """Load and validate one sample; raise :class:`SampleError` saying what is wrong.
-
-    Checks the format tag, that every declared plane is present with shape [L, H] and
-    the declared dtype, that the token ids hash to the sample's key, and, given its
-    manifest ``entry``, the byte size and sha256.
-    """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    if entry is not None:
-        size, digest = file_sha256(path)
-        if size != entry["bytes"] or digest != entry["sha256"]:
-            raise SampleError(f"{path}: size/sha256 {size}/{digest[:12]} differ from the manifest "
-                              f"({entry['bytes']}/{entry['sha256'][:12]}): the file is damaged")
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), "pt") as f:
-            metadata = dict(f.metadata() or {})
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise SampleError(f"{path}: not a readable safetensors file ({e})") from None
-    check_sample(path, metadata, tensors)
-    return Sample(path, metadata, tensors)
-
-
-def check_sample(path: Path, metadata: Mapping[str, str], tensors: Mapping[str, "torch.Tensor"]) -> None:
-    if metadata.get("format") != FORMAT:
-        raise SampleError(f"{path}: format {metadata.get('format')!r}, expected {FORMAT!r}")
-    ids = tensors.get("input_ids")
-    if ids is None or ids.dim() != 1 or str(ids.dtype) != "torch.int64":
-        raise SampleError(f"{path}: input_ids must be int64 [L]")
-    n = ids.shape[0]
-    if int(metadata.get("num_tokens", -1)) != n:
-        raise SampleError(f"{path}: num_tokens {metadata.get('num_tokens')} but {n} input ids")
-    hidden = int(metadata["hidden_size"])
-    for name in metadata["planes"].split(","):
-        t = tensors.get(name)
-        if t is None:
-            raise SampleError(f"{path}: plane {name!r} is missing")
-        if tuple(t.shape) != (n, hidden):
-            raise SampleError(f"{path}: plane {name!r} has shape {tuple(t.shape)}, expected ({n}, {hidden})")
-        if str(t.dtype) != "torch." + metadata["dtype"]:
-            raise SampleError(f"{path}: plane {name!r} is {t.dtype}, expected {metadata['dtype']}")
-    if "loss_mask" in tensors and tuple(tensors["loss_mask"].shape) != (n,):
-        raise SampleError(f"{path}: loss_mask must have shape ({n},)")
-    if sample_key(ids) != metadata.get("key"):
-        raise SampleError(f"{path}: token ids do not hash to the sample key {metadata.get('key')}")
-
-
-@dataclass
-class DirReport:
-    ok: list[str] = field(default_factory=list)
-    bad: dict[str, str] = field(default_factory=dict)       # key -> reason
-    missing: list[str] = field(default_factory=list)        # in manifest, no file
-    unlisted: list[str] = field(default_factory=list)       # file, no manifest entry
-    tokens: int = 0
-    nbytes: int = 0
-
-    @property
-    def clean(self) -> bool:
-        return not (self.bad or self.missing or self.unlisted)
-
-
-def check_dir(directory: str | os.PathLike, *, deep: bool = True) -> DirReport:
-    """Check every sample of a directory against its manifest.
-
-    An entry's ``file`` is relative to the manifest's directory: a bare name where the
-    capture writes, ``samples/<key>.safetensors`` at a shipping destination.
-    ``deep`` re-reads each file (sha256 and tensor checks); otherwise only sizes are compared.
-    """
-    directory = Path(directory)
-    entries = read_manifest(directory)
-    sample_dirs = {directory} | {(directory / e["file"]).parent for e in entries.values()}
-    files = {p.name[: -len(SUFFIX)] for d in sample_dirs for p in d.glob(f"*{SUFFIX}")}
-    rep = DirReport()
-    rep.unlisted = sorted(files - entries.keys())
-    for key, entry in sorted(entries.items()):
-        path = directory / entry["file"]
-        if not path.is_file():
-            rep.missing.append(key)
-            continue
-        try:
-            if deep:
-                s = read_sample(path, entry=entry)
-                rep.tokens += int(s.metadata["num_tokens"])
-            elif path.stat().st_size != entry["bytes"]:
-                raise SampleError(f"{path}: size {path.stat().st_size}, manifest says {entry['bytes']}")
-            rep.ok.append(key)
-            rep.nbytes += entry["bytes"]
-        except SampleError as e:
-            rep.bad[key] = str(e)
-    return rep
-
-
-def iter_samples(directory: str | os.PathLike) -> Iterator[Sample]:
-    """Every sample listed in the directory's manifest, validated against it."""
-    directory = Path(directory)
-    for key, entry in sorted(read_manifest(directory).items()):
-        yield read_sample(directory / entry["file"], entry=entry)
-
-
-def concat_planes(parts: Iterable[Sample]) -> dict[str, "torch.Tensor"]:
-    """Concatenate consecutive parts of one sequence (used when merging chunked prefills)."""
-    import torch
-
-    parts = list(parts)
-    names = ["input_ids", *parts[0].planes]
-    return {n: torch.cat([p.tensors[n] for p in parts], dim=0).contiguous() for n in names}

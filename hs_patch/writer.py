@@ -18,6 +18,7 @@ written as if it were complete: it goes to ``errors.jsonl`` and the log.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from hs_patch import store
+from hs_patch import reader, store
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -61,13 +62,18 @@ class PassRecord:
 
 @dataclass
 class _Open:
-    """The last request of the previous pass, which a later pass may continue."""
+    """The last request of the previous pass, which a later pass may continue.
+
+    ``link`` is a private hard link to its file: a sample named by content may be taken
+    (and deleted) by a consumer that wants exactly those tokens (a conversation that is a
+    prefix of a longer one), and the continuation still needs it."""
 
     key: str
     end: int
     hasher: Any
     rid: Optional[str]
     parts: int
+    link: Optional[Path] = None
 
 
 @dataclass
@@ -103,6 +109,7 @@ class Writer:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hs_patch-write")
         self._status_at = 0.0
         self._stats_lock = threading.Lock()
+        self._links = itertools.count()
         self._thread = threading.Thread(target=self._run, name="hs_patch-writer", daemon=True)
         self._thread.start()
 
@@ -120,6 +127,8 @@ class Writer:
         self._queue.put(None)
         self._thread.join(timeout)
         self._pool.shutdown(wait=True)
+        if self._open is not None and self._open.link is not None:
+            self._open.link.unlink(missing_ok=True)
         self._write_status(force=True)
         if self._thread.is_alive():
             raise RuntimeError(f"hs_patch writer did not finish within {timeout:.0f}s")
@@ -172,24 +181,28 @@ class Writer:
             key = hasher.hexdigest()[: store.KEY_HEX]
             parts = base.parts + 1 if base else 1
             slices = [p[s:e] for p in rec.planes]
-            jobs.append(self._pool.submit(self._write_one, key, ids, slices, rid, base, parts))
-            if j == last:
+            keep = j == last  # SGLang truncates only the last request of a pass
+            jobs.append(self._pool.submit(self._write_one, key, ids, slices, rid, base, parts, keep))
+            if keep:
                 self._open = _Open(key, int(prefix) + e - s, hasher, rid, parts)
         if offset != rec.ids.shape[0]:
             raise RuntimeError(f"extend_seq_lens sum to {offset} but the pass has {rec.ids.shape[0]} tokens")
-        for job in jobs:
-            job.result()
+        links = [job.result() for job in jobs]
+        if self._open is not None:
+            self._open.link = links[-1]
+        if opened is not None and opened.link is not None:
+            opened.link.unlink(missing_ok=True)
         self.stats.passes += 1
 
     def _write_one(self, key: str, ids: "torch.Tensor", slices: list["torch.Tensor"],
-                   rid: Optional[str], base: Optional[_Open], parts: int) -> None:
+                   rid: Optional[str], base: Optional[_Open], parts: int, keep: bool) -> Optional[Path]:
         if base is None:
             tensors = [store.tensor_bytes("input_ids", ids)]
             tensors += [store.tensor_bytes(n, t) for n, t in zip(self.planes, slices)]
         else:
             import torch
 
-            prev = store.read_sample(store.sample_path(self.directory, base.key))
+            prev = reader.read_sample(base.link)
             ids = torch.cat([prev.input_ids, ids])
             tensors = [store.tensor_bytes("input_ids", ids)]
             tensors += [store.tensor_bytes(n, torch.cat([prev.tensors[n], t]))
@@ -201,16 +214,20 @@ class Writer:
         written = store.write_sample(self.directory, key, tensors, meta, fsync=self.fsync)
         self.manifest.add(written, tokens=n, rid=meta["rid"], parts=parts)
         if base is not None:
-            store.sample_path(self.directory, base.key).unlink(missing_ok=True)
-            self.manifest.remove(base.key, reason="continued", by=key)
+            # the shorter sample is still valid for its own tokens: its consumer (the driver)
+            # deletes it unless a request of exactly those tokens wants it
+            self.manifest.append({"op": "superseded", "key": base.key, "by": key, "t": round(time.time(), 3)})
+        link = None
+        if keep:
+            # unique: the next pass may end with the same tokens (a prompt that is a prefix of another)
+            link = self.directory / store.TMPDIR / f"open.{key}.{os.getpid()}.{next(self._links)}"
+            os.link(written.path, link)
         with self._stats_lock:
-            if base is not None:
-                self.stats.merged += 1
-                self.stats.samples -= 1
-                self.stats.tokens -= base.end
+            self.stats.merged += base is not None
             self.stats.samples += 1
             self.stats.tokens += n
             self.stats.bytes += written.nbytes
+        return link
 
     def _reject(self, rid: Optional[str], prefix: int, n: int, ids: "torch.Tensor",
                 opened: Optional[_Open]) -> None:

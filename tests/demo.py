@@ -32,7 +32,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import yaml
@@ -164,14 +163,14 @@ class Demo:
 
 def check_destination(dest: Path, expected_ids: set[str] | None = None) -> dict:
     """0 lost, 0 duplicated, 0 truncated at the destination: every file listed once, verified."""
-    from hs_patch import store
+    from hs_patch import reader, store
 
     entries = store.read_jsonl(dest / store.MANIFEST)
     keys = [e["key"] for e in entries if e.get("op") == "add"]
     assert len(keys) == len(set(keys)), "a sample is listed twice at the destination"
-    rep = store.check_dir(dest, deep=True)
+    rep = reader.check_dir(dest, deep=True)
     assert rep.clean, f"destination: bad={rep.bad} missing={rep.missing} unlisted={rep.unlisted}"
-    ids = {store.read_sample(dest / e["file"]).metadata["sample_id"] for e in store.read_manifest(dest).values()}
+    ids = {reader.read_sample(dest / e["file"]).metadata["sample_id"] for e in store.read_manifest(dest).values()}
     if expected_ids is not None:
         assert ids == expected_ids, f"lost {sorted(expected_ids - ids)[:5]}, unexpected {sorted(ids - expected_ids)[:5]}"
     return {"samples": len(ids), "bytes": rep.nbytes, "tokens": rep.tokens}

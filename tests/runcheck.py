@@ -6,24 +6,24 @@ import json
 from pathlib import Path
 from typing import Iterable
 
-from hs_patch import store
+from hs_patch import reader, store
 
 
-def final_samples(samples_dir: Path) -> dict[str, store.Sample]:
+def final_samples(samples_dir: Path) -> dict[str, reader.Sample]:
     """sample_id -> final sample, checking that no sample id is stored twice."""
-    out: dict[str, store.Sample] = {}
-    for s in store.iter_samples(samples_dir):
+    out: dict[str, reader.Sample] = {}
+    for s in reader.iter_samples(samples_dir):
         sid = s.metadata["sample_id"]
         assert sid not in out, f"{sid} stored twice ({out[sid].path.name}, {s.path.name})"
         out[sid] = s
     return out
 
 
-def assert_complete(samples_dir: Path, capture_dir: Path, expected: Iterable[str]) -> dict[str, store.Sample]:
+def assert_complete(samples_dir: Path, capture_dir: Path, expected: Iterable[str]) -> dict[str, reader.Sample]:
     """0 lost, 0 duplicated, 0 truncated: exactly the expected sample ids, each verified
     (size + sha256 + tensors), with a loss mask; no file outside the manifest; nothing of
     the run left in the capture dir."""
-    rep = store.check_dir(samples_dir, deep=True)
+    rep = reader.check_dir(samples_dir, deep=True)
     assert rep.clean, f"bad={rep.bad} missing={rep.missing} unlisted={rep.unlisted}"
     got = final_samples(samples_dir)
     expected = set(expected)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hs_patch import config, hook, server_checks, store
+from hs_patch import config, hook, reader, server_checks, store
 from hs_patch.releases import RELEASES, TARGET, apply_edits
 from sglang_sim import Part, Reference, Sim, load_aux_module, make_batch, reference
 
@@ -45,11 +45,11 @@ def make_sim(release_sources, version, tiny_model, refs, h, **kw) -> Sim:
     return Sim(version, patched_source(release_sources, version), tiny_model, refs, hook=h, aux_module=aux, **kw)
 
 
-def samples(directory: Path) -> dict[str, store.Sample]:
-    return {s.key: s for s in store.iter_samples(directory)}
+def samples(directory: Path) -> dict[str, reader.Sample]:
+    return {s.key: s for s in reader.iter_samples(directory)}
 
 
-def assert_matches(sample: store.Sample, ref: Reference, layers, final: str) -> None:
+def assert_matches(sample: reader.Sample, ref: Reference, layers, final: str) -> None:
     assert torch.equal(sample.input_ids, ref.ids)
     for i in layers:
         assert torch.equal(sample.plane(store.layer_plane(i)), ref.layer_in[i]), f"layer {i}"
@@ -77,7 +77,7 @@ def test_batched_prefill_split_per_request_exactly(version, fusion, release_sour
         assert s.metadata["rid"] == ("" if version == "0.5.9" else k)
     # what the model returns is untouched: the post-norm states of every token
     assert torch.equal(out, torch.cat([refs[k].post_norm for k in "bcd"]))
-    assert store.check_dir(tmp_path / "dump").clean
+    assert reader.check_dir(tmp_path / "dump").clean
 
 
 @pytest.mark.parametrize("version", RELEASE_IDS)
@@ -125,11 +125,18 @@ def test_chunked_prefill_is_reassembled(version, release_sources, tiny_model, re
         sim.forward(make_batch(refs, parts, rids=rids))
     h.close()
     got = samples(tmp_path / "dump")
-    assert set(got) == {store.sample_key(refs[k].ids) for k in "abc"}, "no partial sample may remain"
+    partial = store.superseded(tmp_path / "dump")
+    assert set(got) - partial == {store.sample_key(refs[k].ids) for k in "abc"}
+    # the first parts stay valid samples of their own tokens, marked superseded for the driver
+    assert partial == {store.sample_key(refs["a"].ids[:8]), store.sample_key(refs["a"].ids[:17])}
+    for key in partial:
+        n = got[key].input_ids.shape[0]
+        assert torch.equal(got[key].plane("layer.1"), refs["a"].layer_in[1][:n])
     a = got[store.sample_key(refs["a"].ids)]
     assert_matches(a, refs["a"], (0, 1, 3), "both")
     assert a.metadata["parts"] == "3"
-    assert h.writer.stats.merged == 2 and h.writer.stats.samples == 3
+    assert h.writer.stats.merged == 2
+    assert not list((tmp_path / "dump" / store.TMPDIR).iterdir()), "no private link may outlive its pass"
     assert not (tmp_path / "dump" / store.ERRORS).exists()
 
 

@@ -99,7 +99,7 @@ def test_faults_lose_nothing(demo, tmp_path):
     """One run through every fault: the dump dir filled to the high-water mark, the SSH
     session of the dashboard dropped, the server killed, the driver killed, the shipper
     killed while shipping. The run still ends with every sample once, verified."""
-    data = tmp_path / "chats.jsonl"  # noqa: the run's name differs each time, so a kept demo can rerun it
+    data = tmp_path / "chats.jsonl"
     expected = set(write_chats(data, 1200, words=24))
     run = f"faults-{time.strftime('%H%M%S')}"
     state = f"/var/lib/hs-patch/runs/{run}"

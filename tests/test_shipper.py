@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import loopback_sshd
-from hs_patch import ship_link, shipper, store
+from hs_patch import reader, ship_link, shipper, store
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_SHAPE = {"op", "key", "file", "bytes", "sha256", "t"}
@@ -65,7 +65,7 @@ def assert_destination_has(dest: Path, written: list[store.Written]) -> None:
     for w in written:
         size, digest = store.file_sha256(dest / "samples" / w.path.name)
         assert (size, digest) == (w.nbytes, w.sha256), f"{w.key} truncated or damaged at the destination"
-    rep = store.check_dir(dest)
+    rep = reader.check_dir(dest)
     assert rep.clean and sorted(rep.ok) == sorted(w.key for w in written)
 
 

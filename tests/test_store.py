@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hs_patch import config, hook, server_checks, store
+from hs_patch import config, hook, reader, server_checks, store
 from hs_patch.writer import PassRecord, Writer
 
 H = 16
@@ -38,7 +38,7 @@ def test_sample_round_trip_with_the_safetensors_library(tmp_path):
     w = write_one(tmp_path, [5, 6, 7, 8])
     loaded = load_file(str(w.path))  # the reference reader accepts our zero-copy writer's files
     assert set(loaded) == {"input_ids", "layer.2", "final.pre_norm"}
-    s = store.read_sample(w.path, entry=store.read_manifest(tmp_path)[w.key])
+    s = reader.read_sample(w.path, entry=store.read_manifest(tmp_path)[w.key])
     assert s.input_ids.tolist() == [5, 6, 7, 8] and s.plane("layer.2").shape == (4, H)
     # zero waste: header + ids + planes, nothing else
     header = w.path.read_bytes()[:8]
@@ -55,7 +55,7 @@ def test_damage_is_detected(tmp_path):
     flipped.path.write_bytes(bytes(data))
     lost.path.unlink()
     (tmp_path / "stray.safetensors").write_bytes(good.path.read_bytes())
-    rep = store.check_dir(tmp_path)
+    rep = reader.check_dir(tmp_path)
     assert rep.ok == [good.key] and list(rep.bad) == [flipped.key] and rep.missing == [lost.key]
     assert rep.unlisted == ["stray"] and not rep.clean
     assert "damaged" in rep.bad[flipped.key]
@@ -63,7 +63,7 @@ def test_damage_is_detected(tmp_path):
     renamed = tmp_path / "other"
     renamed.mkdir()
     (renamed / f"{'0' * 32}.safetensors").write_bytes(good.path.read_bytes())
-    meta_ok = store.read_sample(renamed / f"{'0' * 32}.safetensors")
+    meta_ok = reader.read_sample(renamed / f"{'0' * 32}.safetensors")
     assert meta_ok.key == good.key  # the key lives in the header, the name is just a name
 
 
@@ -90,10 +90,10 @@ def test_check_dir_follows_entries_into_a_subdirectory(tmp_path):
         (dest / "samples" / w.path.name).write_bytes(w.path.read_bytes())
         m.append({**store.read_manifest(src)[w.key], "file": f"samples/{w.path.name}"})
     (dest / "samples" / "stray.safetensors").write_bytes(b"x")
-    rep = store.check_dir(dest)
+    rep = reader.check_dir(dest)
     assert rep.ok == sorted([a.key, b.key]) and rep.unlisted == ["stray"] and not rep.missing
     (dest / "samples" / a.path.name).unlink()
-    assert store.check_dir(dest, deep=False).missing == [a.key]
+    assert reader.check_dir(dest, deep=False).missing == [a.key]
 
 
 def test_a_failed_write_leaves_no_sample(tmp_path, monkeypatch):
@@ -216,3 +216,24 @@ def test_server_refusals_name_the_flag():
                       ({"prefill_graph": "piecewise"}, "--enable-piecewise-cuda-graph")]:
         (msg,) = server_checks.refusals({**ok, **bad})
         assert flag in msg
+
+
+def test_a_prompt_that_is_a_prefix_of_a_chunked_one(tmp_path):
+    """Request A is exactly the first chunk of request B (a conversation and its longer
+    continuation). A consumer takes A's file; B's continuation still merges, from the
+    writer's private link, and B's first part is only marked superseded."""
+    w = Writer(str(tmp_path), ["layer.1", "layer.2"], {"format": store.FORMAT, "planes": "layer.1,layer.2",
+                                                      "hidden_size": str(H)})
+    w.submit(record([1, 2, 3], [3], [0], rids=["A"]))                 # A: complete, last of its pass
+    w.submit(record([1, 2, 3], [3], [0], rids=["B"]))                 # B's first chunk: same tokens
+    deadline = time.monotonic() + 10
+    while w.stats.passes < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    store.sample_path(tmp_path, store.sample_key([1, 2, 3])).unlink()  # the driver took A
+    store.Manifest(tmp_path).remove(store.sample_key([1, 2, 3]), reason="finalized")
+    w.submit(record([4, 5], [2], [3], rids=["B"]))                    # B continues
+    w.close()
+    assert w.error is None and w.stats.errors == 0 and w.stats.merged == 1
+    b = reader.read_sample(store.sample_path(tmp_path, store.sample_key([1, 2, 3, 4, 5])))
+    assert b.input_ids.tolist() == [1, 2, 3, 4, 5] and b.metadata["parts"] == "2"
+    assert not list((tmp_path / store.TMPDIR).iterdir())

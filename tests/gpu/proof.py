@@ -47,7 +47,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "gpu")]
 import requests  # noqa: E402
 import torch  # noqa: E402
 
-from hs_patch import store  # noqa: E402
+from hs_patch import reader, store  # noqa: E402
 
 RESULTS: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 OUT = Path(".")
@@ -180,10 +180,11 @@ def fidelity(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
         server.stop()
     save()
 
-    samples = {s.key: s for s in store.iter_samples(dump)}
+    partial = store.superseded(dump)  # first parts of the chunked prompts
+    samples = {s.key: s for s in reader.iter_samples(dump) if s.key not in partial}
     res["samples"] = len(samples)
     res["foreign_samples"] = len(samples) - len(prompts) - len(solo)  # SGLang's own warmup request
-    res["inspect_clean"] = store.check_dir(dump).clean
+    res["inspect_clean"] = reader.check_dir(dump).clean
     hf32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
     hf16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
     lm_head = hf16.lm_head.weight  # bf16, as SGLang holds it
