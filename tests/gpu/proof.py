@@ -17,9 +17,12 @@ output in bench/RESULTS.md). In one run it:
    - SGLang's own ``return_hidden_states`` for the same request (must be identical);
    - ``lm_head`` on the dumped final state at the last prompt position against the
      token SGLang generated first (must match for every request);
-4. throughput: prefill tokens/s for PROMPTS x TOKENS, REPS repetitions, median, side by
-   side: pristine SGLang, patched with capture off, patched with capture on; the cost
-   per captured layer against one layer's compute and the projection for Kimi-K2.5;
+4. throughput (``tests/gpu/throughput.py``): prefill tokens/s for PROMPTS x TOKENS on a
+   TP_LAYERS-deep model, side by side: pristine SGLang (a reverted copy of the package first
+   on its PYTHONPATH), patched with capture off, patched with capture on, three servers up
+   at once on the one GPU, each round sending the same prompts to each in rotating order;
+   ratios within each round, median over REPS rounds; the cost per captured layer against
+   one layer's compute and the projection for Kimi-K2.5 (from a copy micro-benchmark);
 5. writes everything as JSON under --out as it goes and prints a table last.
 
 usage: python3 tests/gpu/proof.py --site /tmp/site --out "$OUT" [--phases fidelity,throughput]
@@ -28,109 +31,26 @@ usage: python3 tests/gpu/proof.py --site /tmp/site --out "$OUT" [--phases fideli
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "gpu")]
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parents[1]), str(HERE.parent), str(HERE)]
 
-import requests  # noqa: E402
 import torch  # noqa: E402
 
+from common import REC, Server, hs_patch_cli, wait_for_samples  # noqa: E402
 from hs_patch import reader, store  # noqa: E402
-
-RESULTS: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-OUT = Path(".")
-LOGS = Path(".")
-
-
-def log(*a: object) -> None:
-    print(f"[proof +{time.time() - T0:6.1f}s]", *a, flush=True)
-
-
-def save() -> None:
-    (OUT / "results.json").write_text(json.dumps(RESULTS, indent=1, default=str))
-
-
-def hs_patch_cli(*args: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "hs_patch.cli", *args, "--json"], capture_output=True, text=True,
-                         cwd=ROOT, env={**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"})
-    res = json.loads(out.stdout.strip().splitlines()[-1])
-    res["exit_code"] = out.returncode
-    return res
-
-
-class Server:
-    """``python -m sglang.launch_server`` in its own process group, like the service unit."""
-
-    def __init__(self, name: str, model: str, port: int, chunk: int, capture: dict | None, extra: list[str]):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("HS_CAPTURE")}
-        env["PYTHONPATH"] = f"{ROOT}:{env.get('PYTHONPATH', '')}"
-        env.update(capture or {})
-        self.url = f"http://127.0.0.1:{port}"
-        self.log_path = LOGS / f"server-{name}.log"
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1",
-               "--port", str(port), "--tp-size", "1", "--attention-backend", "triton",
-               "--sampling-backend", "pytorch", "--disable-radix-cache", "--disable-prefill-cuda-graph",
-               "--disable-decode-cuda-graph", "--mem-fraction-static", "0.5", "--random-seed", "0",
-               "--chunked-prefill-size", str(chunk), "--log-level", "warning", *extra]
-        self.name = name
-        self.proc = subprocess.Popen(cmd, env=env, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        t = time.time()
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server {name} exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if requests.get(self.url + "/health_generate", timeout=5).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.time() - t > 400:
-                raise RuntimeError(f"server {name} not healthy after 400 s:\n{self.tail()}")
-            time.sleep(1)
-        self.start_s = round(time.time() - t, 1)
-        log(f"server {name} up in {self.start_s}s")
-
-    def tail(self, n: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-
-    def generate(self, ids: list[int], rid: str, max_new: int = 1, hidden: bool = False) -> dict:
-        body = {"input_ids": ids, "rid": rid, "return_hidden_states": hidden,
-                "sampling_params": {"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True}}
-        r = requests.post(self.url + "/generate", json=body, timeout=600)
-        r.raise_for_status()
-        return r.json()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-
-
-def wait_for_samples(directory: Path, keys: set[str], timeout: float = 120) -> float:
-    t = time.time()
-    while True:
-        have = set(store.read_manifest(directory)) if directory.exists() else set()
-        if keys <= have:
-            return time.time() - t
-        if time.time() - t > timeout:
-            raise RuntimeError(f"{len(keys - have)} of {len(keys)} samples missing in {directory} after {timeout}s")
-        time.sleep(0.05)
+from throughput import copy_microbench, projection, summarize, throughput  # noqa: E402
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -150,7 +70,7 @@ def fidelity(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     res: dict = {"model": model_dir}
-    RESULTS[f"fidelity_{tag}"] = res
+    REC.data[f"fidelity_{tag}"] = res
     st = hs_patch_cli("apply", "--site", a.site)  # a throughput run may have left it pristine
     assert st["exit_code"] == 0 and st["state"] == "patched", st
     layers = list(range(a.layers))
@@ -165,6 +85,7 @@ def fidelity(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
                     {"HS_CAPTURE": "1", "HS_CAPTURE_DIR": str(dump), "HS_CAPTURE_LAYERS": ",".join(map(str, layers)),
                      "HS_CAPTURE_FINAL": "both"}, ["--enable-return-hidden-states"])
     try:
+        server.wait_ready()
         with ThreadPoolExecutor(len(prompts)) as pool:  # concurrent: batched prefill
             outs = list(pool.map(lambda x: server.generate(x[1], f"proof-{x[0]}", hidden=True), enumerate(prompts)))
         # SGLang's return_hidden_states slices each request's rows assuming its whole prompt is
@@ -178,7 +99,7 @@ def fidelity(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
             if (dump / "hook_status.json").exists() else None
     finally:
         server.stop()
-    save()
+    REC.save()
 
     partial = store.superseded(dump)  # first parts of the chunked prompts
     samples = {s.key: s for s in reader.iter_samples(dump) if s.key not in partial}
@@ -247,123 +168,8 @@ def fidelity(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
                chunked_reassembled=per_req[0]["parts"] >= 3)
     del hf32, hf16
     torch.cuda.empty_cache()
-    save()
+    REC.save()
     return res
-
-
-# --------------------------------------------------------------------------- throughput
-
-
-def throughput(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
-    res: dict = {"model": model_dir, "prompts": a.prompts, "tokens": a.tokens, "reps": a.reps,
-                 "chunked_prefill_size": a.chunk}
-    RESULTS[f"throughput_{tag}"] = res
-    n_layers = int(json.loads(Path(model_dir, "config.json").read_text())["num_hidden_layers"])
-    layers = [2, n_layers // 2, n_layers - 3, n_layers - 1][: min(4, n_layers)]  # Kimi-like spread
-    layers = sorted(set(layers))
-    planes = len(layers) + 1  # + final.pre_norm: as many planes as Kimi's 2,30,58,60 + final
-    res["capture_layers"] = layers
-    rng = random.Random(11)
-    for mode in a.modes.split(","):
-        pristine = mode.startswith("pristine")
-        st = hs_patch_cli("revert" if pristine else "apply", "--site", a.site)
-        assert st["exit_code"] == 0 and st["state"] == ("pristine" if pristine else "patched"), st
-        dump = Path(a.work) / f"dump-tp-{tag}"
-        shutil.rmtree(dump, ignore_errors=True)
-        capture = {"HS_CAPTURE": "1", "HS_CAPTURE_DIR": str(dump), "HS_CAPTURE_LAYERS": ",".join(map(str, layers)),
-                   "HS_CAPTURE_FINAL": "pre"} if mode == "on" else None
-        server = Server(f"tp-{tag}-{mode}", model_dir, a.port, a.chunk, capture, [])
-        m: dict = {"start_s": server.start_s, "tok_s": []}
-        res[mode] = m
-        try:
-            for rep in range(a.reps + 1):  # the first round warms up (and compiles kernels)
-                prompts = [[rng.randrange(3, 512) for _ in range(a.tokens)] for _ in range(a.prompts)]
-                t = time.perf_counter()
-                with ThreadPoolExecutor(a.prompts) as pool:
-                    list(pool.map(lambda x: server.generate(x[1], f"tp-{rep}-{x[0]}"), enumerate(prompts)))
-                dt = time.perf_counter() - t
-                if rep:
-                    m["tok_s"].append(a.prompts * a.tokens / dt)
-                if mode == "on":
-                    lag = wait_for_samples(dump, {store.sample_key(p) for p in prompts})
-                    m.setdefault("writer_lag_s", []).append(round(lag, 3))
-                    for f in dump.glob("*.safetensors"):  # keep /dev/shm small between rounds
-                        f.unlink()
-            if mode == "on":
-                m["hook_status"] = json.loads((dump / "hook_status.json").read_text())
-                m["samples_recorded"] = len(store.read_manifest(dump))
-        finally:
-            server.stop()
-        m["median_tok_s"] = statistics.median(m["tok_s"])
-        log(f"{tag} {mode}: {m['median_tok_s']:.0f} tok/s {[round(x) for x in m['tok_s']]}")
-        save()
-    if not {"pristine", "off", "on", "pristine2"} <= set(res):
-        save()
-        return res
-    p0 = statistics.median(res["pristine"]["tok_s"] + res["pristine2"]["tok_s"])
-    off, on = res["off"]["median_tok_s"], res["on"]["median_tok_s"]
-    res["pristine_median_both_runs"] = p0
-    res["pristine_run_to_run"] = res["pristine2"]["median_tok_s"] / res["pristine"]["median_tok_s"]
-    res["ratio_off"] = off / p0
-    res["ratio_on"] = on / p0
-    res["ratio_on_vs_off"] = on / off
-    # cost per captured plane against one layer's compute, from the same medians
-    t_tok_off, t_tok_on = 1 / off, 1 / on
-    res["layers"] = n_layers
-    res["planes_captured"] = planes
-    res["capture_bytes_per_s_needed"] = off * planes * int(json.loads(Path(model_dir, "config.json").read_text())
-                                                           ["hidden_size"]) * 2
-    res["layer_time_per_token_s"] = t_tok_off / n_layers
-    res["capture_time_per_plane_per_token_s"] = (t_tok_on - t_tok_off) / planes
-    res["cost_per_captured_layer_vs_layer"] = res["capture_time_per_plane_per_token_s"] / res["layer_time_per_token_s"]
-    save()
-    return res
-
-
-def copy_microbench(hidden: int, tokens: int = 8192, reps: int = 20) -> dict:
-    """GPU-side cost of one captured plane (device clone + copy to pinned host on a side
-    stream) for [tokens, hidden] bf16: the per-layer work the hook adds to the forward."""
-    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    host = torch.empty(tokens, hidden, dtype=torch.bfloat16, pin_memory=True)
-    side = torch.cuda.Stream()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    clones, d2h = [], []
-    for _ in range(reps):
-        e0.record()
-        c = x.clone()
-        e1.record()
-        e1.synchronize()
-        clones.append(e0.elapsed_time(e1))
-        s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            s0.record()
-            host.copy_(c, non_blocking=True)
-            s1.record()
-        s1.synchronize()
-        d2h.append(s0.elapsed_time(s1))
-    nbytes = tokens * hidden * 2
-    return {"tokens": tokens, "hidden": hidden, "clone_ms": statistics.median(clones),
-            "d2h_ms_side_stream": statistics.median(d2h),
-            "clone_GBps": nbytes / statistics.median(clones) / 1e6, "d2h_GBps": nbytes / statistics.median(d2h) / 1e6}
-
-
-def projection(micro: dict) -> dict:
-    """Kimi-K2.5: 61 layers, 4 captured + final, hidden 7168; per-token cost of a plane
-    scales with hidden (bytes copied), a layer's compute with hidden x expert width."""
-    kimi = {"layers": 61, "planes": 5, "hidden": 7168}
-    per_plane_forward_ms = micro["clone_ms"]  # the only work on the compute stream
-    tokens = micro["tokens"]
-    return {
-        **kimi,
-        "clone_ms_per_plane_per_8192_tokens": per_plane_forward_ms,
-        "hook_ms_per_pass": kimi["planes"] * per_plane_forward_ms,
-        "d2h_ms_per_pass_overlapped": kimi["planes"] * micro["d2h_ms_side_stream"],
-        "bytes_per_token": kimi["planes"] * kimi["hidden"] * 2,
-        "note": (f"a Kimi-K2.5 prefill pass of {tokens} tokens runs 61 MoE layers (hidden 7168, 384 experts, "
-                 "8 active) under TP=8; the hook adds 5 device clones of [tokens, 7168] bf16 to the compute "
-                 "stream and 5 copies to pinned host memory on a side stream"),
-    }
 
 
 def model(a: argparse.Namespace, hidden: int, layers: int) -> str:
@@ -372,69 +178,74 @@ def model(a: argparse.Namespace, hidden: int, layers: int) -> str:
     model_dir = str(Path(a.work) / f"model-h{hidden}-l{layers}")
     if not Path(model_dir, "config.json").exists():
         t = time.time()
-        build(model_dir, hidden=hidden, layers=layers)
-        log(f"built {model_dir} in {time.time() - t:.0f}s")
+        build(model_dir, hidden=hidden, layers=layers, device="cuda")  # fast random init
+        gc.collect()
+        torch.cuda.empty_cache()  # give the build's GPU memory back before servers size their KV pools
+        REC.log(f"built {model_dir} in {time.time() - t:.0f}s")
     return model_dir
 
 
 def main() -> int:
-    global OUT, LOGS, T0
-    T0 = time.time()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--site", required=True, help="the directory that contains sglang/ (patched in place)")
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu-proof-out"), help="results directory")
-    ap.add_argument("--work", default="/tmp/hs-proof", help="models and dumps (dumps under /dev/shm are fine)")
-    ap.add_argument("--phases", default="fidelity,throughput,micro")
+    ap.add_argument("--work", default="/tmp/hs-proof", help="models, logs and dumps")
+    ap.add_argument("--phases", default="fidelity,throughput,micro", help="any of fidelity,throughput,micro")
     ap.add_argument("--hidden", default="1024", help="comma-separated hidden sizes to run, e.g. 1024,7168")
     ap.add_argument("--layers", type=int, default=4, help="model depth for the fidelity run")
     ap.add_argument("--tp-layers", type=int, default=61, help="model depth for the throughput runs (Kimi: 61)")
-    ap.add_argument("--prompts", type=int, default=64)
-    ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--reps", type=int, default=4)
-    ap.add_argument("--modes", default="pristine,off,on,pristine2", help="throughput runs, in order")
+    ap.add_argument("--prompts", type=int, default=64, help="concurrent prompts per throughput round")
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens per throughput prompt")
+    ap.add_argument("--reps", type=int, default=6, help="measured throughput rounds (after one warm-up round)")
     ap.add_argument("--chunk", type=int, default=8192, help="chunked prefill size for the throughput runs")
+    ap.add_argument("--writers", type=int, default=4, help="HS_CAPTURE_WRITERS of the capturing server")
+    ap.add_argument("--mem-fraction", type=float, default=0.45,
+                    help="--mem-fraction-static of each throughput server (of the memory free at its start)")
     ap.add_argument("--envelope-factor", type=float, default=4.0)
-    ap.add_argument("--port", type=int, default=30123)
+    ap.add_argument("--port", type=int, default=30123, help="first of four ports")
     a = ap.parse_args()
-    OUT = Path(a.out)
-    OUT.mkdir(parents=True, exist_ok=True)
-    LOGS = Path(a.work) / "logs"
-    LOGS.mkdir(parents=True, exist_ok=True)
+    REC.out = Path(a.out)
+    REC.out.mkdir(parents=True, exist_ok=True)
+    REC.logs = Path(a.work) / "logs"
+    REC.logs.mkdir(parents=True, exist_ok=True)
     phases = a.phases.split(",")
+    rec = REC.data
     rc = 0
     try:
         import sglang
 
-        RESULTS["env"] = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                          "sglang": getattr(sglang, "__version__", "?"), "python": sys.version.split()[0]}
-        RESULTS["patch_apply"] = hs_patch_cli("apply", "--site", a.site)
-        RESULTS["patch_verify"] = hs_patch_cli("verify", "--site", a.site)
-        assert RESULTS["patch_verify"]["exit_code"] == 0, RESULTS["patch_verify"]
-        log("patched:", RESULTS["patch_apply"]["message"])
-        save()
+        rec["args"] = vars(a)
+        rec["env"] = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                      "sglang": getattr(sglang, "__version__", "?"), "python": sys.version.split()[0],
+                      "cpus": os.cpu_count()}
+        rec["patch_apply"] = hs_patch_cli("apply", "--site", a.site)
+        rec["patch_verify"] = hs_patch_cli("verify", "--site", a.site)
+        assert rec["patch_verify"]["exit_code"] == 0, rec["patch_verify"]
+        REC.log("patched:", rec["patch_apply"]["message"])
+        REC.save()
         for h in [int(x) for x in a.hidden.split(",")]:
             tag = f"h{h}"
+            if "fidelity" in phases:
+                f = fidelity(a, model(a, h, a.layers), tag)
+                REC.log(f"{tag} fidelity: envelope ok={f['all_within_envelope']} rhs identical="
+                        f"{f['return_hidden_states_identical']} lm_head {f['lm_head_match']}")
             if "throughput" in phases:
                 throughput(a, model(a, h, a.tp_layers), f"{tag}_l{a.tp_layers}")
-            if "fidelity" in phases:
-                model_dir = model(a, h, a.layers)
-                f = fidelity(a, model_dir, tag)
-                log(f"{tag} fidelity: envelope ok={f['all_within_envelope']} rhs identical="
-                    f"{f['return_hidden_states_identical']} lm_head {f['lm_head_match']}")
             if "micro" in phases:
-                RESULTS[f"micro_{tag}"] = copy_microbench(h)
-                save()
+                rec[f"micro_{tag}"] = copy_microbench(h)
+                REC.save()
         if "micro" in phases:
-            RESULTS["micro_h7168"] = RESULTS.get("micro_h7168") or copy_microbench(7168)
-            RESULTS["projection_kimi"] = projection(RESULTS["micro_h7168"])
+            rec["micro_h7168"] = rec.get("micro_h7168") or copy_microbench(7168)
+            rec["projection_kimi"] = projection(rec["micro_h7168"])
     except Exception:
-        RESULTS["error"] = traceback.format_exc()
-        log("FAILED\n" + RESULTS["error"])
+        rec["error"] = traceback.format_exc()
+        REC.log("FAILED\n" + rec["error"])
         rc = 1
     finally:
         hs_patch_cli("apply", "--site", a.site)  # leave the install patched
-        save()
-    summary(RESULTS)
+        rec["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+        REC.save()
+    summary(rec)
     return rc
 
 
@@ -452,14 +263,7 @@ def summary(r: dict) -> None:
             print(f"lm_head first token: "
                   f"{f['lm_head_match']}; chunked sample reassembled: {f['chunked_reassembled']}")
         if k.startswith("throughput_") and "ratio_on" in f:
-            print(f"\n{k}: {f['prompts']} x {f['tokens']} tokens, {f['reps']} reps (median tok/s)")
-            for m in ("pristine", "off", "on", "pristine2"):
-                print(f"  {m:10}{f[m]['median_tok_s']:12.0f}  {[round(x) for x in f[m]['tok_s']]}")
-            print(f"  capture off / pristine = {f['ratio_off']:.3f}   capture on / pristine = {f['ratio_on']:.3f}"
-                  f"   on / off = {f['ratio_on_vs_off']:.3f}   (pristine run-to-run {f['pristine_run_to_run']:.3f})")
-            print(f"  capture data rate needed at the capture-off speed: {f['capture_bytes_per_s_needed'] / 1e9:.2f} GB/s;"
-                  f" hook waits: {f['on'].get('hook_status', {}).get('waits')}")
-            print(f"  cost per captured layer = {f['cost_per_captured_layer_vs_layer']:.3f} of one layer's compute")
+            summarize(k, f)
         if k.startswith("micro_"):
             print(f"\n{k}: clone {f['clone_ms']:.3f} ms ({f['clone_GBps']:.0f} GB/s), "
                   f"D2H {f['d2h_ms_side_stream']:.3f} ms ({f['d2h_GBps']:.0f} GB/s) for {f['tokens']}x{f['hidden']} bf16")
