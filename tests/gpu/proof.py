@@ -74,7 +74,7 @@ def fidelity(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
     st = hs_patch_cli("apply", "--site", a.site)  # a throughput run may have left it pristine
     assert st["exit_code"] == 0 and st["state"] == "patched", st
     layers = list(range(a.layers))
-    dump = Path(a.work) / f"dump-fid-{tag}"
+    dump = Path(a.dump_root) / f"dump-fid-{tag}"
     shutil.rmtree(dump, ignore_errors=True)
     chunk = 1024
     lengths = [2500, 37, 200, 513, 1000, 64, 128, 777]  # 2500 > chunk: prefilled in 3 passes
@@ -172,13 +172,13 @@ def fidelity(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
     return res
 
 
-def model(a: argparse.Namespace, hidden: int, layers: int) -> str:
+def model(a: argparse.Namespace, hidden: int, layers: int, preset: str = "small") -> str:
     from make_model import build
 
-    model_dir = str(Path(a.work) / f"model-h{hidden}-l{layers}")
+    model_dir = str(Path(a.work) / f"model-{preset}-h{hidden}-l{layers}")
     if not Path(model_dir, "config.json").exists():
         t = time.time()
-        build(model_dir, hidden=hidden, layers=layers, device="cuda")  # fast random init
+        build(model_dir, hidden=hidden, layers=layers, device="cuda", preset=preset)  # fast random init
         gc.collect()
         torch.cuda.empty_cache()  # give the build's GPU memory back before servers size their KV pools
         REC.log(f"built {model_dir} in {time.time() - t:.0f}s")
@@ -189,11 +189,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--site", required=True, help="the directory that contains sglang/ (patched in place)")
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu-proof-out"), help="results directory")
-    ap.add_argument("--work", default="/tmp/hs-proof", help="models, logs and dumps")
+    ap.add_argument("--work", default="/tmp/hs-proof", help="models and logs")
+    ap.add_argument("--dump-root", default="/dev/shm/hs-proof", help="capture directories (tmpfs, as in production)")
     ap.add_argument("--phases", default="fidelity,throughput,micro", help="any of fidelity,throughput,micro")
     ap.add_argument("--hidden", default="1024", help="comma-separated hidden sizes to run, e.g. 1024,7168")
     ap.add_argument("--layers", type=int, default=4, help="model depth for the fidelity run")
     ap.add_argument("--tp-layers", type=int, default=61, help="model depth for the throughput runs (Kimi: 61)")
+    ap.add_argument("--tp-preset", default="small", choices=["small", "kimi-layer"],
+                    help="per-layer shapes of the throughput model (tests/gpu/make_model.py)")
     ap.add_argument("--prompts", type=int, default=64, help="concurrent prompts per throughput round")
     ap.add_argument("--tokens", type=int, default=2048, help="tokens per throughput prompt")
     ap.add_argument("--reps", type=int, default=6, help="measured throughput rounds (after one warm-up round)")
@@ -230,7 +233,7 @@ def main() -> int:
                 REC.log(f"{tag} fidelity: envelope ok={f['all_within_envelope']} rhs identical="
                         f"{f['return_hidden_states_identical']} lm_head {f['lm_head_match']}")
             if "throughput" in phases:
-                throughput(a, model(a, h, a.tp_layers), f"{tag}_l{a.tp_layers}")
+                throughput(a, model(a, h, a.tp_layers, a.tp_preset), f"{tag}_l{a.tp_layers}_{a.tp_preset}")
             if "micro" in phases:
                 rec[f"micro_{tag}"] = copy_microbench(h)
                 REC.save()
@@ -243,6 +246,7 @@ def main() -> int:
         rc = 1
     finally:
         hs_patch_cli("apply", "--site", a.site)  # leave the install patched
+        shutil.rmtree(a.dump_root, ignore_errors=True)  # GBs in tmpfs; the results are in --out
         rec["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
         REC.save()
     summary(rec)

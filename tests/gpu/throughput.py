@@ -32,7 +32,9 @@ def throughput(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
     layers = sorted({2, n_layers // 2, n_layers - 3, n_layers - 1} & set(range(n_layers)))  # Kimi: 2,30,58,60
     planes = len(layers) + 1  # + final.pre_norm
     kv_tokens = a.prompts * a.tokens + a.chunk  # the same KV pool for all three servers
-    res: dict = {"model": model_dir, "layers": n_layers, "hidden": hidden, "prompts": a.prompts,
+    res: dict = {"model": model_dir, "config": {k: cfg[k] for k in ("num_attention_heads", "intermediate_size",
+                 "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok")},
+                 "layers": n_layers, "hidden": hidden, "prompts": a.prompts,
                  "tokens": a.tokens, "rounds": a.reps, "chunked_prefill_size": a.chunk,
                  "capture_layers": layers, "planes_captured": planes, "writers": a.writers,
                  "max_total_tokens": kv_tokens, "order": [], **{m: {"tok_s": []} for m in MODES}}
@@ -40,7 +42,7 @@ def throughput(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
     st = hs_patch_cli("apply", "--site", a.site)
     assert st["exit_code"] == 0 and st["state"] == "patched", st
     pristine = pristine_copy(a.site, Path(a.work) / "pristine-site")
-    dump = Path(a.work) / f"dump-tp-{tag}"
+    dump = Path(a.dump_root) / f"dump-tp-{tag}"
     shutil.rmtree(dump, ignore_errors=True)
     capture = {"HS_CAPTURE": "1", "HS_CAPTURE_DIR": str(dump), "HS_CAPTURE_LAYERS": ",".join(map(str, layers)),
                "HS_CAPTURE_FINAL": "pre", "HS_CAPTURE_WRITERS": str(a.writers)}
