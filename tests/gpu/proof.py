@@ -201,12 +201,15 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=2048, help="tokens per throughput prompt")
     ap.add_argument("--reps", type=int, default=6, help="measured throughput rounds (after one warm-up round)")
     ap.add_argument("--chunk", type=int, default=8192, help="chunked prefill size for the throughput runs")
-    ap.add_argument("--writers", type=int, default=4, help="HS_CAPTURE_WRITERS of the capturing server")
+    ap.add_argument("--on", action="append", default=None, metavar="NAME[:HS_CAPTURE_X=V,...]",
+                    help="a capturing server for the throughput run (repeatable; default: one with the "
+                         "product defaults), e.g. --on on --on w8:HS_CAPTURE_WRITERS=8")
     ap.add_argument("--mem-fraction", type=float, default=0.45,
                     help="--mem-fraction-static of each throughput server (of the memory free at its start)")
     ap.add_argument("--envelope-factor", type=float, default=4.0)
     ap.add_argument("--port", type=int, default=30123, help="first of four ports")
     a = ap.parse_args()
+    a.on = a.on or ["on"]
     REC.out = Path(a.out)
     REC.out.mkdir(parents=True, exist_ok=True)
     REC.logs = Path(a.work) / "logs"

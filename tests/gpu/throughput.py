@@ -23,7 +23,17 @@ from common import REC, Server, hs_patch_cli, pristine_copy, wait_for_samples
 
 from hs_patch import store
 
-MODES = ("pristine", "off", "on")
+def parse_on(specs: list[str]) -> dict[str, dict[str, str]]:
+    """``--on NAME[:KEY=VAL,...]`` -> {"on-NAME" or "on": extra HS_CAPTURE_* settings}."""
+    out: dict[str, dict[str, str]] = {}
+    for spec in specs:
+        name, _, env = spec.partition(":")
+        pairs = dict(kv.split("=", 1) for kv in env.split(",") if kv)
+        bad = [k for k in pairs if not k.startswith("HS_CAPTURE_")]
+        if bad:
+            raise SystemExit(f"--on {spec}: only HS_CAPTURE_* settings can vary, not {bad}")
+        out["on" if name in ("", "on") else f"on-{name}"] = pairs
+    return out
 
 
 def throughput(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
@@ -31,38 +41,42 @@ def throughput(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
     n_layers, hidden = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
     layers = sorted({2, n_layers // 2, n_layers - 3, n_layers - 1} & set(range(n_layers)))  # Kimi: 2,30,58,60
     planes = len(layers) + 1  # + final.pre_norm
-    kv_tokens = a.prompts * a.tokens + a.chunk  # the same KV pool for all three servers
+    kv_tokens = a.prompts * a.tokens + a.chunk  # the same KV pool for every server
+    on = parse_on(a.on)
+    modes = ["pristine", "off", *on]
     res: dict = {"model": model_dir, "config": {k: cfg[k] for k in ("num_attention_heads", "intermediate_size",
                  "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok")},
                  "layers": n_layers, "hidden": hidden, "prompts": a.prompts,
                  "tokens": a.tokens, "rounds": a.reps, "chunked_prefill_size": a.chunk,
-                 "capture_layers": layers, "planes_captured": planes, "writers": a.writers,
-                 "max_total_tokens": kv_tokens, "order": [], **{m: {"tok_s": []} for m in MODES}}
+                 "capture_layers": layers, "planes_captured": planes, "modes": modes,
+                 "max_total_tokens": kv_tokens, "order": [], **{m: {"tok_s": []} for m in modes}}
     REC.data[f"throughput_{tag}"] = res
     st = hs_patch_cli("apply", "--site", a.site)
     assert st["exit_code"] == 0 and st["state"] == "patched", st
     pristine = pristine_copy(a.site, Path(a.work) / "pristine-site")
-    dump = Path(a.dump_root) / f"dump-tp-{tag}"
-    shutil.rmtree(dump, ignore_errors=True)
-    capture = {"HS_CAPTURE": "1", "HS_CAPTURE_DIR": str(dump), "HS_CAPTURE_LAYERS": ",".join(map(str, layers)),
-               "HS_CAPTURE_FINAL": "pre", "HS_CAPTURE_WRITERS": str(a.writers)}
+    dumps = {m: Path(a.dump_root) / f"dump-tp-{tag}-{m}" for m in on}
+    capture = {m: {"HS_CAPTURE": "1", "HS_CAPTURE_DIR": str(dumps[m]), "HS_CAPTURE_FINAL": "pre",
+                   "HS_CAPTURE_LAYERS": ",".join(map(str, layers)), **env} for m, env in on.items()}
+    for m in on:
+        shutil.rmtree(dumps[m], ignore_errors=True)
+        res[m]["capture_env"] = capture[m]
     extra = ["--sleep-on-idle", "--max-total-tokens", str(kv_tokens)]
     servers: dict[str, Server] = {}
     try:
-        for i, mode in enumerate(MODES):  # one at a time until its KV pool is sized
-            servers[mode] = Server(f"tp-{tag}-{mode}", model_dir, a.port + 1 + i, a.chunk,
-                                   capture if mode == "on" else None, extra,
-                                   first_on_path=str(pristine) if mode == "pristine" else None,
+        for i, mode in enumerate(modes):  # one at a time until its KV pool is sized
+            servers[mode] = Server(f"tp-{tag}-{mode}", model_dir, a.port + 1 + i, a.chunk, capture.get(mode),
+                                   extra, first_on_path=str(pristine) if mode == "pristine" else None,
                                    mem_fraction=a.mem_fraction)
             servers[mode].wait_memory()
         for mode, s in servers.items():
             s.wait_ready()
             res[mode].update(start_s=s.start_s, sglang_dir=s.sglang_dir,
                              deepseek_v2_state=hs_patch_cli("status", "--site", str(Path(s.sglang_dir).parent))["state"])
-        assert [res[m]["deepseek_v2_state"] for m in MODES] == ["pristine", "patched", "patched"], res
+        states = [res[m]["deepseek_v2_state"] for m in modes]
+        assert states == ["pristine"] + ["patched"] * (len(modes) - 1), states
         rng = random.Random(11)
         for rnd in range(a.reps + 1):  # round 0 warms up (and compiles kernels)
-            order = MODES[rnd % 3:] + MODES[:rnd % 3]
+            order = modes[rnd % len(modes):] + modes[:rnd % len(modes)]
             prompts = [[rng.randrange(3, 512) for _ in range(a.tokens)] for _ in range(a.prompts)]
             speeds = {}
             for mode in order:
@@ -71,39 +85,48 @@ def throughput(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
                 with ThreadPoolExecutor(a.prompts) as pool:
                     list(pool.map(s.generate, prompts, [f"tp-{rnd}-{i}" for i in range(a.prompts)]))
                 speeds[mode] = a.prompts * a.tokens / (time.perf_counter() - t)
-                if mode == "on":  # let the writer finish before the next server's turn
-                    res["on"].setdefault("writer_lag_s", []).append(
-                        round(wait_for_samples(dump, {store.sample_key(p) for p in prompts}), 3))
-                    for f in dump.glob("*.safetensors"):  # keep /dev/shm small between rounds
+                if mode in on:  # let the writer finish before the next server's turn
+                    res[mode].setdefault("writer_lag_s", []).append(
+                        round(wait_for_samples(dumps[mode], {store.sample_key(p) for p in prompts}), 3))
+                    for f in dumps[mode].glob("*.safetensors"):  # keep /dev/shm small between rounds
                         f.unlink()
             if rnd:
                 res["order"].append(list(order))
-                for m in MODES:
+                for m in modes:
                     res[m]["tok_s"].append(speeds[m])
             REC.log(f"{tag} round {rnd} ({'warm-up, ' if not rnd else ''}order {','.join(order)}): "
-                    + ", ".join(f"{m} {speeds[m]:.0f}" for m in MODES) + " tok/s")
+                    + ", ".join(f"{m} {speeds[m]:.0f}" for m in modes) + " tok/s")
             REC.save()
-        res["on"]["hook_status"] = json.loads((dump / "hook_status.json").read_text())
-        res["on"]["samples_recorded"] = len(store.read_manifest(dump))
+        for m in on:
+            res[m]["hook_status"] = json.loads((dumps[m] / "hook_status.json").read_text())
+            res[m]["samples_recorded"] = len(store.read_manifest(dumps[m]))
     finally:
         for s in servers.values():
             s.stop()
-    for m in MODES:
+    for m in modes:
         res[m]["median_tok_s"] = statistics.median(res[m]["tok_s"])
-    per_round = {
-        "off/pristine": [o / p for o, p in zip(res["off"]["tok_s"], res["pristine"]["tok_s"])],
-        "on/pristine": [o / p for o, p in zip(res["on"]["tok_s"], res["pristine"]["tok_s"])],
-        "on/off": [o / p for o, p in zip(res["on"]["tok_s"], res["off"]["tok_s"])]}
+
+    def ratios(x: str, y: str) -> list[float]:
+        return [u / v for u, v in zip(res[x]["tok_s"], res[y]["tok_s"])]
+
+    per_round = {"off/pristine": ratios("off", "pristine")}
+    for m in on:
+        per_round[f"{m}/pristine"] = ratios(m, "pristine")
+        per_round[f"{m}/off"] = ratios(m, "off")
     res["ratios_per_round"] = per_round
-    res["ratio_off"] = statistics.median(per_round["off/pristine"])
-    res["ratio_on"] = statistics.median(per_round["on/pristine"])
-    res["ratio_on_vs_off"] = statistics.median(per_round["on/off"])
+    res["ratios"] = {k: statistics.median(v) for k, v in per_round.items()}
+    res["ratio_off"] = res["ratios"]["off/pristine"]
+    first = next(iter(on))
+    res["ratio_on"] = res["ratios"][f"{first}/pristine"]
+    res["ratio_on_vs_off"] = res["ratios"][f"{first}/off"]
     # cost per captured plane against one layer's compute, from the same medians
-    off, on = res["off"]["median_tok_s"], res["on"]["median_tok_s"]
+    off = res["off"]["median_tok_s"]
     res["capture_bytes_per_s_needed"] = off * planes * hidden * 2
     res["layer_time_per_token_s"] = 1 / off / n_layers
-    res["capture_time_per_plane_per_token_s"] = (1 / on - 1 / off) / planes
-    res["cost_per_captured_layer_vs_layer"] = res["capture_time_per_plane_per_token_s"] / res["layer_time_per_token_s"]
+    for m in on:
+        per_plane = (1 / res[m]["median_tok_s"] - 1 / off) / planes
+        res[m]["cost_per_captured_layer_vs_layer"] = per_plane / res["layer_time_per_token_s"]
+    res["cost_per_captured_layer_vs_layer"] = res[first]["cost_per_captured_layer_vs_layer"]
     REC.save()
     return res
 
@@ -153,12 +176,16 @@ def projection(micro: dict) -> dict:
 
 
 def summarize(k: str, f: dict) -> None:
+    modes = f.get("modes", ["pristine", "off", "on"])
     print(f"\n{k}: {f['layers']} layers, hidden {f['hidden']}, {f['prompts']} x {f['tokens']} tokens, "
-          f"{f['rounds']} rounds, three servers side by side (tok/s; ratios within each round, median)")
-    for m in MODES:
-        print(f"  {m:10}{f[m]['median_tok_s']:12.0f}  {[round(x) for x in f[m]['tok_s']]}")
+          f"{f['rounds']} rounds, {len(modes)} servers side by side (tok/s; ratios within each round, median)")
+    for m in modes:
+        env = f[m].get("capture_env")
+        extra = {x: v for x, v in (env or {}).items() if x not in ("HS_CAPTURE", "HS_CAPTURE_DIR",
+                                                                   "HS_CAPTURE_FINAL", "HS_CAPTURE_LAYERS")}
+        print(f"  {m:12}{f[m]['median_tok_s']:12.0f}  {[round(x) for x in f[m]['tok_s']]}"
+              + (f"  {extra or 'defaults'}, hook waits {f[m].get('hook_status', {}).get('waits')}" if env else ""))
     for name, xs in f["ratios_per_round"].items():
-        print(f"  {name:14}{statistics.median(xs):7.3f}  rounds {[round(x, 3) for x in xs]}")
-    print(f"  capture data rate needed at the capture-off speed: {f['capture_bytes_per_s_needed'] / 1e9:.2f} GB/s;"
-          f" hook waits: {f['on'].get('hook_status', {}).get('waits')}")
+        print(f"  {name:16}{statistics.median(xs):7.3f}  rounds {[round(x, 3) for x in xs]}")
+    print(f"  capture data rate needed at the capture-off speed: {f['capture_bytes_per_s_needed'] / 1e9:.2f} GB/s")
     print(f"  cost per captured layer = {f['cost_per_captured_layer_vs_layer']:.3f} of one layer's compute")
