@@ -16,9 +16,12 @@ HS_CAPTURE_FINAL          pre                    the last layer's output: ``pre`
                                                  post-norm is derivable from it), ``post``
                                                  (after it; SpecForge reads this), ``both``
                                                  or ``none``
-HS_CAPTURE_SLOTS          2                      pinned host staging buffers (each holds one
+HS_CAPTURE_SLOTS          3                      pinned host staging buffers (each holds one
                                                  prefill pass); all busy = the forward pass
-                                                 waits for the writer (back-pressure)
+                                                 waits for the writer (back-pressure). 3: one
+                                                 being filled, one whose copy is finishing,
+                                                 one being written (with 2, the H200 proof's
+                                                 CPU waited ~160 ms on 3 passes in 4 at 2 GB/s)
 HS_CAPTURE_SLOT_TOKENS    16384                  initial size of a staging buffer in tokens
                                                  (grows if a pass is larger)
 HS_CAPTURE_WRITERS        4                      threads writing (and sha256-hashing) files
@@ -52,7 +55,7 @@ class CaptureConfig:
     directory: str = DEFAULT_DIR
     layers: tuple[int, ...] = DEFAULT_LAYERS
     final: str = "pre"
-    slots: int = 2
+    slots: int = 3
     slot_tokens: int = 16384
     writers: int = 4
     stall_seconds: float = 300.0
@@ -122,7 +125,7 @@ def from_env(env: Mapping[str, str] | None = None) -> CaptureConfig:
         directory=directory,
         layers=parse_layers(layers_raw) if layers_raw else DEFAULT_LAYERS,
         final=final,
-        slots=_int(env, "HS_CAPTURE_SLOTS", 2, 1),
+        slots=_int(env, "HS_CAPTURE_SLOTS", 3, 1),
         slot_tokens=_int(env, "HS_CAPTURE_SLOT_TOKENS", 16384, 1),
         writers=_int(env, "HS_CAPTURE_WRITERS", 4, 1),
         stall_seconds=stall_seconds,
