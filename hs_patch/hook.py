@@ -35,6 +35,7 @@ from hs_patch import server_checks, store
 from hs_patch.writer import PassRecord, Writer, skipped
 
 log = logging.getLogger("hs_patch")
+WAIT_LOG_SECONDS = 60.0  # back-pressure is logged at most this often (every wait is counted)
 
 
 def attach(model: torch.nn.Module, config: Any, release: str) -> Optional["CaptureHook"]:
@@ -109,6 +110,7 @@ class CaptureHook:
         self._current: Optional[_Pass] = None
         self.waits = 0
         self.wait_seconds = 0.0
+        self._wait_logged: Optional[float] = None
         meta = {
             "format": store.FORMAT,
             "layers": ",".join(map(str, cfg.layers)),
@@ -168,8 +170,12 @@ class CaptureHook:
         except queue.Empty:
             pass
         t0 = time.monotonic()
-        log.warning("hs_patch: all %d staging buffers are busy; the forward pass waits for the writer",
-                    self.cfg.slots)
+        if self._wait_logged is None or t0 - self._wait_logged >= WAIT_LOG_SECONDS:
+            self._wait_logged = t0
+            log.warning("hs_patch: all %d staging buffers are busy; the forward pass waits for the writer "
+                        "(%d waits, %.1f s in all so far; logged at most once a minute, counted in "
+                        "hook_status.json). Persistent waits: raise HS_CAPTURE_SLOTS or HS_CAPTURE_WRITERS, "
+                        "or write to a faster directory.", self.cfg.slots, self.waits, self.wait_seconds)
         try:
             slot = self._free.get(timeout=self.cfg.stall_seconds)
         except queue.Empty:

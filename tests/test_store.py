@@ -194,6 +194,23 @@ def test_back_pressure_waits_then_fails_loudly(tmp_path):
     assert len(store.read_manifest(tmp_path)) == 3
 
 
+def test_back_pressure_warning_is_rate_limited(tmp_path, caplog):
+    """Every wait is counted, but a busy writer does not flood the server log."""
+    h = hook.CaptureHook(config.CaptureConfig(enabled=True, directory=str(tmp_path), layers=(0,), final="none",
+                                              slots=1), hidden_size=H, metadata={})
+    real_write = h.writer._write_pass
+    h.writer._write_pass = lambda rec: (time.sleep(0.05), real_write(rec))
+    with caplog.at_level("WARNING", logger="hs_patch"):
+        for n in range(2, 7):
+            p = h.begin(_Batch([n]), torch.arange(n))
+            p.collector(0, None).capture(torch.ones(n, H, dtype=torch.bfloat16))
+            p.finish(torch.zeros(n, H))
+    h.close()
+    busy = [r for r in caplog.records if "staging buffers are busy" in r.getMessage()]
+    assert h.waits == 4 and len(busy) == 1
+    assert len(store.read_manifest(tmp_path)) == 5
+
+
 def test_config_from_env_explains_bad_values():
     assert config.from_env({}) == config.CaptureConfig()
     c = config.from_env({"HS_CAPTURE": "1", "HS_CAPTURE_LAYERS": "1, 5,9", "HS_CAPTURE_FINAL": "both"})

@@ -69,7 +69,7 @@ class Server:
     """
 
     def __init__(self, name: str, model: str, port: int, chunk: int, capture: dict | None, extra: list[str],
-                 first_on_path: str | None = None, mem_fraction: float = 0.5):
+                 first_on_path: str | None = None, mem_fraction: float = 0.5, tp_size: int = 1):
         env = {k: v for k, v in os.environ.items() if not k.startswith("HS_CAPTURE")}
         env["PYTHONPATH"] = ":".join(p for p in (first_on_path, str(ROOT), env.get("PYTHONPATH")) if p)
         env.update(capture or {})
@@ -80,7 +80,7 @@ class Server:
         self.sglang_dir = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
                                          text=True).stdout.strip()
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1",
-               "--port", str(port), "--tp-size", "1", "--attention-backend", "triton",
+               "--port", str(port), "--tp-size", str(tp_size), "--attention-backend", "triton",
                "--sampling-backend", "pytorch", "--disable-radix-cache", "--disable-prefill-cuda-graph",
                "--disable-decode-cuda-graph", "--mem-fraction-static", str(mem_fraction), "--random-seed", "0",
                "--chunked-prefill-size", str(chunk), "--log-level", "info", *extra]

@@ -83,7 +83,7 @@ def fidelity(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
     res.update(lengths=lengths, chunked_prefill_size=chunk, layers=layers, final="both")
     server = Server(f"fidelity-{tag}", model_dir, a.port, chunk,
                     {"HS_CAPTURE": "1", "HS_CAPTURE_DIR": str(dump), "HS_CAPTURE_LAYERS": ",".join(map(str, layers)),
-                     "HS_CAPTURE_FINAL": "both"}, ["--enable-return-hidden-states"])
+                     "HS_CAPTURE_FINAL": "both"}, ["--enable-return-hidden-states"], tp_size=a.tp_size)
     try:
         server.wait_ready()
         with ThreadPoolExecutor(len(prompts)) as pool:  # concurrent: batched prefill
@@ -206,6 +206,8 @@ def main() -> int:
                          "product defaults), e.g. --on on --on w8:HS_CAPTURE_WRITERS=8")
     ap.add_argument("--mem-fraction", type=float, default=0.45,
                     help="--mem-fraction-static of each throughput server (of the memory free at its start)")
+    ap.add_argument("--tp-size", type=int, default=1,
+                    help="tensor parallelism of every server (HS_CAPTURE_RANK 0 writes); needs that many GPUs")
     ap.add_argument("--envelope-factor", type=float, default=4.0)
     ap.add_argument("--port", type=int, default=30123, help="first of four ports")
     a = ap.parse_args()

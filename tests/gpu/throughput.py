@@ -66,7 +66,7 @@ def throughput(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
         for i, mode in enumerate(modes):  # one at a time until its KV pool is sized
             servers[mode] = Server(f"tp-{tag}-{mode}", model_dir, a.port + 1 + i, a.chunk, capture.get(mode),
                                    extra, first_on_path=str(pristine) if mode == "pristine" else None,
-                                   mem_fraction=a.mem_fraction)
+                                   mem_fraction=a.mem_fraction, tp_size=a.tp_size)
             servers[mode].wait_memory()
         for mode, s in servers.items():
             s.wait_ready()
