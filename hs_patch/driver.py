@@ -27,61 +27,13 @@ from hs_patch import __version__, chat, dataset, runstate, store
 from hs_patch.backpressure import BackPressure, disk_usage
 from hs_patch.capture_dir import CaptureWatcher, RawTimeout
 from hs_patch.client import HEALTH_PROBE_IDS, ClientError, RetryPolicy, SGLangClient
+from hs_patch.drive_config import DriveConfig
 from hs_patch.finalize import FinalizeError, finalize
 from hs_patch.runstatus import RunStatus
 
 EXIT_OK, EXIT_ERROR, EXIT_INCOMPLETE, EXIT_FAILURES, EXIT_SIGNAL = 0, 1, 3, 4, 130
 CAPTURE_LOCK = ".hs-driver.lock"
 CAPTURE_PARAMS = {"max_new_tokens": 1, "temperature": 0.0}  # 1 new token: the least that runs a prefill
-
-
-@dataclass
-class DriveConfig:
-    run: str
-    data: list[str]
-    model: str
-    server: str = "http://127.0.0.1:30000"
-    capture_dir: str = "/dev/shm/hs_capture"
-    state_dir: str = ""       # default /var/lib/hs-patch/runs/<run>
-    samples_dir: str = ""     # default /dev/shm/hs-runs/<run>/samples
-    trust_remote_code: bool = False
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    max_tokens: int = 32768
-    on_too_long: str = "skip"           # skip | truncate
-    regenerate: bool = False
-    regen_max_new_tokens: int = 2048
-    regen_temperature: float = 0.6
-    regen_top_p: float = 1.0
-    concurrency: int = 8
-    retries: int = 6
-    backoff: float = 1.0
-    backoff_max: float = 60.0
-    request_timeout: float = 600.0
-    raw_timeout: float = 120.0
-    max_consecutive_failures: int = 20
-    server_wait: float = 600.0
-    high_water: float = 80.0
-    low_water: float = 60.0
-    status_interval: float = 2.0
-    prometheus: str = ""
-    limit: int = 0                      # 0: all lines
-
-    def __post_init__(self) -> None:
-        self.state_dir = self.state_dir or f"/var/lib/hs-patch/runs/{self.run}"
-        self.samples_dir = self.samples_dir or f"/dev/shm/hs-runs/{self.run}/samples"
-
-    def identity(self) -> dict[str, Any]:
-        """The parameters that decide what the samples are; a resumed run must keep them."""
-        ident = {k: getattr(self, k) for k in ("run", "chat_template_kwargs", "max_tokens", "on_too_long",
-                                               "regenerate")}
-        if self.regenerate:
-            ident.update(regen_max_new_tokens=self.regen_max_new_tokens, regen_temperature=self.regen_temperature,
-                         regen_top_p=self.regen_top_p)
-        ident["model"] = str(Path(self.model).resolve())
-        ident["samples_dir"] = str(Path(self.samples_dir).resolve())
-        ident["data"] = [{"name": dataset.source_name(p), "path": str(Path(p).resolve()),
-                          "bytes": os.path.getsize(p), "sha256": store.file_sha256(p)[1]} for p in self.data]
-        return ident
 
 
 @dataclass

@@ -50,7 +50,9 @@ exit codes: 0 every sample done or rejected; 1 refused or error (nothing else ru
 
 
 def add_drive_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``drive`` subcommand's options (defaults shown by --help)."""
+    """The ``drive`` subcommand's options (defaults from ``DriveConfig``, shown by --help)."""
+    from hs_patch.drive_config import DEFAULTS as D
+
     g = p.add_argument_group("what to run")
     g.add_argument("--run", required=True, metavar="NAME", help="run name: names the state and samples dirs; "
                    "reuse it to resume")
@@ -62,61 +64,63 @@ def add_drive_arguments(p: argparse.ArgumentParser) -> None:
                    "(needed for Kimi-K2/K2.5's tiktoken tokenizer)")
     g.add_argument("--chat-template-kwargs", default="{}", metavar="JSON", help="extra variables for the chat "
                    "template, e.g. '{\"thinking\": false}' (default: %(default)s)")
-    g.add_argument("--limit", type=int, default=0, metavar="N", help="only the first N input lines (0: all; "
+    g.add_argument("--limit", type=int, default=D["limit"], metavar="N", help="only the first N input lines (0: all; "
                    "default: %(default)s)")
     g = p.add_argument_group("where")
-    g.add_argument("--server", default="http://127.0.0.1:30000", metavar="URL", help="SGLang server "
+    g.add_argument("--server", default=D["server"], metavar="URL", help="SGLang server "
                    "(default: %(default)s)")
-    g.add_argument("--capture-dir", default="/dev/shm/hs_capture", metavar="DIR",
+    g.add_argument("--capture-dir", default=D["capture_dir"], metavar="DIR",
                    help="the server's HS_CAPTURE_DIR, must be the same (default: %(default)s)")
-    g.add_argument("--state-dir", default="", metavar="DIR", help="run state (default: /var/lib/hs-patch/runs/NAME)")
-    g.add_argument("--samples-dir", default="", metavar="DIR", help="final samples (default: "
+    g.add_argument("--state-dir", default=D["state_dir"], metavar="DIR", help="run state (default: /var/lib/hs-patch/runs/NAME)")
+    g.add_argument("--samples-dir", default=D["samples_dir"], metavar="DIR", help="final samples (default: "
                    "/dev/shm/hs-runs/NAME/samples)")
     g = p.add_argument_group("length")
-    g.add_argument("--max-tokens", type=int, default=32768, metavar="N", help="longest sample in tokens "
+    g.add_argument("--max-tokens", type=int, default=D["max_tokens"], metavar="N", help="longest sample in tokens "
                    "(default: %(default)s)")
-    g.add_argument("--on-too-long", choices=("skip", "truncate"), default="skip",
+    g.add_argument("--on-too-long", choices=("skip", "truncate"), default=D["on_too_long"],
                    help="a longer sample is rejected (skip) or cut to --max-tokens (truncate) (default: %(default)s)")
     g = p.add_argument_group("regeneration (the target model writes the assistant turns first)")
     g.add_argument("--regenerate", action="store_true", help="generate each assistant turn with the served model "
                    "(normal decoding, rid nocap-..., not captured), then capture the whole conversation; "
                    "pre-tokenized lines are used as they are")
-    g.add_argument("--regen-max-new-tokens", type=int, default=2048, metavar="N", help="longest generated turn "
+    g.add_argument("--regen-max-new-tokens", type=int, default=D["regen_max_new_tokens"], metavar="N", help="longest generated turn "
                    "(default: %(default)s)")
-    g.add_argument("--regen-temperature", type=float, default=0.6, metavar="T", help="sampling temperature of the "
+    g.add_argument("--regen-temperature", type=float, default=D["regen_temperature"], metavar="T", help="sampling temperature of the "
                    "generated turns; 0 is greedy (default: %(default)s)")
-    g.add_argument("--regen-top-p", type=float, default=1.0, metavar="P", help="nucleus sampling of the generated "
+    g.add_argument("--regen-top-p", type=float, default=D["regen_top_p"], metavar="P", help="nucleus sampling of the generated "
                    "turns (default: %(default)s)")
     g = p.add_argument_group("requests and failures")
-    g.add_argument("--concurrency", type=int, default=8, metavar="N", help="samples in flight at the server "
+    g.add_argument("--concurrency", type=int, default=D["concurrency"], metavar="N", help="samples in flight at the server "
                    "(default: %(default)s)")
-    g.add_argument("--retries", type=int, default=6, metavar="N", help="retries of a request on connection "
+    g.add_argument("--retries", type=int, default=D["retries"], metavar="N", help="retries of a request on connection "
                    "errors, timeouts, 5xx and 429, with exponential backoff and jitter (default: %(default)s)")
-    g.add_argument("--backoff", type=float, default=1.0, metavar="S", help="first retry delay; doubles each "
+    g.add_argument("--backoff", type=float, default=D["backoff"], metavar="S", help="first retry delay; doubles each "
                    "retry (default: %(default)s)")
-    g.add_argument("--backoff-max", type=float, default=60.0, metavar="S", help="longest retry delay "
+    g.add_argument("--backoff-max", type=float, default=D["backoff_max"], metavar="S", help="longest retry delay "
                    "(default: %(default)s)")
-    g.add_argument("--request-timeout", type=float, default=600.0, metavar="S", help="longest wait for one "
+    g.add_argument("--request-timeout", type=float, default=D["request_timeout"], metavar="S", help="longest wait for one "
                    "/generate answer; then it is retried (default: %(default)s)")
-    g.add_argument("--raw-timeout", type=float, default=120.0, metavar="S", help="how long to wait, after the "
+    g.add_argument("--raw-timeout", type=float, default=D["raw_timeout"], metavar="S", help="how long to wait, after the "
                    "server answered, for its raw sample in --capture-dir (default: %(default)s)")
-    g.add_argument("--max-consecutive-failures", type=int, default=20, metavar="N", help="stop cleanly after N "
+    g.add_argument("--max-consecutive-failures", type=int, default=D["max_consecutive_failures"], metavar="N", help="stop cleanly after N "
                    "samples failed in a row (default: %(default)s)")
-    g.add_argument("--server-wait", type=float, default=600.0, metavar="S", help="wait this long at start for "
+    g.add_argument("--server-wait", type=float, default=D["server_wait"], metavar="S", help="wait this long at start for "
                    "/health (default: %(default)s)")
     g = p.add_argument_group("back-pressure and progress")
-    g.add_argument("--high-water", type=float, default=80.0, metavar="PCT", help="pause sending when the "
+    g.add_argument("--high-water", type=float, default=D["high_water"], metavar="PCT", help="pause sending when the "
                    "filesystem of --capture-dir or --samples-dir is this full (default: %(default)s)")
-    g.add_argument("--low-water", type=float, default=60.0, metavar="PCT", help="resume below this "
+    g.add_argument("--low-water", type=float, default=D["low_water"], metavar="PCT", help="resume below this "
                    "(default: %(default)s)")
-    g.add_argument("--status-interval", type=float, default=2.0, metavar="S", help="status.json refresh "
+    g.add_argument("--status-interval", type=float, default=D["status_interval"], metavar="S", help="status.json refresh "
                    "(default: %(default)s)")
-    g.add_argument("--prometheus", default="", metavar="FILE", help="also write the status as a Prometheus "
+    g.add_argument("--prometheus", default=D["prometheus"], metavar="FILE", help="also write the status as a Prometheus "
                    "textfile (node_exporter textfile collector)")
 
 
 def drive_config(a: argparse.Namespace) -> Any:
-    from hs_patch.driver import DriveConfig
+    from dataclasses import fields
+
+    from hs_patch.drive_config import DriveConfig
 
     try:
         kwargs = json.loads(a.chat_template_kwargs)
@@ -127,15 +131,8 @@ def drive_config(a: argparse.Namespace) -> Any:
     for name in ("concurrency", "max_tokens", "max_consecutive_failures"):
         if getattr(a, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
-    return DriveConfig(
-        run=a.run, data=a.data, model=a.model, server=a.server, capture_dir=a.capture_dir, state_dir=a.state_dir,
-        samples_dir=a.samples_dir, trust_remote_code=a.trust_remote_code, chat_template_kwargs=kwargs,
-        max_tokens=a.max_tokens, on_too_long=a.on_too_long, regenerate=a.regenerate,
-        regen_max_new_tokens=a.regen_max_new_tokens, regen_temperature=a.regen_temperature,
-        regen_top_p=a.regen_top_p, concurrency=a.concurrency, retries=a.retries, backoff=a.backoff,
-        backoff_max=a.backoff_max, request_timeout=a.request_timeout, raw_timeout=a.raw_timeout,
-        max_consecutive_failures=a.max_consecutive_failures, server_wait=a.server_wait, high_water=a.high_water,
-        low_water=a.low_water, status_interval=a.status_interval, prometheus=a.prometheus, limit=a.limit)
+    return DriveConfig(**{f.name: getattr(a, f.name) for f in fields(DriveConfig) if f.name != "chat_template_kwargs"},
+                       chat_template_kwargs=kwargs)
 
 
 def cmd_drive(a: argparse.Namespace) -> int:

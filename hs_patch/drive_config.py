@@ -1,0 +1,65 @@
+"""The driver's settings (``hs-extract drive`` options), in a module light enough for ``--help``.
+
+The defaults here are the only ones: ``extract_cli`` shows and uses them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from hs_patch import dataset, store
+
+
+@dataclass
+class DriveConfig:
+    run: str
+    data: list[str]
+    model: str
+    server: str = "http://127.0.0.1:30000"
+    capture_dir: str = "/dev/shm/hs_capture"
+    state_dir: str = ""       # default /var/lib/hs-patch/runs/<run>
+    samples_dir: str = ""     # default /dev/shm/hs-runs/<run>/samples
+    trust_remote_code: bool = False
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    max_tokens: int = 32768
+    on_too_long: str = "skip"           # skip | truncate
+    regenerate: bool = False
+    regen_max_new_tokens: int = 2048
+    regen_temperature: float = 0.6
+    regen_top_p: float = 1.0
+    concurrency: int = 8
+    retries: int = 6
+    backoff: float = 1.0
+    backoff_max: float = 60.0
+    request_timeout: float = 600.0
+    raw_timeout: float = 120.0
+    max_consecutive_failures: int = 20
+    server_wait: float = 600.0
+    high_water: float = 80.0
+    low_water: float = 60.0
+    status_interval: float = 2.0
+    prometheus: str = ""
+    limit: int = 0                      # 0: all lines
+
+    def __post_init__(self) -> None:
+        self.state_dir = self.state_dir or f"/var/lib/hs-patch/runs/{self.run}"
+        self.samples_dir = self.samples_dir or f"/dev/shm/hs-runs/{self.run}/samples"
+
+    def identity(self) -> dict[str, Any]:
+        """The parameters that decide what the samples are; a resumed run must keep them."""
+        ident = {k: getattr(self, k) for k in ("run", "chat_template_kwargs", "max_tokens", "on_too_long",
+                                               "regenerate")}
+        if self.regenerate:
+            ident.update(regen_max_new_tokens=self.regen_max_new_tokens, regen_temperature=self.regen_temperature,
+                         regen_top_p=self.regen_top_p)
+        ident["model"] = str(Path(self.model).resolve())
+        ident["samples_dir"] = str(Path(self.samples_dir).resolve())
+        ident["data"] = [{"name": dataset.source_name(p), "path": str(Path(p).resolve()),
+                          "bytes": os.path.getsize(p), "sha256": store.file_sha256(p)[1]} for p in self.data]
+        return ident
+
+
+DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(DriveConfig) if f.default is not MISSING}
