@@ -21,8 +21,8 @@ from pathlib import Path
 import paramiko
 from fabric import Connection, task
 
-from hs_patch import dashboard, remote
-from hs_patch.fabconfig import ConfigError, Target, check_run_name, load
+from hs_patch.control import dashboard, remote
+from hs_patch.control.inventory import ConfigError, Target, check_run_name, load
 
 
 def _errors(body):

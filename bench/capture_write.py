@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from hs_patch import config, hook, store  # noqa: E402
+from hs_patch.server import config, hook  # noqa: E402
+from hs_patch import store  # noqa: E402
 
 
 class _Mode:

@@ -38,10 +38,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import requests  # noqa: E402
 import torch  # noqa: E402
 
-from hs_patch import config, hook, store  # noqa: E402
-from hs_patch.capture_dir import CaptureWatcher  # noqa: E402
-from hs_patch.driver import DriveConfig, Driver  # noqa: E402
-from hs_patch.finalize import finalize  # noqa: E402
+from hs_patch.server import config, hook  # noqa: E402
+from hs_patch import store  # noqa: E402
+from hs_patch.host.capture_dir import CaptureWatcher  # noqa: E402
+from hs_patch.host.driver import DriveConfig, Driver  # noqa: E402
+from hs_patch.host.finalize import finalize  # noqa: E402
 from runcheck import assert_complete, write_chats  # noqa: E402
 from tiny_model import make_tiny_model_dir  # noqa: E402
 

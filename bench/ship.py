@@ -7,7 +7,7 @@ hs_patch.store into a source directory, then runs both (which goes first alterna
 
 - plain:   ``rsync -a -e "ssh OPTS" FILE... HOST:DEST/plain/``, the same files (hard
            links), the same ssh options (key, port, known_hosts, cipher);
-- shipper: ``python3 -m hs_patch.shipper ship --samples-dir SRC --state-dir ... --dest
+- shipper: ``python3 -m hs_patch.host.shipping.shipper ship --samples-dir SRC --state-dir ... --dest
            HOST:DEST/ship`` (rsync + sha256 on the destination + fsync + atomic manifest +
            local deletion), wall time of the whole command, start to exit.
 
@@ -42,7 +42,7 @@ import torch  # noqa: E402
 
 import loopback_sshd  # noqa: E402
 from hs_patch import reader, store  # noqa: E402
-from hs_patch.ship_link import SshOptions  # noqa: E402
+from hs_patch.host.shipping.link import SshOptions  # noqa: E402
 
 HIDDEN = 7168
 PLANES = ["layer.2", "layer.30", "layer.58", "final.pre_norm"]
@@ -127,7 +127,7 @@ def main() -> int:
             limit = [f"--bwlimit={args.bwlimit}"] if args.bwlimit else []
             plain_cmd = ["rsync", "-a", *limit, "-e", shlex.join(ssh.argv()), *(str(plain_src / n) for n in names),
                          f"{server.host}:{dest_root / 'plain'}/"]
-            ship_cmd = [sys.executable, "-m", "hs_patch.shipper", "ship", "--samples-dir", str(src),
+            ship_cmd = [sys.executable, "-m", "hs_patch.host.shipping.shipper", "ship", "--samples-dir", str(src),
                         "--state-dir", str(state), "--dest", f"{server.host}:{dest_root / 'ship'}",
                         *server.ship_args(), *(f"--ssh-option={o}" for o in args.ssh_option), *limit]
             if r % 2 == 0:  # alternate which goes first

@@ -44,12 +44,12 @@ def _init_block(version: str) -> Edit:
     return Edit(
         "        self.layers_to_capture = []\n",
         "        self.layers_to_capture = []\n"
-        "        # hs_patch: hidden-state capture, off unless HS_CAPTURE=1 (see hs_patch.hook)\n"
+        "        # hs_patch: hidden-state capture, off unless HS_CAPTURE=1 (see hs_patch.server.hook)\n"
         "        import os as _hs_os\n"
         "\n"
         "        self._hs_capture = None\n"
         '        if _hs_os.environ.get("HS_CAPTURE", "") not in ("", "0"):\n'
-        "            from hs_patch.hook import attach as _hs_attach\n"
+        "            from hs_patch.server.hook import attach as _hs_attach\n"
         "\n"
         f'            self._hs_capture = _hs_attach(self, config, "{version}")\n',
     )
@@ -104,7 +104,7 @@ V0_5_9 = Release(
     version="0.5.9",
     torch="2.9.1",
     pristine_sha256="4071b9a6a6ac71e1143204708df42f2ba5bd163a5d7a020579242df56e490a35",
-    patched_sha256="93ade4c9f8bf16e55092fc153963a7c20f8168f1c7c1966a051bc5481632260a",
+    patched_sha256="00a92c19ee8381fce8b2a2b2504cffe39936fc759f1fbfec30f6fc4893170a66",
     edits=(
         # DeepseekV2DecoderLayer.forward: a capture point after the input communication
         Edit(
@@ -166,7 +166,7 @@ V0_5_16 = Release(
     version="0.5.16",
     torch="2.11.0",
     pristine_sha256="47709951b15d7ac494c25f079a242c17375a8ee01007c829ea0c9ab604794689",
-    patched_sha256="44d22fcfc255f106c06e1fe1dd36a4a58d8e7c5ce5864479b21bfc0128ccf3d6",
+    patched_sha256="ad4c847201ed5b1bcb6026c75825735be3cffecac32f12211fbd0d8ed464d214",
     edits=(
         _init_block("0.5.16"),
         Edit(
@@ -192,7 +192,7 @@ V0_5_23 = Release(
     version="0.5.23",
     torch="2.14.1",
     pristine_sha256="f61f93019bf1e7680f45a1fe227244433e1b22021cb955e53d25b9cf900473f9",
-    patched_sha256="14ce5b9bca48d371f7b7ecee48e3bebb456787fe816cc44e9206d050ee9e6c94",
+    patched_sha256="e163069eec8504e4f4140bb266ae8723a3a4b0c031dbed0d9a3e96bcbafcb7a8",
     edits=(
         _init_block("0.5.23"),
         Edit(
@@ -230,6 +230,20 @@ def by_pristine_sha(sha: str) -> Release | None:
 
 def by_patched_sha(sha: str) -> Release | None:
     return next((r for r in RELEASES.values() if r.patched_sha256 == sha), None)
+
+
+# hs-patch 0.1.0 kept the hook at ``hs_patch.hook``; a file it patched differs from
+# today's patched file only in these lines. ``apply`` upgrades such a file, ``revert``
+# restores its original, ``verify`` fails on it (its import no longer exists).
+_EARLIER_LAYOUT = (("(see hs_patch.hook)", "(see hs_patch.server.hook)"),
+                   ("from hs_patch.hook import attach", "from hs_patch.server.hook import attach"))
+
+
+def from_earlier_layout(text: str) -> str:
+    """``text`` with the lines an earlier hs-patch layout wrote replaced by today's."""
+    for old, new in _EARLIER_LAYOUT:
+        text = text.replace(old, new)
+    return text
 
 
 class PatchError(Exception):

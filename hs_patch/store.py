@@ -220,6 +220,26 @@ def write_sample(directory: str | os.PathLike, key: str, tensors: Sequence[Tenso
     return Written(key, final, len(header) + sum(t.nbytes for t in tensors), digest.hexdigest())
 
 
+def read_tensors(path: str | os.PathLike) -> dict[str, "torch.Tensor"]:
+    """The tensors of a file this module wrote, read with torch alone (the capture hook
+    reads its own files without safetensors; :mod:`hs_patch.reader` validates samples)."""
+    import torch
+
+    data = bytearray(Path(path).read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    base = 8 + n
+    dtypes = {v: getattr(torch, k.replace("torch.", "")) for k, v in _DTYPE_NAMES.items()}
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = info["data_offsets"]
+        raw = torch.frombuffer(data, dtype=torch.uint8, count=end - start, offset=base + start)
+        out[name] = raw.view(dtypes[info["dtype"]]).reshape(info["shape"])
+    return out
+
+
 def write_tensors(directory: str | os.PathLike, key: str, tensors: Mapping[str, "torch.Tensor"],
                   metadata: Mapping[str, str], *, fsync: bool = False) -> Written:
     """Write one sample from named CPU tensors (in the given order) with :func:`write_sample`."""

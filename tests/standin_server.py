@@ -9,7 +9,7 @@ patched server:
   tests/tiny_model.py);
 - every prefill pass runs the real patched ``DeepseekV2Model.forward`` of the chosen
   SGLang release (taken from the release's wheel and patched by hs_patch) in
-  ``tests/sglang_sim.Sim``, with an ``hs_patch.hook.CaptureHook`` attached, so the files in
+  ``tests/sglang_sim.Sim``, with an ``hs_patch.server.hook.CaptureHook`` attached, so the files in
   ``--capture-dir`` appear exactly as the real server writes them (writer threads,
   ``<key>.safetensors``, ``manifest.jsonl``, ``hook_status.json``);
 - requests that arrive within ``--batch-window-ms`` are prefilled together, in passes of
@@ -59,9 +59,9 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 import torch  # noqa: E402
 
-from hs_patch import config as capture_config  # noqa: E402
-from hs_patch import hook as capture_hook  # noqa: E402
-from hs_patch import patcher  # noqa: E402
+from hs_patch.server import config as capture_config  # noqa: E402
+from hs_patch.server import hook as capture_hook  # noqa: E402
+from hs_patch.host import patcher  # noqa: E402
 from hs_patch.releases import RELEASES, TARGET, apply_edits  # noqa: E402
 
 log = logging.getLogger("standin")

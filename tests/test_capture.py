@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hs_patch import config, hook, reader, server_checks, store
+from hs_patch.server import config, hook, checks as server_checks
+from hs_patch import reader, store
 from hs_patch.releases import RELEASES, TARGET, apply_edits
 from sglang_sim import Part, Reference, Sim, load_aux_module, make_batch, reference
 

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hs_patch import chat, dataset, runstate, store
-from hs_patch.client import SGLangClient
-from hs_patch.driver import EXIT_FAILURES, EXIT_OK, DriveConfig, Driver
+from hs_patch.host import chat, dataset, runstate
+from hs_patch import store
+from hs_patch.host.client import SGLangClient
+from hs_patch.host.driver import EXIT_FAILURES, EXIT_OK, DriveConfig, Driver
 from runcheck import assert_complete, final_samples, ledger, write_chats
 from sglang_sim import reference
 from standin_server import Engine, StandinServer

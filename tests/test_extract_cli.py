@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from hs_patch import extract_cli
+from hs_patch.host import extract_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_drive_help_answers_the_questions():
-    out = subprocess.run([sys.executable, "-m", "hs_patch.extract_cli", "drive", "--help"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "hs_patch.host.extract_cli", "drive", "--help"], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout
     for needle in ("resume: run the same command again", "rejects.jsonl", "ledger.jsonl", "status.json",
                    "/var/lib/hs-patch/runs/NAME", "/dev/shm/hs-runs/NAME/samples", "HS_CAPTURE_DIR",

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from hs_patch import dashboard, snapshot
-from hs_patch.fabconfig import ConfigError, check_run_name, load
+from hs_patch.control import dashboard
+from hs_patch.host import snapshot
+from hs_patch.control.inventory import ConfigError, check_run_name, load
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from hs_patch import runstate
+from hs_patch.host import runstate
 from runcheck import assert_complete, write_chats
 
 pytestmark = pytest.mark.slow
@@ -59,7 +59,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def start_driver(tmp: Path, model_dir: Path, port: int, data: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "hs_patch.extract_cli", "drive", "--run", "fault", "--data", str(data),
+    cmd = [sys.executable, "-m", "hs_patch.host.extract_cli", "drive", "--run", "fault", "--data", str(data),
            "--model", str(model_dir), "--server", f"http://127.0.0.1:{port}", "--capture-dir", str(tmp / "capture"),
            "--state-dir", str(tmp / "state"), "--samples-dir", str(tmp / "samples"), "--concurrency", "4",
            "--retries", "2", "--backoff", "0.2", "--backoff-max", "0.5", "--raw-timeout", "10",

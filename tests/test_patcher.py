@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SUPPORTED, UNSUPPORTED, extract_site
-from hs_patch import cli, patcher
+from hs_patch.host import patch_cli as cli, patcher
 from hs_patch.releases import RELEASES, TARGET, apply_edits
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -120,8 +120,8 @@ def test_ast_check_rejects_a_misplaced_hook(version, release_sources):
             "    def _x(self, _hs, hidden_states):\n        _hs.finish(hidden_states)\n\n"
             "    def get_input_embeddings(self) -> nn.Embedding:", 1),
         "unguarded import": text.replace('        if _hs_os.environ.get("HS_CAPTURE", "") not in ("", "0"):\n'
-                                         '            from hs_patch.hook import attach as _hs_attach\n',
-                                         '        from hs_patch.hook import attach as _hs_attach\n'
+                                         '            from hs_patch.server.hook import attach as _hs_attach\n',
+                                         '        from hs_patch.server.hook import attach as _hs_attach\n'
                                          '        if _hs_os.environ.get("HS_CAPTURE", "") not in ("", "0"):\n'),
         "collector on another argument": text.replace("_hs.collector(i, None)", "_hs.collector(0, None)").replace(
             "else _hs.collector(  # hs_patch\n                        i,",
@@ -140,12 +140,12 @@ def test_default_site_found_without_importing_sglang(site: Path):
     """Without --site, hs-patch finds sglang/ on the interpreter's path and never imports it."""
     (site / "sglang" / "__init__.py").write_text("raise ImportError('importing sglang needs a GPU')\n")
     env = {**os.environ, "PYTHONPATH": f"{site}:{ROOT}"}
-    out = subprocess.run([sys.executable, "-m", "hs_patch.cli", "apply", "--json"], env=env,
+    out = subprocess.run([sys.executable, "-m", "hs_patch.host.patch_cli", "apply", "--json"], env=env,
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout)
     assert res["changed"] and res["site"] == str(site)
-    help_text = subprocess.run([sys.executable, "-m", "hs_patch.cli", "--help"], env=env,
+    help_text = subprocess.run([sys.executable, "-m", "hs_patch.host.patch_cli", "--help"], env=env,
                                capture_output=True, text=True).stdout
     assert "HS_CAPTURE_LAYERS" in help_text and "0.5.23" in help_text
 
@@ -161,3 +161,26 @@ def test_mixed_install_is_refused(release_sources, tmp_path, capsys):
 def test_missing_target_explains_site(tmp_path, capsys):
     code, res = run_cli("apply", "--site", str(tmp_path), capsys=capsys)
     assert code == cli.EXIT_REFUSED and "directory that contains sglang/" in res["error"]
+
+
+@pytest.mark.parametrize("site", SUPPORTED, indirect=True)
+def test_a_file_patched_by_the_earlier_layout_is_upgraded_by_apply(site: Path, capsys):
+    """hs-patch 0.1.0 imported the hook from hs_patch.hook: verify fails on such a file (the
+    module is gone), apply upgrades it to today's patch, revert gives the pristine file back."""
+    target = site / TARGET
+    pristine = target.read_bytes()
+    release = next(r for r in RELEASES.values() if r.pristine_sha256 == sha(target))
+    earlier = apply_edits(release, pristine.decode()).replace(
+        "from hs_patch.server.hook import attach", "from hs_patch.hook import attach").replace(
+        "(see hs_patch.server.hook)", "(see hs_patch.hook)")
+    target.write_text(earlier)
+    code, res = run_cli("status", "--site", str(site), capsys=capsys)
+    assert res["state"] == "outdated" and res["release"] == release.version
+    code, res = run_cli("verify", "--site", str(site), capsys=capsys)
+    assert code == cli.EXIT_VERIFY and "hs-patch apply" in res["error"]
+    code, res = run_cli("apply", "--site", str(site), capsys=capsys)
+    assert code == 0 and res["changed"] and sha(target) == release.patched_sha256
+    assert run_cli("verify", "--site", str(site), capsys=capsys)[0] == 0
+    target.write_text(earlier)
+    code, res = run_cli("revert", "--site", str(site), capsys=capsys)
+    assert code == 0 and target.read_bytes() == pristine

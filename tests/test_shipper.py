@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import loopback_sshd
-from hs_patch import reader, ship_link, shipper, store
+from hs_patch import reader, store
+from hs_patch.host.shipping import link as ship_link, shipper
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_SHAPE = {"op", "key", "file", "bytes", "sha256", "t"}
@@ -146,7 +147,7 @@ def test_killed_mid_file_then_resumed_loses_and_duplicates_nothing(tmp_path, ssh
     """kill -9 the shipper while rsync is writing a file; the restart completes the job."""
     samples, state, dest = dirs(tmp_path)
     written = make_samples(samples, 3, tokens=512, hidden=2048)  # 2 MiB each
-    argv = [sys.executable, "-m", "hs_patch.shipper", *ship_cmd(samples, state, f"{sshd.host}:{dest}",
+    argv = [sys.executable, "-m", "hs_patch.host.shipping.shipper", *ship_cmd(samples, state, f"{sshd.host}:{dest}",
                                                                    *sshd.ship_args(), "--bwlimit", "2000")]
     before = set(Path("/tmp").glob("hs-ship-*"))
     proc = subprocess.Popen(argv, cwd=ROOT, stderr=subprocess.PIPE)
@@ -279,7 +280,7 @@ def test_a_file_that_never_verifies_is_kept_and_reported(tmp_path, capsys):
 
 
 def _start(argv: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "hs_patch.shipper", *argv], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "hs_patch.host.shipping.shipper", *argv], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -329,7 +330,7 @@ def test_sigterm_finishes_the_current_batch_then_exits(tmp_path):
 
 
 def test_help_says_where_it_reads_and_writes_how_to_resume_and_the_exit_codes():
-    out = subprocess.run([sys.executable, "-m", "hs_patch.shipper", "ship", "--help"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "hs_patch.host.shipping.shipper", "ship", "--help"], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout
     for text in ("manifest.jsonl", "shipped.jsonl", "shipper_status.json", "driver.done", "resume:",
                  "exit codes:", "StrictHostKeyChecking=yes", ".incoming"):

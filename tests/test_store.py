@@ -11,8 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hs_patch import config, hook, reader, server_checks, store
-from hs_patch.writer import PassRecord, Writer
+from hs_patch.server import config, hook, checks as server_checks
+from hs_patch import reader, store
+from hs_patch.server.writer import PassRecord, Writer
 
 H = 16
 

@@ -42,7 +42,7 @@ REC = Record()
 
 def hs_patch_cli(*args: str) -> dict:
     """Run ``hs-patch ARGS --json`` from this checkout; its JSON answer plus ``exit_code``."""
-    out = subprocess.run([sys.executable, "-m", "hs_patch.cli", *args, "--json"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "hs_patch.host.patch_cli", *args, "--json"], capture_output=True, text=True,
                          cwd=ROOT, env={**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"})
     res = json.loads(out.stdout.strip().splitlines()[-1])
     res["exit_code"] = out.returncode

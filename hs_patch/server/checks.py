@@ -10,12 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-# What each release needs on the command line with capture on (see ``refusals``).
-REQUIRED_FLAGS = {
-    "0.5.9": ["--disable-radix-cache"],
-    "0.5.16": ["--disable-radix-cache", "--disable-prefill-cuda-graph"],
-    "0.5.23": ["--disable-radix-cache", "--disable-prefill-cuda-graph"],
-}
+from hs_patch.flags import REQUIRED_FLAGS  # noqa: F401  (re-exported: what refusals asks for)
 
 
 def _server_args() -> Any:

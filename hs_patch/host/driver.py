@@ -23,13 +23,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from hs_patch import __version__, chat, dataset, runstate, store
-from hs_patch.backpressure import BackPressure, disk_usage
-from hs_patch.capture_dir import CaptureWatcher, RawTimeout
-from hs_patch.client import HEALTH_PROBE_IDS, ClientError, RetryPolicy, SGLangClient
-from hs_patch.drive_config import DriveConfig
-from hs_patch.finalize import FinalizeError, finalize
-from hs_patch.runstatus import RunStatus
+from hs_patch import __version__, store
+from hs_patch.host import chat, dataset, runstate
+from hs_patch.host.backpressure import BackPressure, disk_usage
+from hs_patch.host.capture_dir import CaptureWatcher, RawTimeout
+from hs_patch.host.client import HEALTH_PROBE_IDS, ClientError, RetryPolicy, SGLangClient
+from hs_patch.host.drive_config import DriveConfig
+from hs_patch.host.finalize import FinalizeError, finalize
+from hs_patch.host.runstatus import RunStatus
 
 EXIT_OK, EXIT_ERROR, EXIT_INCOMPLETE, EXIT_FAILURES, EXIT_SIGNAL = 0, 1, 3, 4, 130
 CAPTURE_LOCK = ".hs-driver.lock"

@@ -1,7 +1,7 @@
 """The shipper's batch loop: what to ship, in which batches, and what to record.
 
 Batches are pipelined: while the destination verifies batch N (sha256 of every file,
-:mod:`hs_patch.ship_remote`), rsync already sends batch N+1, so hashing costs no link
+:mod:`hs_patch.host.shipping.at_destination`), rsync already sends batch N+1, so hashing costs no link
 time. A batch's files are recorded as shipped, and deleted here, only once its
 verification has answered.
 """
@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from hs_patch import store
-from hs_patch.ship_link import RSYNC_PER_FILE, Commit, Dest, Link, LinkError, SshOptions
+from hs_patch.host.shipping.link import RSYNC_PER_FILE, Commit, Dest, Link, LinkError, SshOptions
 
-from hs_patch.runstate import DONE as DONE_MARKER  # noqa: E402
-from hs_patch.runstate import SHIPPED as SHIPPED_LOG  # noqa: E402
+from hs_patch.host.runstate import DONE as DONE_MARKER  # noqa: E402
+from hs_patch.host.runstate import SHIPPED as SHIPPED_LOG  # noqa: E402
 
 STATUS_FILE = "shipper_status.json"
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNVERIFIED = 0, 1, 2, 3

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from hs_patch import reader, store
+from hs_patch import store
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -202,10 +202,10 @@ class Writer:
         else:
             import torch
 
-            prev = reader.read_sample(base.link)
-            ids = torch.cat([prev.input_ids, ids])
+            prev = store.read_tensors(base.link)
+            ids = torch.cat([prev["input_ids"], ids])
             tensors = [store.tensor_bytes("input_ids", ids)]
-            tensors += [store.tensor_bytes(n, torch.cat([prev.tensors[n], t]))
+            tensors += [store.tensor_bytes(n, torch.cat([prev[n], t]))
                         for n, t in zip(self.planes, slices)]
         n = int(ids.shape[0])
         meta = dict(self.metadata, key=key, num_tokens=str(n), parts=str(parts),

@@ -8,9 +8,11 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from hs_patch import __version__, config, patcher
+from hs_patch import __version__
+from hs_patch.server import config
+from hs_patch.host import patcher
 from hs_patch.releases import DEFAULT_RELEASE, RELEASES
-from hs_patch.server_checks import REQUIRED_FLAGS
+from hs_patch.flags import REQUIRED_FLAGS
 
 EXIT_OK, EXIT_ERROR, EXIT_REFUSED, EXIT_VERIFY = 0, 1, 2, 3
 

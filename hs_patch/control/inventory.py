@@ -72,7 +72,7 @@ _KNOBS = {
 
 
 def inventory_dir(explicit: str | None = None) -> Path:
-    d = Path(explicit or os.environ.get("HS_INVENTORY") or Path(__file__).resolve().parent.parent / "inventory")
+    d = Path(explicit or os.environ.get("HS_INVENTORY") or Path(__file__).resolve().parents[2] / "inventory")
     if not (d / "hosts.yml").is_file():
         raise ConfigError(f"no inventory at {d}/hosts.yml: pass --inventory DIR or set HS_INVENTORY")
     return d

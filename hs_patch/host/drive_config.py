@@ -10,7 +10,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from hs_patch import dataset, store
+from hs_patch.host import dataset
+from hs_patch import store
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The shipper's link to its destination: rsync over one multiplexed SSH connection, and
-the verify-and-commit step (:mod:`hs_patch.ship_remote`) run on the destination.
+the verify-and-commit step (:mod:`hs_patch.host.shipping.at_destination`) run on the destination.
 
 Destination layout under ``path``: ``samples/<key>.safetensors`` (verified files only),
 ``manifest.jsonl`` (rewritten atomically), ``.incoming/`` (rsync's landing directory;
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 INCOMING = ".incoming"
-REMOTE_SOURCE = (Path(__file__).parent / "ship_remote.py").read_text()
+REMOTE_SOURCE = (Path(__file__).parent / "at_destination.py").read_text()
 # rsync exit codes after which verification decides per file: 0 ok, 23 some files not
 # transferred, 24 some source files vanished (superseded or removed while queued).
 RSYNC_PER_FILE = {0, 23, 24}

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import torch
 
 from hs_patch import reader, store
-from hs_patch.capture_dir import CaptureWatcher
+from hs_patch.host.capture_dir import CaptureWatcher
 
 
 class FinalizeError(RuntimeError):

@@ -14,7 +14,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hs_patch.releases import RELEASES, TARGET, PatchError, Release, apply_edits, by_patched_sha, by_pristine_sha
+from hs_patch.releases import (RELEASES, TARGET, PatchError, Release, apply_edits, by_patched_sha, by_pristine_sha,
+                               from_earlier_layout)
 
 BACKUP_SUFFIX = ".hs_patch.orig"
 SUPPORTED = ", ".join(RELEASES)
@@ -45,7 +46,7 @@ class Target:
     sha256: str
     text: str
     release: Release | None
-    state: str  # pristine | patched | unknown
+    state: str  # pristine | patched | outdated (patched by an earlier hs-patch layout) | unknown
     installed_version: str | None
     backup: Path = field(init=False)
 
@@ -82,9 +83,14 @@ def inspect_target(site: str | os.PathLike | None) -> Target:
     release, state = by_pristine_sha(sha), "pristine"
     if release is None:
         release, state = by_patched_sha(sha), "patched"
+    text = data.decode("utf-8")
+    if release is None:
+        current = from_earlier_layout(text)
+        release, state = by_patched_sha(_sha(current)), "outdated"
+        text = current if release is not None else text
     if release is None:
         state = "unknown"
-    return Target(site, path, sha, data.decode("utf-8"), release, state, _installed_version(site))
+    return Target(site, path, sha, text, release, state, _installed_version(site))
 
 
 def _refuse_unknown(t: Target) -> Refused:
@@ -160,6 +166,14 @@ def apply(site: str | os.PathLike | None = None) -> dict:
             _atomic_write(t.backup, pristine_text(release, t.text).encode(), t.path)
         check_patched(t.text, release)
         return result("apply", t, False, f"already applied (SGLang {release.version}); nothing changed")
+    if t.state == "outdated":  # t.text is already today's patched text
+        check_patched(t.text, release)
+        if not t.backup.exists():
+            _atomic_write(t.backup, pristine_text(release, t.text).encode(), t.path)
+        _atomic_write(t.path, t.text.encode(), t.path)
+        _drop_pycache(t.path)
+        return result("apply", inspect_target(t.site), True,
+                      f"upgraded the patch of an earlier hs-patch on SGLang {release.version}: {t.path}")
     patched = apply_edits(release, t.text)
     if _sha(patched) != release.patched_sha256:
         raise Refused(f"internal error: patching {release.version} gave sha256 {_sha(patched)}, expected "
@@ -183,6 +197,9 @@ def verify(site: str | os.PathLike | None = None) -> dict:
             msg += (f" It was patched and then changed (the original is kept at {t.backup}): reinstall "
                     "SGLang, then run hs-patch apply.")
         raise VerifyFailed(msg)
+    if t.state == "outdated":
+        raise VerifyFailed(f"{t.path} was patched by an earlier hs-patch (it imports hs_patch.hook, which no longer "
+                           "exists): run hs-patch apply to upgrade the patch")
     _check_version(t)
     try:
         compile(t.text, str(t.path), "exec")

@@ -51,7 +51,7 @@ exit codes: 0 every sample done or rejected; 1 refused or error (nothing else ru
 
 def add_drive_arguments(p: argparse.ArgumentParser) -> None:
     """The ``drive`` subcommand's options (defaults from ``DriveConfig``, shown by --help)."""
-    from hs_patch.drive_config import DEFAULTS as D
+    from hs_patch.host.drive_config import DEFAULTS as D
 
     g = p.add_argument_group("what to run")
     g.add_argument("--run", required=True, metavar="NAME", help="run name: names the state and samples dirs; "
@@ -120,7 +120,7 @@ def add_drive_arguments(p: argparse.ArgumentParser) -> None:
 def drive_config(a: argparse.Namespace) -> Any:
     from dataclasses import fields
 
-    from hs_patch.drive_config import DriveConfig
+    from hs_patch.host.drive_config import DriveConfig
 
     try:
         kwargs = json.loads(a.chat_template_kwargs)
@@ -136,8 +136,8 @@ def drive_config(a: argparse.Namespace) -> Any:
 
 
 def cmd_drive(a: argparse.Namespace) -> int:
-    from hs_patch.driver import EXIT_ERROR, EXIT_SIGNAL, Driver
-    from hs_patch.runstate import RunError
+    from hs_patch.host.driver import EXIT_ERROR, EXIT_SIGNAL, Driver
+    from hs_patch.host.runstate import RunError
 
     try:
         driver = Driver(drive_config(a))
@@ -176,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description=DRIVE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_drive_arguments(d)
     d.set_defaults(func=cmd_drive)
-    from hs_patch import shipper, snapshot
+    from hs_patch.host.shipping import shipper
+    from hs_patch.host import snapshot
 
     s = sub.add_parser("ship", help="ship finished samples to training storage, verified there, then delete "
                        "them here", description=shipper.DESCRIPTION, epilog=shipper.EPILOG,

@@ -1,13 +1,13 @@
 """The shipper: move completed samples to training storage, verified, resumable.
 
-Run as ``python3 -m hs_patch.shipper ship ...`` (``--help`` says everything an operator
+Run as ``python3 -m hs_patch.host.shipping.shipper ship ...`` (``--help`` says everything an operator
 needs). Library use: :func:`ship` with a :class:`ShipConfig`, or :func:`add_arguments` +
 :func:`run_args` to mount it under another CLI.
 
 For each batch of samples listed (``op: add``) in the samples directory's manifest and
 not yet shipped: rsync them into the destination's ``.incoming/``, compute their sha256
 on the destination and move the matching ones into ``samples/`` and the destination's
-manifest (:mod:`hs_patch.ship_link`, :mod:`hs_patch.ship_remote`); then record each one
+manifest (:mod:`hs_patch.host.shipping.link`, :mod:`hs_patch.host.shipping.at_destination`); then record each one
 in ``<state-dir>/shipped.jsonl``, delete the local file and append ``op: remove`` with
 ``reason: shipped`` to the local manifest. Each step is safe to cut: a restart re-sends
 what the destination lacks and re-verifies what it holds.
@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from hs_patch import store
-from hs_patch.ship_link import ConfigError, Link, LinkError, SshOptions, parse_dest
-from hs_patch.ship_loop import (DONE_MARKER, EXIT_ERROR, EXIT_OK, EXIT_UNVERIFIED, EXIT_USAGE, SHIPPED_LOG,
+from hs_patch.host.shipping.link import ConfigError, Link, LinkError, SshOptions, parse_dest
+from hs_patch.host.shipping.batches import (DONE_MARKER, EXIT_ERROR, EXIT_OK, EXIT_UNVERIFIED, EXIT_USAGE, SHIPPED_LOG,
                                 STATUS_FILE, ShipConfig, Shipper)
 
 __all__ = ["ship", "ShipConfig", "main", "add_arguments", "run_args", "SHIPPED_LOG", "STATUS_FILE",
@@ -141,7 +141,7 @@ exit codes:
      and named in the status file; run again to retry them
 
 example:
-  python3 -m hs_patch.shipper ship --follow --samples-dir /dev/shm/hs-runs/RUN/samples \\
+  python3 -m hs_patch.host.shipping.shipper ship --follow --samples-dir /dev/shm/hs-runs/RUN/samples \\
       --state-dir /var/lib/hs-patch/runs/RUN --dest hs-storage:/srv/hs-samples/RUN
 """
 
@@ -209,7 +209,7 @@ def run_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m hs_patch.shipper",
+    parser = argparse.ArgumentParser(prog="python3 -m hs_patch.host.shipping.shipper",
                                      description="Ship hidden-state samples to training storage.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("ship", help="ship samples (verified at the destination), then delete them here",

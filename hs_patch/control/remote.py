@@ -1,7 +1,7 @@
 """What ``fab`` does on the GPU host over SSH: preflight, start, watch, stop.
 
 Every function takes a fabric ``Connection`` (as root, like Ansible) and the host's
-:class:`~hs_patch.fabconfig.Target`. The driver and the shipper run as transient systemd
+:class:`~hs_patch.control.inventory.Target`. The driver and the shipper run as transient systemd
 units (``hs-drive-<run>``, ``hs-ship-<run>``) under the service user, so the job goes on
 when the SSH session drops; ``Restart=on-abnormal`` restarts a killed one, and both
 resume where they stopped.
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from hs_patch.fabconfig import Target
+from hs_patch.control.inventory import Target
 
 FORBIDDEN_FLAGS = ("--enable-dp-attention", "--enable-mixed-chunk", "--enable-two-batch-overlap",
                    "--enable-piecewise-cuda-graph", "--enable-attn-tp-input-scattered")

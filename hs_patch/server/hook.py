@@ -30,9 +30,10 @@ from typing import Any, Optional
 
 import torch
 
-from hs_patch import config as capture_config
-from hs_patch import server_checks, store
-from hs_patch.writer import PassRecord, Writer, skipped
+from hs_patch.server import config as capture_config
+from hs_patch.server import checks as server_checks
+from hs_patch import store
+from hs_patch.server.writer import PassRecord, Writer, skipped
 
 log = logging.getLogger("hs_patch")
 WAIT_LOG_SECONDS = 60.0  # back-pressure is logged at most this often (every wait is counted)

@@ -1,6 +1,6 @@
 """The live extraction dashboard of ``fab extract`` / ``fab status`` (rich).
 
-It only reads: a snapshot (``hs_patch.snapshot``) taken on the GPU host every few
+It only reads: a snapshot (``hs_patch.host.snapshot``) taken on the GPU host every few
 seconds. Ctrl-C or a dropped connection detaches and says how to reattach; the job runs
 on as systemd units.
 """

@@ -1,0 +1,124 @@
+"""The package is laid out by where its code runs, and the rules that keep the places apart hold.
+
+- ``hs_patch/server/`` runs inside the SGLang server process: it may import only the
+  standard library, torch, SGLang itself (its settings readers) and its own subpackage,
+  plus the shared standard-library-only modules (``hs_patch.store``). Nothing heavy, so
+  the forward pass never waits on an import and the server's environment stays SGLang's.
+- ``hs_patch/control/`` (and ``fabfile.py``) runs on the control node: never torch,
+  safetensors or transformers (a laptop with Ansible and Fabric only).
+- The shared modules at the top (``store``, ``releases``) import only the standard library
+  at module level.
+- The patch's injected import names a module and function that exist.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hs_patch.releases import RELEASES
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "hs_patch"
+STDLIB = set(sys.stdlib_module_names)
+SERVER_SHARED = {"hs_patch", "hs_patch.store", "hs_patch.flags"}
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in ``path``, at any depth (lazy ones too)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "hs_patch":  # from hs_patch import store -> hs_patch.store
+                out += [(node.lineno, f"hs_patch.{a.name}") for a in node.names if a.name != "__version__"]
+            elif node.module.startswith("hs_patch."):
+                out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+                out.append((node.lineno, node.module))
+            else:
+                out.append((node.lineno, node.module))
+    return out
+
+
+def _is_module(name: str) -> bool:
+    return (PKG.parent / (name.replace(".", "/") + ".py")).is_file() or (PKG.parent / name.replace(".", "/")).is_dir()
+
+
+def test_subpackages_are_the_places_code_runs():
+    for sub in ("server", "host", "host/shipping", "control"):
+        assert (PKG / sub / "__init__.py").is_file(), sub
+    top = sorted(p.stem for p in PKG.glob("*.py"))
+    assert top == ["__init__", "flags", "reader", "releases", "store"], f"only shared modules at the top: {top}"
+
+
+def test_server_code_imports_only_stdlib_torch_sglang_and_its_own_subpackage():
+    bad = []
+    for path in sorted((PKG / "server").glob("*.py")):
+        for line, name in _imports(path):
+            top = name.split(".")[0]
+            if top in STDLIB or top in ("torch", "sglang"):
+                continue
+            if name.startswith("hs_patch.server") or name in SERVER_SHARED or (
+                    name.startswith("hs_patch.") and not _is_module(name)):  # a name imported from a module
+                continue
+            bad.append(f"{path.relative_to(ROOT)}:{line}: {name}")
+    assert not bad, "imports the SGLang server must not load:\n" + "\n".join(bad)
+
+
+def _new_modules(code: str, before: str = "") -> set[str]:
+    script = (f"import sys\n{before}\nold = set(sys.modules)\n{code}\n"
+              "print('\\n'.join(sorted(set(sys.modules) - old)))")
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return set(out.stdout.split())
+
+
+def test_importing_the_hook_in_the_server_loads_nothing_beyond_stdlib_and_our_server_modules():
+    """What ``from hs_patch.server.hook import attach`` (the patch's import) adds to a process that has torch."""
+    new = _new_modules("import hs_patch.server.hook, hs_patch.server.writer, hs_patch.server.config, "
+                       "hs_patch.server.checks", before="import torch")
+    foreign = sorted(m for m in new if m.split(".")[0] not in STDLIB and not m.startswith("hs_patch"))
+    ours = sorted(m for m in new if m.startswith("hs_patch") and not m.startswith("hs_patch.server")
+                  and m not in SERVER_SHARED)
+    assert not foreign and not ours, f"loaded into the server: {foreign + ours}"
+
+
+BLOCK_HEAVY = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('torch', 'safetensors', 'transformers', 'numpy'):
+            raise ImportError(f'the control node must not import {name}')
+sys.meta_path.insert(0, Block())
+"""
+
+
+def test_control_node_never_imports_torch():
+    mods = sorted(f"hs_patch.control.{p.stem}" for p in (PKG / "control").glob("*.py") if p.stem != "__init__")
+    new = _new_modules("import " + ", ".join(mods) + "\nimport fabfile", before=BLOCK_HEAVY)
+    assert not {m for m in new if m.split(".")[0] in ("torch", "safetensors", "transformers")}
+
+
+def test_shared_modules_import_only_the_standard_library():
+    for mod in ("hs_patch.store", "hs_patch.releases", "hs_patch.flags"):
+        new = _new_modules(f"import {mod}", before=BLOCK_HEAVY)
+        assert all(m.split(".")[0] in STDLIB or m in ("hs_patch", mod) for m in new), (mod, new)
+
+
+@pytest.mark.parametrize("version", sorted(RELEASES))
+def test_the_patch_imports_a_function_that_exists(version):
+    text = "".join(e.replacement for e in RELEASES[version].edits)
+    tree = ast.parse("\n".join(line.strip() for line in text.splitlines() if line.strip().startswith("from ")))
+    (imp,) = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    module = __import__(imp.module, fromlist=["_"])
+    assert all(hasattr(module, a.name) for a in imp.names), (imp.module, [a.name for a in imp.names])
+
+
+def test_no_module_is_much_over_400_lines():
+    long = {str(p.relative_to(ROOT)): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > 420}
+    assert not long, f"split these by what they do: {long}"
