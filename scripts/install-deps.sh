@@ -11,7 +11,7 @@ set -euo pipefail
 packages=(debootstrap systemd-container rsync openssh-client openssh-server iproute2 ca-certificates)
 
 if [ "$(id -u)" -ne 0 ]; then
-    echo "install-deps.sh: run as root (sudo bash scripts/install-deps.sh)" >&2
+    echo "install-deps.sh: run as root (it installs packages with apt)" >&2
     exit 1
 fi
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Try the whole flow without a GPU host, in a few minutes (run as root).
 
-    sudo python3 tests/demo.py            # up, provision, extract, ship, check, tear down
-    sudo python3 tests/demo.py --keep     # leave the hosts up to look around; later:
-    sudo python3 tests/demo.py --down
+    python3 tests/demo.py            # up, provision, extract, ship, check, tear down
+    python3 tests/demo.py --keep     # leave the hosts up to look around; later:
+    python3 tests/demo.py --down
 
 1. boots two local test hosts (tests/testhosts.py: Debian 12, real systemd, real SSH, in
    their own network namespace): ``gpu`` (198.51.100.40) and ``storage`` (198.51.100.41);
@@ -183,7 +183,7 @@ def main() -> int:
     ap.add_argument("--down", action="store_true", help="only tear down a kept demo")
     a = ap.parse_args()
     if os.geteuid() != 0:
-        sys.exit("demo: run as root (network namespaces and systemd-nspawn): sudo python3 tests/demo.py")
+        sys.exit("demo: run as root (network namespaces and systemd-nspawn)")
     demo = Demo(a.state_dir)
     if a.down:
         demo.down()
@@ -204,7 +204,7 @@ def main() -> int:
         ok = True
     finally:
         if a.keep:
-            print(f"demo: hosts kept; fab --help status, then: sudo python3 tests/demo.py --down "
+            print(f"demo: hosts kept; fab --help status, then: python3 tests/demo.py --down "
                   f"(inventory: {demo.inventory}, known_hosts: {demo.lab.describe().get('known_hosts')})")
         else:
             say("tearing down")

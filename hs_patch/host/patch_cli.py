@@ -26,16 +26,9 @@ recognised by the sha256 of its deepseek_v2.py. Anything else is refused unchang
 exit codes: 0 ok, 1 error, 2 refused (nothing written), 3 verify failed
 """
 
-CAPTURE_HELP = """\
-capture is configured by environment variables of the SGLang server (read once at start):
-  HS_CAPTURE=1                 turn capture on (unset: the server behaves as if unpatched)
-  HS_CAPTURE_DIR=/dev/shm/hs_capture
-  HS_CAPTURE_LAYERS=2,30,58,60 residual stream ENTERING each layer (= output of layer i-1)
-  HS_CAPTURE_FINAL=pre         last layer's output: pre | post (final norm) | both | none
-  more: HS_CAPTURE_SLOTS, _SLOT_TOKENS, _WRITERS, _STALL_SECONDS, _SKIP_RID_PREFIX, _RANK
-  (see the README). Server flags it needs: --disable-radix-cache, and on 0.5.16+
-  --disable-prefill-cuda-graph.
-"""
+CAPTURE_HELP = "capture is configured by environment variables of the SGLang server (read once at start):\n" + \
+    "".join(f"  {name:27} (default {default}) {text}\n" for name, default, text in config.ENV_DOCS) + \
+    "server flags it needs: --disable-radix-cache, and on 0.5.16+ --disable-prefill-cuda-graph\n"
 
 
 def _site_arg(p: argparse.ArgumentParser) -> None:

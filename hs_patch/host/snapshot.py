@@ -1,10 +1,10 @@
 """One JSON snapshot of an extraction run, taken on the GPU host for the dashboard.
 
-``hs-extract snapshot --run NAME --state-dir D --samples-dir S --capture-dir C``
-prints the driver's ``status.json``, the shipper's ``shipper_status.json``, the hook's
-``hook_status.json``, the state of the run's systemd units and of the server unit, the
+hs-extract snapshot --run NAME --state-dir D --samples-dir S --capture-dir C
+prints the driver's status.json, the shipper's shipper_status.json, the hook's
+hook_status.json, the state of the run's systemd units and of the server unit, the
 filesystem usage of the dump and samples directories, per-GPU utilisation and memory
-from ``nvidia-smi``, and the last rejects. Standard library only; never fails because a
+from nvidia-smi, and the last rejects. Standard library only; never fails because a
 piece is missing (that piece is null).
 """
 

@@ -1,36 +1,8 @@
 """Capture configuration: the environment variables the patched SGLang reads once,
 when it builds the model. Standard library only (imported inside the server).
 
-========================  =====================  ==============================================
-variable                  default                meaning
-========================  =====================  ==============================================
-HS_CAPTURE                (unset: off)           ``1`` turns capture on. Unset or ``0``: the
-                                                 patched server behaves exactly like the
-                                                 pristine one and imports nothing of ours.
-HS_CAPTURE_DIR            /dev/shm/hs_capture    where samples and ``manifest.jsonl`` go
-HS_CAPTURE_LAYERS         2,30,58,60             decoder layers whose INPUT is captured
-                                                 (SGLang's convention: the residual stream
-                                                 entering layer i = output of layer i-1)
-HS_CAPTURE_FINAL          pre                    the last layer's output: ``pre`` (before the
-                                                 final norm; speculators reads this, and
-                                                 post-norm is derivable from it), ``post``
-                                                 (after it; SpecForge reads this), ``both``
-                                                 or ``none``
-HS_CAPTURE_SLOTS          3                      pinned host staging buffers (each holds one
-                                                 prefill pass); all busy = the forward pass
-                                                 waits for the writer (back-pressure). 3: one
-                                                 being filled, one whose copy is finishing,
-                                                 one being written (with 2, the H200 proof's
-                                                 CPU waited ~160 ms on 3 passes in 4 at 2 GB/s)
-HS_CAPTURE_SLOT_TOKENS    16384                  initial size of a staging buffer in tokens
-                                                 (grows if a pass is larger)
-HS_CAPTURE_WRITERS        4                      threads writing (and sha256-hashing) files
-HS_CAPTURE_STALL_SECONDS  300                    if the writer stays this long behind, the
-                                                 server fails loudly instead of waiting on
-HS_CAPTURE_SKIP_RID_PREFIX nocap-                requests whose id starts with this are not
-                                                 captured (releases with request ids, >=0.5.10)
-HS_CAPTURE_RANK           0                      the tensor-parallel rank that writes
-========================  =====================  ==============================================
+``ENV_DOCS`` below describes every variable once; ``docs/capture.md`` and
+``hs-patch --help`` show that table.
 """
 
 from __future__ import annotations
@@ -38,6 +10,28 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
+
+# (name, default as shown, meaning): the one description of each variable.
+ENV_DOCS = (
+    ("HS_CAPTURE", "unset", "1 turns capture on. Unset or 0: the patched server runs the pristine code paths "
+     "and imports nothing of hs_patch."),
+    ("HS_CAPTURE_DIR", "/dev/shm/hs_capture", "Absolute directory the hook writes into: samples, manifest.jsonl, "
+     "errors.jsonl, hook_status.json."),
+    ("HS_CAPTURE_LAYERS", "2,30,58,60", "Decoder layers whose INPUT is captured (layer.<i> = residual stream "
+     "entering layer i = output of layer i-1), ascending, separated by commas or spaces."),
+    ("HS_CAPTURE_FINAL", "pre", "The last layer's output to store: pre (before the final norm), post (after it, "
+     "what the LM head reads), both, or none."),
+    ("HS_CAPTURE_SLOTS", "3", "Pinned host staging buffers, one prefill pass each; when all are busy the forward "
+     "pass waits for the writer (back-pressure, counted in hook_status.json)."),
+    ("HS_CAPTURE_SLOT_TOKENS", "16384", "Tokens one staging buffer holds at first (it grows for a larger pass)."),
+    ("HS_CAPTURE_WRITERS", "4", "Writer threads that write and sha256-hash sample files."),
+    ("HS_CAPTURE_STALL_SECONDS", "300", "How long a forward pass may wait for a free staging buffer before the "
+     "server fails loudly instead of waiting on."),
+    ("HS_CAPTURE_SKIP_RID_PREFIX", "nocap-", "Requests whose id starts with this are not captured (releases with "
+     "request ids in the forward batch: 0.5.10 and later)."),
+    ("HS_CAPTURE_RANK", "0", "The tensor-parallel rank that writes (after the all-reduce every rank holds the "
+     "full residual stream)."),
+)
 
 ENV_PREFIX = "HS_CAPTURE"
 DEFAULT_DIR = "/dev/shm/hs_capture"

@@ -1,6 +1,6 @@
 """The shipper: move completed samples to training storage, verified, resumable.
 
-Run as ``python3 -m hs_patch.host.shipping.shipper ship ...`` (``--help`` says everything an operator
+Run as ``hs-extract ship ...`` (``--help`` says everything an operator
 needs). Library use: :func:`ship` with a :class:`ShipConfig`, or :func:`add_arguments` +
 :func:`run_args` to mount it under another CLI.
 
@@ -141,7 +141,7 @@ exit codes:
      and named in the status file; run again to retry them
 
 example:
-  python3 -m hs_patch.host.shipping.shipper ship --follow --samples-dir /dev/shm/hs-runs/RUN/samples \\
+  hs-extract ship --follow --samples-dir /dev/shm/hs-runs/RUN/samples \\
       --state-dir /var/lib/hs-patch/runs/RUN --dest hs-storage:/srv/hs-samples/RUN
 """
 
@@ -209,7 +209,7 @@ def run_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m hs_patch.host.shipping.shipper",
+    parser = argparse.ArgumentParser(prog="hs-extract",
                                      description="Ship hidden-state samples to training storage.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("ship", help="ship samples (verified at the destination), then delete them here",
