@@ -44,6 +44,7 @@ class _Batch:
         self.forward_mode = _Mode()
         self.extend_seq_lens_cpu = lens
         self.extend_prefix_lens_cpu = [0] * len(lens)
+        self.orig_seq_lens = list(lens)
 
 
 def run_hook(directory: Path, ids: torch.Tensor, planes: list[torch.Tensor], lens: list[int], passes: int,

@@ -1,4 +1,4 @@
-"""Reading and checking samples of format v1 (see :mod:`hs_patch.store` for the format).
+"""Reading and checking samples, formats 1 and 2 (see :mod:`hs_patch.store` for the format).
 
 ``read_sample`` validates one file (format tag, planes and shapes, dtype, that the token
 ids hash to the sample's key, and size + sha256 against its manifest entry);
@@ -13,7 +13,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
-from hs_patch.store import FORMAT, SUFFIX, SampleError, file_sha256, read_manifest, sample_key
+import json
+
+from hs_patch.store import FORMATS_READ, SUFFIX, SampleError, file_sha256, read_manifest, sample_key
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -70,8 +72,8 @@ def read_sample(path: str | os.PathLike, *, entry: Mapping[str, Any] | None = No
 
 
 def check_sample(path: Path, metadata: Mapping[str, str], tensors: Mapping[str, "torch.Tensor"]) -> None:
-    if metadata.get("format") != FORMAT:
-        raise SampleError(f"{path}: format {metadata.get('format')!r}, expected {FORMAT!r}")
+    if metadata.get("format") not in FORMATS_READ:
+        raise SampleError(f"{path}: format {metadata.get('format')!r}, expected one of {', '.join(FORMATS_READ)}")
     ids = tensors.get("input_ids")
     if ids is None or ids.dim() != 1 or str(ids.dtype) != "torch.int64":
         raise SampleError(f"{path}: input_ids must be int64 [L]")
@@ -91,6 +93,52 @@ def check_sample(path: Path, metadata: Mapping[str, str], tensors: Mapping[str, 
         raise SampleError(f"{path}: loss_mask must have shape ({n},)")
     if sample_key(ids) != metadata.get("key"):
         raise SampleError(f"{path}: token ids do not hash to the sample key {metadata.get('key')}")
+
+
+@dataclass
+class Header:
+    """A sample's metadata and tensor table, read without its data (a few KB)."""
+
+    metadata: dict[str, str]
+    tensors: dict[str, dict[str, Any]]   # name -> {"dtype", "shape", "data_offsets"}
+    data_start: int
+    size: int
+
+    def check(self, path: Path) -> None:
+        """The format's promises that the header alone can show (shapes, sizes, the file's length)."""
+        m = self.metadata
+        if m.get("format") not in FORMATS_READ:
+            raise SampleError(f"{path}: format {m.get('format')!r}, expected one of {', '.join(FORMATS_READ)}")
+        try:
+            n, hidden = int(m["num_tokens"]), int(m["hidden_size"])
+            planes = m["planes"].split(",")
+        except (KeyError, ValueError) as e:
+            raise SampleError(f"{path}: metadata lacks {e}") from None
+        want = {"input_ids": [n], **{p: [n, hidden] for p in planes}}
+        if "loss_mask" in self.tensors:
+            want["loss_mask"] = [n]
+        got = {k: v.get("shape") for k, v in self.tensors.items()}
+        if got != want:
+            raise SampleError(f"{path}: tensors {got} do not match the metadata ({want})")
+        end = max((v["data_offsets"][1] for v in self.tensors.values()), default=0)
+        if self.data_start + end != self.size:
+            raise SampleError(f"{path}: {self.size} bytes, the header describes {self.data_start + end} (truncated?)")
+
+
+def read_header(path: str | os.PathLike) -> Header:
+    """Read a sample's header only (cheap: the driver checks each sample it adopts this way)."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            n = int.from_bytes(f.read(8), "little")
+            if not 0 < n <= min(size - 8, 100 << 20):
+                raise SampleError(f"{path}: not a safetensors file (header length {n}, file {size} bytes)")
+            doc = json.loads(f.read(n))
+    except (OSError, ValueError) as e:
+        raise SampleError(f"{path}: unreadable header ({e})") from None
+    meta = doc.pop("__metadata__", None) or {}
+    return Header(dict(meta), doc, 8 + n, size)
 
 
 @dataclass

@@ -1,30 +1,35 @@
-"""Sample store, format v1: one safetensors file per sample plus an append-only manifest.
+"""Sample store: one safetensors file per sample plus an append-only manifest.
 
 A sample is everything the capture hook saw for one request:
 
-- ``input_ids``      int64 [L]   the tokens the server prefilled
 - ``layer.<i>``      [L, H]      residual stream entering decoder layer i
                                  (the output of layer i-1; ``layer.0`` is the embedding)
 - ``final.pre_norm`` [L, H]      output of the last decoder layer, before the final norm
 - ``final.post_norm`` [L, H]     the same after the final norm (what the LM head reads)
-- ``loss_mask``      uint8 [L]   added by the driver when it finalizes a sample
+- ``input_ids``      int64 [L]   the tokens the server prefilled
+- ``loss_mask``      uint8 [L]   from the driver's intent (see :mod:`hs_patch.intent`), when
+                                 the request came from the driver
 
-Nothing is padded: bytes per token = planes x hidden x dtype size (+ 8 for the id).
-Metadata (strings) is in the safetensors header under ``__metadata__``.
+Format 2 (``hs_patch.sample/2``) is written ONCE by the hook: the planes come first in the
+file, so a prompt prefilled in several chunks is written in place, each chunk's rows at
+their final offsets (the full length is known from the first chunk), and the small
+tensors and the header follow at the end. Format 1 (the driver rewrote each sample to add
+the loss mask) is still read. Nothing is padded: bytes per token = planes x hidden x dtype
+size + 8 (+ 1 with a loss mask). Metadata (strings) is in the safetensors header.
 
 A sample's key is :func:`sample_key` of its token ids, so the client that sent the
 tokens can always find its sample, whatever the SGLang release (0.5.9 has no request
-ids in the forward batch) and however the prefill was chunked. Files are written under a
-temporary name and renamed when complete; a reader never sees a partial file. Every
-completed file is recorded in ``manifest.jsonl`` with its byte size and sha256.
+ids in the forward batch) and however the prefill was chunked. Files are written under
+``.tmp/`` and renamed when complete; a reader never sees a partial file. Every
+completed file is recorded in ``manifest.jsonl`` with its byte size and sha256, hashed
+once, as it is written (or, for a chunked prompt, once when its last chunk is in).
 
-This module is imported inside the SGLang server by the capture hook: it must stay
-light (standard library at import time; torch and safetensors only where used).
+Imported inside the SGLang server by the capture hook: standard library at import time
+(torch only where used).
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -34,10 +39,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from hs_patch.files import JsonLog, append_line, file_sha256, pwrite_all, write_all, write_text_atomic
+from hs_patch.files import read_jsonl as _read_jsonl
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-FORMAT = "hs_patch.sample/1"
+__all__ = ["file_sha256", "write_text_atomic"]  # re-exported: the shared helpers of hs_patch.files
+
+FORMAT = "hs_patch.sample/2"
+FORMATS_READ = ("hs_patch.sample/1", FORMAT)
 SUFFIX = ".safetensors"
 MANIFEST = "manifest.jsonl"
 ERRORS = "errors.jsonl"
@@ -139,27 +150,48 @@ class TensorBytes:
 
 def tensor_bytes(name: str, t: "torch.Tensor") -> TensorBytes:
     """Wrap a contiguous CPU tensor without copying it."""
-    dtype = _DTYPE_NAMES.get(str(t.dtype))
-    if dtype is None:
-        raise SampleError(f"dtype {t.dtype} of {name!r} is not storable; use bf16, fp16, fp32 or fp8")
+    return TensorBytes(name, dtype_name(t), tuple(t.shape), [raw_bytes(name, t)])
+
+
+def raw_bytes(name: str, t: "torch.Tensor") -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise SampleError(f"{name!r} must be a contiguous CPU tensor")
     import torch
 
     raw = t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
-    return TensorBytes(name, dtype, tuple(t.shape), [memoryview(raw.numpy()).cast("B")])
+    return memoryview(raw.numpy()).cast("B")
 
 
-def encode_header(tensors: Sequence[TensorBytes], metadata: Mapping[str, str]) -> bytes:
-    """The 8-byte length and the JSON header, padded so the data starts 8-byte aligned."""
+def encode_header(tensors: Sequence[TensorBytes], metadata: Mapping[str, str], *, size: int = 0) -> bytes:
+    """The 8-byte length and the JSON header, padded with spaces so the data starts 8-byte
+    aligned, or exactly at ``size`` bytes (a header written last into reserved room)."""
     header: dict[str, Any] = {"__metadata__": {str(k): str(v) for k, v in metadata.items()}}
     offset = 0
     for t in tensors:
         header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
         offset += t.nbytes
     body = json.dumps(header, separators=(",", ":")).encode()
-    body += b" " * (-(8 + len(body)) % 8)
+    if size:
+        if 8 + len(body) > size:
+            raise SampleError(f"the sample header needs {8 + len(body)} bytes, {size} were reserved")
+        body += b" " * (size - 8 - len(body))
+    else:
+        body += b" " * (-(8 + len(body)) % 8)
     return len(body).to_bytes(8, "little") + body
+
+
+def tensor_spec(name: str, dtype: str, shape: Sequence[int]) -> TensorBytes:
+    """A tensor's place in a header without its bytes (for a file written in place)."""
+    return TensorBytes(name, dtype, tuple(int(d) for d in shape), [])
+
+
+def dtype_name(t: "torch.Tensor") -> str:
+    """The safetensors name of ``t``'s dtype (SampleError if we cannot store it)."""
+    name = _DTYPE_NAMES.get(str(t.dtype))
+    if name is None:
+        raise SampleError(f"dtype {t.dtype} is not storable; use bf16, fp16, fp32 or fp8")
+    return name
 
 
 CHUNK = 1 << 20  # hash and write 1 MiB at a time: the bytes are read from memory once
@@ -173,8 +205,7 @@ def _write_hashed(fd: int, buffers: list[Any], digest: Any) -> None:
         for start in range(0, len(view), CHUNK):
             chunk = view[start:start + CHUNK]
             digest.update(chunk)
-            while chunk:
-                chunk = chunk[os.write(fd, chunk):]
+            write_all(fd, chunk)
 
 
 @dataclass
@@ -185,17 +216,14 @@ class Written:
     sha256: str
 
 
-def write_sample(directory: str | os.PathLike, key: str, tensors: Sequence[TensorBytes],
-                 metadata: Mapping[str, str], *, fsync: bool = False) -> Written:
-    """Write one sample atomically (temp file + rename) and return its size and sha256.
+def write_temp(directory: str | os.PathLike, key: str, tensors: Sequence[TensorBytes],
+               metadata: Mapping[str, str], *, fsync: bool = False) -> Written:
+    """Write one complete sample under ``.tmp/`` (not yet visible), hashing it as it goes.
 
     The safetensors format is written directly from the callers' buffers (the capture
-    hook's pinned host memory), so no byte is copied in Python;
-    :func:`read_sample` reads the files back with the ``safetensors`` library.
+    hook's pinned host memory), so no byte is copied in Python; :func:`publish` renames
+    it into place. On any error the temporary file is removed.
     """
-    directory = Path(directory)
-    tmp_dir = directory / TMPDIR
-    tmp_dir.mkdir(parents=True, exist_ok=True)
     header = encode_header(tensors, metadata)
     buffers: list[Any] = [header]
     for t in tensors:
@@ -204,7 +232,7 @@ def write_sample(directory: str | os.PathLike, key: str, tensors: Sequence[Tenso
             raise SampleError(f"{t.name!r}: {got} bytes given for shape {t.shape} {t.dtype}")
         buffers.extend(t.buffers)
     digest = hashlib.sha256()
-    tmp = tmp_dir / f"{key}.{os.getpid()}.{threading.get_ident()}.tmp"
+    tmp = temp_path(directory, key)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         _write_hashed(fd, buffers, digest)
@@ -215,29 +243,96 @@ def write_sample(directory: str | os.PathLike, key: str, tensors: Sequence[Tenso
         tmp.unlink(missing_ok=True)
         raise
     os.close(fd)
-    final = sample_path(directory, key)
-    os.replace(tmp, final)
-    return Written(key, final, len(header) + sum(t.nbytes for t in tensors), digest.hexdigest())
+    return Written(key, tmp, len(header) + sum(t.nbytes for t in tensors), digest.hexdigest())
 
 
-def read_tensors(path: str | os.PathLike) -> dict[str, "torch.Tensor"]:
-    """The tensors of a file this module wrote, read with torch alone (the capture hook
-    reads its own files without safetensors; :mod:`hs_patch.reader` validates samples)."""
-    import torch
+def temp_path(directory: str | os.PathLike, key: str) -> Path:
+    """A fresh name under ``directory/.tmp/`` for a sample being written."""
+    tmp_dir = Path(directory) / TMPDIR
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    return tmp_dir / f"{key}.{os.getpid()}.{threading.get_ident()}.{next(_TEMP_IDS)}.tmp"
 
-    data = bytearray(Path(path).read_bytes())
-    n = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8:8 + n])
-    base = 8 + n
-    dtypes = {v: getattr(torch, k.replace("torch.", "")) for k, v in _DTYPE_NAMES.items()}
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = info["data_offsets"]
-        raw = torch.frombuffer(data, dtype=torch.uint8, count=end - start, offset=base + start)
-        out[name] = raw.view(dtypes[info["dtype"]]).reshape(info["shape"])
-    return out
+
+def publish(written: Written, directory: str | os.PathLike) -> Written:
+    """Rename a sample written by :func:`write_temp` (or :class:`InPlaceSample`) into place."""
+    if os.path.getsize(written.path) != written.nbytes:
+        raise SampleError(f"{written.path}: {os.path.getsize(written.path)} bytes on disk, {written.nbytes} written")
+    final = sample_path(directory, written.key)
+    os.replace(written.path, final)
+    return Written(written.key, final, written.nbytes, written.sha256)
+
+
+def write_sample(directory: str | os.PathLike, key: str, tensors: Sequence[TensorBytes],
+                 metadata: Mapping[str, str], *, fsync: bool = False) -> Written:
+    """Write one sample atomically (temp file + rename) and return its size and sha256."""
+    return publish(write_temp(directory, key, tensors, metadata, fsync=fsync), directory)
+
+
+class InPlaceSample:
+    """A sample whose planes arrive in pieces (a prompt prefilled in several chunks).
+
+    The full length is known from the first chunk, so the file is laid out at once:
+    ``header room | plane 0 [L, H] | plane 1 | ... | input_ids | loss_mask``; each chunk's
+    rows are written at their final offsets with ``pwrite`` (each byte once), and
+    :meth:`finish` appends the small tensors, writes the header into its room and hashes
+    the file (one read). Nothing is visible until :func:`publish`.
+    """
+
+    HEADER_ROOM = 64 << 10  # metadata is bounded (hs_patch.intent caps the driver's part)
+
+    def __init__(self, directory: str | os.PathLike, key_hint: str, planes: Sequence[str], tokens: int,
+                 hidden: int, dtype: str):
+        self.planes, self.tokens, self.hidden, self.dtype = list(planes), int(tokens), int(hidden), dtype
+        self.row = hidden * _DTYPE_SIZES[dtype]
+        self.path = temp_path(directory, key_hint)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.written = 0
+
+    def plane_offset(self, idx: int) -> int:
+        return self.HEADER_ROOM + idx * self.tokens * self.row
+
+    def put(self, idx: int, start: int, data: Any) -> None:
+        """Write rows ``start..`` of plane ``idx`` (a contiguous [n, H] buffer)."""
+        n = len(memoryview(data).cast("B"))
+        if n % self.row or start * self.row + n > self.tokens * self.row:
+            raise SampleError(f"{self.planes[idx]}: {n} bytes at row {start} do not fit {self.tokens} rows")
+        self.written += pwrite_all(self.fd, data, self.plane_offset(idx) + start * self.row)
+
+    def finish(self, key: str, tail: Sequence[TensorBytes], metadata: Mapping[str, str], *,
+               fsync: bool = False) -> Written:
+        """Append the small tensors (ids, mask), write the header, hash; returns the temp sample."""
+        try:
+            expected = len(self.planes) * self.tokens * self.row
+            if self.written != expected:
+                raise SampleError(f"{self.written} plane bytes written, {expected} expected: a chunk is missing")
+            offset = self.plane_offset(len(self.planes))
+            for t in tail:
+                for buf in t.buffers:
+                    offset += pwrite_all(self.fd, buf, offset)
+            specs = [tensor_spec(p, self.dtype, (self.tokens, self.hidden)) for p in self.planes] + list(tail)
+            pwrite_all(self.fd, encode_header(specs, metadata, size=self.HEADER_ROOM), 0)
+            if fsync:
+                os.fsync(self.fd)
+        except BaseException:
+            self.abandon()
+            raise
+        os.close(self.fd)
+        self.fd = -1
+        size, digest = file_sha256(self.path)
+        if size != offset:
+            self.path.unlink(missing_ok=True)
+            raise SampleError(f"{self.path}: {size} bytes on disk, {offset} written")
+        return Written(key, self.path, size, digest)
+
+    def abandon(self) -> None:
+        """Close and remove the partial file (a failed pass, a lost chunk)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.path.unlink(missing_ok=True)
+
+
+_TEMP_IDS = __import__("itertools").count()
 
 
 def write_tensors(directory: str | os.PathLike, key: str, tensors: Mapping[str, "torch.Tensor"],
@@ -245,19 +340,6 @@ def write_tensors(directory: str | os.PathLike, key: str, tensors: Mapping[str, 
     """Write one sample from named CPU tensors (in the given order) with :func:`write_sample`."""
     return write_sample(directory, key, [tensor_bytes(n, t.contiguous()) for n, t in tensors.items()],
                         metadata, fsync=fsync)
-
-
-def file_sha256(path: str | os.PathLike) -> tuple[int, str]:
-    """(size, sha256) of a file, read in 8 MiB blocks."""
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(8 << 20)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            h.update(view[:n])
-            size += n
-    return size, h.hexdigest()
 
 
 def verify_entry(directory: str | os.PathLike, entry: Mapping[str, Any]) -> str | None:
@@ -274,39 +356,20 @@ def verify_entry(directory: str | os.PathLike, entry: Mapping[str, Any]) -> str 
     return None
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Replace a small file (status, progress) so a reader never sees half of it."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 # --------------------------------------------------------------------------- manifest
 
 
-class Manifest:
+class Manifest(JsonLog):
     """Append-only JSON-lines log of completed samples (``op: add``) and removals.
 
-    One line per ``os.write`` on an ``O_APPEND`` descriptor under ``flock``, so several
-    processes (the hook's writer, the driver) can append to the same file safely.
-    ``name`` picks another log of the same kind (the shipper's ``shipped.jsonl``).
+    One whole line per record, appended under ``flock`` (:class:`hs_patch.files.JsonLog`),
+    so several processes (the hook's writer, the driver) can append to the same file; a
+    full disk leaves no torn line. ``name`` picks another log of the same kind (the
+    shipper's ``shipped.jsonl``).
     """
 
     def __init__(self, directory: str | os.PathLike, name: str = MANIFEST):
-        self.path = Path(directory) / name
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
-
-    def append(self, record: Mapping[str, Any]) -> None:
-        line = (json.dumps(record, separators=(",", ":"), sort_keys=True) + "\n").encode()
-        with self._lock:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                os.write(fd, line)
-            finally:
-                os.close(fd)
+        super().__init__(Path(directory) / name)
 
     def add(self, written: Written, **extra: Any) -> None:
         self.append({"op": "add", "key": written.key, "file": written.path.name,
@@ -317,25 +380,11 @@ class Manifest:
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The records of an append-only JSON-lines log ([] if it does not exist).
-
-    A torn last line (a crash mid-append) is ignored; a bad line elsewhere is an error.
-    """
-    path = Path(path)
-    if not path.exists():
-        return []
-    records = []
-    lines = path.read_bytes().split(b"\n")
-    for n, raw in enumerate(lines, 1):
-        if not raw.strip():
-            continue
-        try:
-            records.append(json.loads(raw))
-        except ValueError:
-            if n >= len(lines) - 1:
-                break
-            raise SampleError(f"{path}:{n}: unreadable manifest line; it was not written by hs_patch") from None
-    return records
+    """The records of a manifest-like log; a bad line (not a torn last one) is a SampleError."""
+    try:
+        return _read_jsonl(path)
+    except ValueError as e:
+        raise SampleError(f"{e} (unreadable manifest line)") from None
 
 
 def manifest_records(directory: str | os.PathLike) -> list[dict[str, Any]]:
@@ -354,14 +403,7 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, dict[str, Any]]:
     return entries
 
 
-def superseded(directory: str | os.PathLike) -> set[str]:
-    """Live samples the hook recorded as the first part of a longer (chunked) prompt."""
-    live = read_manifest(directory)
-    return {r["key"] for r in manifest_records(directory) if r.get("op") == "superseded" and r["key"] in live}
-
-
 def log_error(directory: str | os.PathLike, record: Mapping[str, Any]) -> None:
     """Append one JSON line to ``errors.jsonl`` (samples that could not be produced)."""
-    line = json.dumps({"t": round(time.time(), 3), **record}, sort_keys=True) + "\n"
-    with open(Path(directory) / ERRORS, "a", encoding="utf-8") as f:
-        f.write(line)
+    line = json.dumps({"t": round(time.time(), 3), **record}, sort_keys=True, default=str) + "\n"
+    append_line(Path(directory) / ERRORS, line.encode())

@@ -65,6 +65,7 @@ class ForwardBatch:
     extend_prefix_lens_cpu: list[int]
     parts: list[Part]
     rids: list[str] | None = None
+    orig_seq_lens: Any = None   # int32 [bs]: each request's whole prompt length (SGLang's ScheduleBatch)
     can_run_tbo: bool = False
     residual_stream: Any = None
 
@@ -296,4 +297,5 @@ def make_batch(sim_refs: dict[str, Reference], parts: list[Part], *, mode: str =
                rids: bool = True) -> ForwardBatch:
     ids = torch.cat([sim_refs[p.req].ids[p.start:p.start + p.n] for p in parts])
     return ForwardBatch(ForwardMode(mode), ids, [p.n for p in parts], [p.start for p in parts], parts,
-                        rids=[p.req for p in parts] if rids else None)
+                        rids=[p.req for p in parts] if rids else None,
+                        orig_seq_lens=torch.tensor([len(sim_refs[p.req].ids) for p in parts], dtype=torch.int32))

@@ -39,6 +39,7 @@ Dependencies: torch, transformers, safetensors and the standard library.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -59,6 +60,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 import torch  # noqa: E402
 
+from hs_patch.server import checks as capture_checks  # noqa: E402
 from hs_patch.server import config as capture_config  # noqa: E402
 from hs_patch.server import hook as capture_hook  # noqa: E402
 from hs_patch.host import patcher  # noqa: E402
@@ -121,6 +123,11 @@ class Engine:
         env.setdefault("HS_CAPTURE_LAYERS", ",".join(map(str, sorted({1, n // 2, n - 1}))))
         cap = capture_config.from_env(env)
         cap.check_layers(n)
+        problems = capture_checks.capture_refusals(cap, {"tp_size": 1, "chunked_prefill_size": self.chunk})
+        if problems:  # what hook.attach refuses in a real server
+            raise SystemExit("stand-in: " + "; ".join(problems))
+        if not cap.slot_tokens:
+            cap = dataclasses.replace(cap, slot_tokens=self.chunk)
         meta = {"sglang_release": f"{release} (stand-in)", "model_type": str(cfg.model_type),
                 "model": self.model_dir, "architecture": ",".join(cfg.architectures or []), "tp_size": "1"}
         self.hook = capture_hook.CaptureHook(cap, hidden_size=int(cfg.hidden_size), metadata=meta)
@@ -219,7 +226,8 @@ class Engine:
         ids = torch.cat([self.refs[r.iid].ids[s:s + n] for r, s, n in parts])
         rids = None if self.release == "0.5.9" else [r.rid for r, _, _ in parts]
         fb = ForwardBatch(ForwardMode("EXTEND"), ids, [n for _, _, n in parts], [s for _, s, _ in parts],
-                          sim_parts, rids=rids)
+                          sim_parts, rids=rids,
+                          orig_seq_lens=torch.tensor([len(r.ids) for r, _, _ in parts], dtype=torch.int32))
         try:
             with torch.no_grad():
                 self.sim.forward(fb)

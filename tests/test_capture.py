@@ -37,7 +37,7 @@ def patched_source(release_sources: dict[str, Path], version: str) -> str:
 
 def make_hook(tmp_path: Path, layers=(0, 1, 3), final="both", **kw) -> hook.CaptureHook:
     cfg = config.CaptureConfig(enabled=True, directory=str(tmp_path / "dump"), layers=tuple(layers), final=final,
-                               slots=2, slot_tokens=8, **kw)
+                               slots=2, slot_tokens=kw.pop("slot_tokens", 64), **kw)
     return hook.CaptureHook(cfg, hidden_size=64, metadata={"sglang_release": "test"})
 
 
@@ -117,8 +117,9 @@ def test_capture_off_returns_the_same_as_pristine(version, release_sources, tiny
 
 
 @pytest.mark.parametrize("version", RELEASE_IDS)
-def test_chunked_prefill_is_reassembled(version, release_sources, tiny_model, refs, tmp_path):
-    """A 23-token prompt prefilled in three chunks ends as ONE complete sample."""
+def test_chunked_prefill_is_written_once_in_place(version, release_sources, tiny_model, refs, tmp_path):
+    """A 23-token prompt prefilled in three chunks ends as ONE complete sample, each chunk's
+    rows written once at their final place: no partial sample is ever visible."""
     h = make_hook(tmp_path)
     sim = make_sim(release_sources, version, tiny_model, refs, h)
     rids = version != "0.5.9"
@@ -126,19 +127,48 @@ def test_chunked_prefill_is_reassembled(version, release_sources, tiny_model, re
         sim.forward(make_batch(refs, parts, rids=rids))
     h.close()
     got = samples(tmp_path / "dump")
-    partial = store.superseded(tmp_path / "dump")
-    assert set(got) - partial == {store.sample_key(refs[k].ids) for k in "abc"}
-    # the first parts stay valid samples of their own tokens, marked superseded for the driver
-    assert partial == {store.sample_key(refs["a"].ids[:8]), store.sample_key(refs["a"].ids[:17])}
-    for key in partial:
-        n = got[key].input_ids.shape[0]
-        assert torch.equal(got[key].plane("layer.1"), refs["a"].layer_in[1][:n])
+    assert set(got) == {store.sample_key(refs[k].ids) for k in "abc"}
     a = got[store.sample_key(refs["a"].ids)]
     assert_matches(a, refs["a"], (0, 1, 3), "both")
-    assert a.metadata["parts"] == "3"
-    assert h.writer.stats.merged == 2
-    assert not list((tmp_path / "dump" / store.TMPDIR).iterdir()), "no private link may outlive its pass"
+    assert a.metadata["parts"] == "3" and a.metadata["format"] == store.FORMAT
+    assert h.writer.stats.merged == 1 and h.writer.stats.errors == 0
+    plane_bytes = 23 * 64 * 2 * 5
+    assert store.read_manifest(tmp_path / "dump")[a.key]["bytes"] == store.InPlaceSample.HEADER_ROOM + plane_bytes + 23 * 8
+    assert not list((tmp_path / "dump" / store.TMPDIR).iterdir()), "no partial file may outlive its prompt"
     assert not (tmp_path / "dump" / store.ERRORS).exists()
+
+
+@pytest.mark.parametrize("version", RELEASE_IDS)
+def test_a_prompt_that_is_the_first_chunk_of_another(version, release_sources, tiny_model, refs, tmp_path):
+    """Request x is exactly the first 8 tokens of request a (a conversation and its longer
+    continuation), both in one pass: x is complete, a's first chunk stays open; both come
+    out whole and exact."""
+    a = refs["a"]
+    x = {"x": Reference(ids=a.ids[:8], layer_in=[t[:8] for t in a.layer_in], attn_out=[t[:8] for t in a.attn_out],
+                        mlp_out=[t[:8] for t in a.mlp_out], pre_norm=a.pre_norm[:8], post_norm=a.post_norm[:8])}
+    both = {**refs, **x}
+    h = make_hook(tmp_path)
+    sim = make_sim(release_sources, version, tiny_model, both, h)
+    rids = version != "0.5.9"
+    sim.forward(make_batch(both, [Part("x", 0, 8), Part("a", 0, 8)], rids=rids))
+    sim.forward(make_batch(both, [Part("a", 8, 15)], rids=rids))
+    h.close()
+    got = samples(tmp_path / "dump")
+    assert set(got) == {store.sample_key(refs["a"].ids), store.sample_key(refs["a"].ids[:8])}
+    assert_matches(got[store.sample_key(refs["a"].ids)], refs["a"], (0, 1, 3), "both")
+    short = got[store.sample_key(refs["a"].ids[:8])]
+    assert torch.equal(short.plane("layer.3"), refs["a"].layer_in[3][:8])
+
+
+def test_a_pass_larger_than_the_staging_buffers_fails_loudly(release_sources, tiny_model, refs, tmp_path):
+    """Staging memory is allocated once at startup; a larger pass is refused, never allocated for."""
+    h = make_hook(tmp_path, slot_tokens=16)
+    sim = make_sim(release_sources, "0.5.16", tiny_model, refs, h)
+    with pytest.raises(RuntimeError, match="HS_CAPTURE_SLOT_TOKENS"):
+        sim.forward(make_batch(refs, [Part("a", 0, 23)]))
+    sim.forward(make_batch(refs, [Part("c", 0, 11)]))
+    h.close()
+    assert set(samples(tmp_path / "dump")) == {store.sample_key(refs["c"].ids)}
 
 
 @pytest.mark.parametrize("version", RELEASE_IDS)

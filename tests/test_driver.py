@@ -293,3 +293,56 @@ def test_one_driver_per_run_and_per_capture_dir(tiny_model_dir, tmp_path):
     finally:
         os.close(fd)
     shutil.rmtree(tmp_path / "capture")
+
+
+def test_two_runs_cannot_share_a_samples_dir(standin, tiny_model_dir, tmp_path):
+    """A samples dir has one owner at a time: a second driver on it is refused at start."""
+    (tmp_path / "samples").mkdir()
+    held = runstate.take_lock(tmp_path / "samples" / ".hs-samples.lock", "run first")
+    try:
+        with pytest.raises(runstate.RunError, match="samples dir .* is in use"):
+            drive(standin, tiny_model_dir, tmp_path, [EXAMPLE], run="other", state_dir=str(tmp_path / "s2"))
+    finally:
+        os.close(held)
+
+
+def test_samples_are_written_once_and_adopted_by_rename(standin, tiny_model_dir, tmp_path, monkeypatch):
+    """The driver never reads or rewrites a sample's states: each final file is the very
+    inode the hook wrote, with the loss mask the driver's intent gave it."""
+    from hs_patch import intent
+    from hs_patch.host import adopt as adopt_mod
+
+    inodes = {}
+    real = adopt_mod.adopt
+
+    def spy(watcher, entry, samples_dir, **kw):
+        inodes[entry["key"]] = os.stat(watcher.directory / entry["file"]).st_ino
+        return real(watcher, entry, samples_dir, **kw)
+
+    monkeypatch.setattr("hs_patch.host.driver.adopt", spy)
+    data = tmp_path / "d.jsonl"
+    write_chats(data, 6, words=60)  # longer than the stand-in's 48-token chunks: several passes each
+    summary = drive(standin, tiny_model_dir, tmp_path, [data])
+    assert summary.exit_code == EXIT_OK
+    entries = store.read_manifest(tmp_path / "samples")
+    assert len(entries) == 6 and set(entries) == set(inodes)
+    for key, entry in entries.items():
+        assert os.stat(tmp_path / "samples" / entry["file"]).st_ino == inodes[key]
+    assert any(e["parts"] > 1 for e in entries.values()), "chunked prompts are adopted the same way"
+    assert not list((Path(standin.engine.capture.directory) / intent.DIR).glob("*.json")), "intents are cleaned up"
+
+
+def test_a_sample_written_without_its_intent_fails_with_the_reason(standin, tiny_model_dir, tmp_path, monkeypatch):
+    """If the server cannot use the driver's intent (here: it is unreadable), the sample is
+    written without a loss mask; the driver fails it, naming errors.jsonl, and never adopts it."""
+    from hs_patch import intent
+
+    real = intent.write
+    monkeypatch.setattr(intent, "write", lambda d, key, mask, meta: real(d, key, mask[:-1], meta))  # wrong length
+    data = tmp_path / "d.jsonl"
+    write_chats(data, 2)
+    summary = drive(standin, tiny_model_dir, tmp_path, [data], max_consecutive_failures=5)
+    assert summary.status["samples"]["failed"] == 2 and summary.status["samples"]["done"] == 0
+    failed = [e for e in ledger(tmp_path / "state") if e["event"] == "failed"]
+    assert all(e["stage"] == "adopt" and "without the driver's intent" in e["error"] for e in failed)
+    assert store.read_manifest(tmp_path / "samples") == {}

@@ -2,12 +2,12 @@
 
 - ``hs_patch/server/`` runs inside the SGLang server process: it may import only the
   standard library, torch, SGLang itself (its settings readers) and its own subpackage,
-  plus the shared standard-library-only modules (``hs_patch.store``). Nothing heavy, so
+  plus the shared standard-library-only modules (``store``, ``files``, ``intent``, ``flags``). Nothing heavy, so
   the forward pass never waits on an import and the server's environment stays SGLang's.
 - ``hs_patch/control/`` (and ``fabfile.py``) runs on the control node: never torch,
   safetensors or transformers (a laptop with Ansible and Fabric only).
-- The shared modules at the top (``store``, ``releases``) import only the standard library
-  at module level.
+- The shared modules at the top (``store``, ``files``, ``intent``, ``flags``, ``releases``)
+  import only the standard library at module level (``reader`` is shared too: safetensors).
 - The patch's injected import names a module and function that exist.
 """
 
@@ -25,7 +25,8 @@ from hs_patch.releases import RELEASES
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "hs_patch"
 STDLIB = set(sys.stdlib_module_names)
-SERVER_SHARED = {"hs_patch", "hs_patch.store", "hs_patch.flags"}
+SHARED = ("hs_patch.files", "hs_patch.flags", "hs_patch.intent", "hs_patch.releases", "hs_patch.store")
+SERVER_SHARED = {"hs_patch", "hs_patch.files", "hs_patch.flags", "hs_patch.intent", "hs_patch.store"}
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -53,7 +54,8 @@ def test_subpackages_are_the_places_code_runs():
     for sub in ("server", "host", "host/shipping", "control"):
         assert (PKG / sub / "__init__.py").is_file(), sub
     top = sorted(p.stem for p in PKG.glob("*.py"))
-    assert top == ["__init__", "flags", "reader", "releases", "store"], f"only shared modules at the top: {top}"
+    assert top == ["__init__", "files", "flags", "intent", "reader", "releases", "store"], \
+        f"only shared modules at the top: {top}"
 
 
 def test_server_code_imports_only_stdlib_torch_sglang_and_its_own_subpackage():
@@ -105,9 +107,9 @@ def test_control_node_never_imports_torch():
 
 
 def test_shared_modules_import_only_the_standard_library():
-    for mod in ("hs_patch.store", "hs_patch.releases", "hs_patch.flags"):
+    for mod in SHARED:
         new = _new_modules(f"import {mod}", before=BLOCK_HEAVY)
-        assert all(m.split(".")[0] in STDLIB or m in ("hs_patch", mod) for m in new), (mod, new)
+        assert all(m.split(".")[0] in STDLIB or m == "hs_patch" or m in SHARED for m in new), (mod, new)
 
 
 @pytest.mark.parametrize("version", sorted(RELEASES))

@@ -118,28 +118,31 @@ def test_a_failed_write_leaves_no_sample(tmp_path, monkeypatch):
         store.write_sample(tmp_path, "k", [bad], {})
 
 
-def record(ids: list[int], seq_lens, prefix_lens, rids=None, k: int = 2, **kw) -> PassRecord:
+def record(ids: list[int], seq_lens, prefix_lens, rids=None, k: int = 2, full=None, **kw) -> PassRecord:
     t = torch.tensor(ids, dtype=torch.int64)
-    return PassRecord(t, planes_for(len(ids), k), seq_lens, prefix_lens, rids, **kw)
+    full = full or [p + n for p, n in zip(prefix_lens, seq_lens)]
+    return PassRecord(t, planes_for(len(ids), k), seq_lens, prefix_lens, full, rids, **kw)
 
 
 def test_writer_chains_chunks_by_request_id_not_position(tmp_path):
     """With request ids, a continuation only joins the open request with the same id."""
     w = Writer(str(tmp_path), ["layer.1", "layer.2"], {"format": store.FORMAT, "planes": "layer.1,layer.2",
                                                       "hidden_size": str(H)})
-    w.submit(record([1, 2, 3, 4, 5], [2, 3], [0, 0], rids=["x", "y"]))  # y truncated after 3 tokens
-    w.submit(record([6, 7], [2], [3], rids=["z"]))                    # prefix 3 but another request
-    w.submit(record([8, 9], [2], [3], rids=["y"]))                    # y's next chunk... after z: y is no longer open
+    w.submit(record([1, 2, 3, 4, 5], [2, 3], [0, 0], rids=["x", "y"], full=[2, 5]))  # y cut after 3 of 5
+    w.submit(record([6, 7], [2], [3], rids=["z"], full=[5]))          # prefix 3 but another request
+    w.submit(record([8, 9], [2], [3], rids=["y"], full=[5]))          # y's next chunk... after z: y was lost
     w.close()
     keys = set(store.read_manifest(tmp_path))
-    assert store.sample_key([1, 2]) in keys and store.sample_key([3, 4, 5]) in keys
-    assert w.stats.errors == 2 and w.stats.merged == 0
-    errors = (tmp_path / store.ERRORS).read_text().splitlines()
-    assert [json.loads(e)["rid"] for e in errors] == ["z", "y"]
+    assert keys == {store.sample_key([1, 2])}, "a cut prompt is never a sample until its last chunk is in"
+    assert w.stats.merged == 0
+    errors = [json.loads(e) for e in (tmp_path / store.ERRORS).read_text().splitlines()]
+    assert [(e["error"], e["rid"]) for e in errors] == [("partial_prefill", "z"), ("chunk_lost", "y"),
+                                                         ("partial_prefill", "y")]
+    assert not list((tmp_path / store.TMPDIR).iterdir()), "the lost prompt's partial file is removed"
 
 
 def test_writer_failure_stops_capture_loudly(tmp_path):
-    h = hook.CaptureHook(config.CaptureConfig(enabled=True, directory=str(tmp_path / "d"), layers=(0,),
+    h = hook.CaptureHook(config.CaptureConfig(enabled=True, slot_tokens=64, directory=str(tmp_path / "d"), layers=(0,),
                                               final="none", slots=1), hidden_size=H, metadata={})
     (tmp_path / "d" / store.TMPDIR).write_text("not a directory")  # every write now fails
     p = h.begin(_Batch([3]), torch.tensor([1, 2, 3]))
@@ -164,13 +167,14 @@ class _Batch:
         self.forward_mode = _Mode()
         self.extend_seq_lens_cpu = list(lens)
         self.extend_prefix_lens_cpu = list(prefix or [0] * len(lens))
+        self.orig_seq_lens = [p + n for p, n in zip(self.extend_prefix_lens_cpu, lens)]
 
 
 def test_back_pressure_waits_then_fails_loudly(tmp_path):
     """One staging buffer and a blocked writer: the next pass waits, then the server fails
     loudly after HS_CAPTURE_STALL_SECONDS; nothing is dropped on the way."""
     gate = threading.Event()
-    h = hook.CaptureHook(config.CaptureConfig(enabled=True, directory=str(tmp_path), layers=(0,), final="none",
+    h = hook.CaptureHook(config.CaptureConfig(enabled=True, slot_tokens=64, directory=str(tmp_path), layers=(0,), final="none",
                                               slots=1, stall_seconds=0.5), hidden_size=H, metadata={})
     real_write = h.writer._write_pass
     h.writer._write_pass = lambda rec: (gate.wait(10), real_write(rec))
@@ -197,7 +201,7 @@ def test_back_pressure_waits_then_fails_loudly(tmp_path):
 
 def test_back_pressure_warning_is_rate_limited(tmp_path, caplog):
     """Every wait is counted, but a busy writer does not flood the server log."""
-    h = hook.CaptureHook(config.CaptureConfig(enabled=True, directory=str(tmp_path), layers=(0,), final="none",
+    h = hook.CaptureHook(config.CaptureConfig(enabled=True, slot_tokens=64, directory=str(tmp_path), layers=(0,), final="none",
                                               slots=1), hidden_size=H, metadata={})
     real_write = h.writer._write_pass
     h.writer._write_pass = lambda rec: (time.sleep(0.05), real_write(rec))
@@ -234,24 +238,3 @@ def test_server_refusals_name_the_flag():
                       ({"prefill_graph": "piecewise"}, "--enable-piecewise-cuda-graph")]:
         (msg,) = server_checks.refusals({**ok, **bad})
         assert flag in msg
-
-
-def test_a_prompt_that_is_a_prefix_of_a_chunked_one(tmp_path):
-    """Request A is exactly the first chunk of request B (a conversation and its longer
-    continuation). A consumer takes A's file; B's continuation still merges, from the
-    writer's private link, and B's first part is only marked superseded."""
-    w = Writer(str(tmp_path), ["layer.1", "layer.2"], {"format": store.FORMAT, "planes": "layer.1,layer.2",
-                                                      "hidden_size": str(H)})
-    w.submit(record([1, 2, 3], [3], [0], rids=["A"]))                 # A: complete, last of its pass
-    w.submit(record([1, 2, 3], [3], [0], rids=["B"]))                 # B's first chunk: same tokens
-    deadline = time.monotonic() + 10
-    while w.stats.passes < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    store.sample_path(tmp_path, store.sample_key([1, 2, 3])).unlink()  # the driver took A
-    store.Manifest(tmp_path).remove(store.sample_key([1, 2, 3]), reason="finalized")
-    w.submit(record([4, 5], [2], [3], rids=["B"]))                    # B continues
-    w.close()
-    assert w.error is None and w.stats.errors == 0 and w.stats.merged == 1
-    b = reader.read_sample(store.sample_path(tmp_path, store.sample_key([1, 2, 3, 4, 5])))
-    assert b.input_ids.tolist() == [1, 2, 3, 4, 5] and b.metadata["parts"] == "2"
-    assert not list((tmp_path / store.TMPDIR).iterdir())

@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hs_patch.control.inventory import Target
+from hs_patch.flags import args_violations
 
-FORBIDDEN_FLAGS = ("--enable-dp-attention", "--enable-mixed-chunk", "--enable-two-batch-overlap",
-                   "--enable-piecewise-cuda-graph", "--enable-attn-tp-input-scattered")
 
 
 class RemoteError(RuntimeError):
@@ -104,14 +103,12 @@ def _server_flags(c: Any, t: Target) -> Check:
         return Check("server unit", False, r.stderr.strip(), "run ansible-playbook site.yml (services role)")
     unit = r.stdout
     status = _last_json(sh(c, f"{t.bin('hs-patch')} status --json").stdout)
-    need = status.get("required_server_flags") or ["--disable-radix-cache"]
     exec_line = next((x for x in unit.splitlines() if x.startswith("ExecStart=")), "")
-    missing = [f for f in need if f not in exec_line.split()]
-    bad = [f for f in FORBIDDEN_FLAGS if f in exec_line.split()]
+    problems = args_violations(shlex.split(exec_line.partition("=")[2]), status.get("release"))
     env_ok = "HS_CAPTURE=1" in unit and f"HS_CAPTURE_DIR={t.dump_dir}" in unit
-    ok = not missing and not bad and env_ok
+    ok = not problems and env_ok
     detail = "capture on, flags compatible" if ok else \
-        f"missing {missing or '-'}, not allowed {bad or '-'}, capture env {'ok' if env_ok else 'missing'}"
+        f"{'; '.join(problems) or 'flags ok'}; capture env {'ok' if env_ok else 'missing'}"
     return Check("server flags", ok, detail, f"set them in the services role (sglang_service_*) and re-run site.yml;"
                                              f" HS_CAPTURE_DIR must be {t.dump_dir}")
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from hs_patch import store
+from hs_patch import intent, store
 
 
 class RawTimeout(TimeoutError):
@@ -83,8 +83,6 @@ class CaptureWatcher:
                     self.live[rec["key"]] = dict(rec, _seq=self.seq)
                 elif rec.get("op") == "remove":
                     self.live.pop(rec["key"], None)
-                elif rec.get("op") == "superseded" and rec["key"] in self.live:
-                    self.live[rec["key"]]["_superseded"] = True
             self._cond.notify_all()
 
     def wait(self, key: str, after: int, timeout: float) -> dict[str, Any]:
@@ -108,17 +106,19 @@ class CaptureWatcher:
         with self._cond:
             return list(self.live)
 
-    def superseded(self) -> set[str]:
-        """Raw samples the hook marked as the first part of a longer (chunked) prompt."""
-        with self._cond:
-            return {k for k, r in self.live.items() if r.get("_superseded")}
-
     def remove(self, key: str, **why: Any) -> bool:
-        """Delete a raw sample and record ``op: remove``; False if it was not there."""
+        """Delete a raw sample (and its intent) and record ``op: remove``; False if it was not there."""
         with self._cond:
             rec = self.live.pop(key, None)
         if rec is None:
             return False
         (self.directory / rec["file"]).unlink(missing_ok=True)
+        intent.remove(self.directory, key)
         self.manifest.remove(key, **why)
         return True
+
+    def forget(self, key: str, **why: Any) -> None:
+        """Record ``op: remove`` for a sample whose file was moved away (adopted)."""
+        with self._cond:
+            self.live.pop(key, None)
+        self.manifest.remove(key, **why)

@@ -1,12 +1,13 @@
-"""The driver: feeds a dataset through the capturing SGLang server and finalizes each sample.
+"""The driver: feeds a dataset through the capturing SGLang server and adopts each sample.
 
 Per sample (``--concurrency`` at a time): build the token ids and loss mask (chat
 template, or pre-tokenized), optionally regenerate the assistant turns with the target
 model first (rids ``nocap-...``, not captured), drop it if its tokens duplicate a sample
 already done or in flight, wait while the dump filesystems are above the high-water mark,
-send a prefill-only ``/generate`` with the ids, wait for the hook's raw sample to appear in
-the capture dir's manifest, and finalize it (loss mask + provenance, into the samples
-dir). Every decision goes to the ledger; bad input to the rejects file; progress to
+write its intent (loss mask + provenance, ``hs_patch.intent``) into the capture dir, send
+a prefill-only ``/generate`` with the ids, wait for the hook's sample to appear in the
+capture dir's manifest (written once, with the mask), and adopt it (a rename into the
+samples dir, ``adopt.py``). Every decision goes to the ledger; bad input to the rejects file; progress to
 status.json. A restarted run skips what is done and verified (see ``runstate``).
 """
 
@@ -19,21 +20,22 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from hs_patch import __version__, store
+from hs_patch import __version__, intent, store
 from hs_patch.host import chat, dataset, runstate
 from hs_patch.host.backpressure import BackPressure, disk_usage
 from hs_patch.host.capture_dir import CaptureWatcher, RawTimeout
 from hs_patch.host.client import HEALTH_PROBE_IDS, ClientError, RetryPolicy, SGLangClient
 from hs_patch.host.drive_config import DriveConfig
-from hs_patch.host.finalize import FinalizeError, finalize
+from hs_patch.host.adopt import AdoptError, adopt, same_filesystem
 from hs_patch.host.runstatus import RunStatus
 
 EXIT_OK, EXIT_ERROR, EXIT_INCOMPLETE, EXIT_FAILURES, EXIT_SIGNAL = 0, 1, 3, 4, 130
 CAPTURE_LOCK = ".hs-driver.lock"
+SAMPLES_LOCK = ".hs-samples.lock"
 CAPTURE_PARAMS = {"max_new_tokens": 1, "temperature": 0.0}  # 1 new token: the least that runs a prefill
 
 
@@ -94,10 +96,15 @@ class Driver:
                 raise runstate.RunError(f"cannot create {what} {d}: {e.strerror}; choose a writable "
                                         "directory") from None
         dataset.check_sources(cfg.data)
+        if not same_filesystem(self.capture_dir, self.samples_dir):
+            raise runstate.RunError(f"--capture-dir {self.capture_dir} and --samples-dir {self.samples_dir} are on "
+                                    "different filesystems: samples are moved, not copied, into the samples dir; "
+                                    "put both on the same one (both under /dev/shm by default)")
         locks: list[int] = []
         try:
             locks.append(runstate.take_lock(self.state_dir / runstate.LOCK, f"run {cfg.run!r}"))
             locks.append(runstate.take_lock(self.capture_dir / CAPTURE_LOCK, f"capture dir {self.capture_dir}"))
+            locks.append(runstate.take_lock(self.samples_dir / SAMPLES_LOCK, f"samples dir {self.samples_dir}"))
             return self._run_locked(runstate.check_params(self.state_dir, cfg.identity()))
         finally:
             for fd in locks:
@@ -116,12 +123,14 @@ class Driver:
             self._prepare(resumed)
             watcher = self.watcher = CaptureWatcher(self.capture_dir)
             self._sweep(self._own_raw_keys(), "leftover of an interrupted run")
+            self._sweep_intents()
             self.status.state = "running"
             self._feed()
             self._sweep(self._own_raw_keys() | self.regen_keys, "end of run sweep")
             # the capture dir is this driver's alone (locked): whatever is left was not asked for by
-            # this run (SGLang's warm-up request, another client, a first chunk the server dropped)
+            # this run (SGLang's warm-up request, another client)
             self._sweep(set(self.watcher.keys()), "not requested by this run")
+            self._sweep_intents()
         except Exception as e:
             self.status.state, self.status.message = "failed", str(e)
             self.ledger.write("run_failed", error=f"{type(e).__name__}: {e}")
@@ -180,8 +189,6 @@ class Driver:
             watcher = getattr(self, "watcher", None)
             if watcher is not None:
                 self._sweep(set(self.regen_keys), "regeneration prompt (captured by SGLang < 0.5.10)")
-                # first parts of chunked prompts, unless a request of exactly those tokens waits for one
-                self._sweep(watcher.superseded(), "first part of a chunked prompt")
             if self.bp is not None and self.status.state in ("running", "paused"):
                 self.status.state = "paused" if self.bp.paused else "running"
             try:
@@ -201,6 +208,14 @@ class Driver:
                 why = "SGLang health-check probe (input_ids [0])" if key == probe else reason
                 if self.watcher.remove(key, reason=why, run=self.cfg.run):
                     self.ledger.write("raw_removed", key=key, reason=why)
+
+    def _sweep_intents(self) -> None:
+        """Intents nobody waits for (an interrupted run's): the capture dir is this driver's alone (locked)."""
+        with self.keys_lock:
+            waiting = set(self.inflight)
+        for p in (self.capture_dir / intent.DIR).glob("*.json"):
+            if p.stem not in waiting:
+                p.unlink(missing_ok=True)
 
     def _on_retry(self, info: dict[str, Any]) -> None:
         self.status.update(retries=1)
@@ -353,12 +368,18 @@ class Driver:
         if not self.bp.wait(self.stop):
             return
         rid = self._rid("hs-", rec)
+        try:
+            intent.write(self.capture_dir, key, mask, prov)  # the hook writes mask + provenance into the sample
+        except (OSError, intent.IntentError) as e:
+            self._failed(rec, key, "intent", f"cannot write the sample's intent into {self.capture_dir}: {e}")
+            return
         self.watcher.read_new()  # an earlier write of these tokens must count as before this request
         after = self.watcher.seq
         t0 = time.monotonic()
         self.ledger.write("sent", sample_id=rec.sample_id, key=key, rid=rid, tokens=len(ids),
                           loss_tokens=sum(mask), truncated_from=prov["truncated_from"] or None)
         self.status.update(in_flight=1)
+        adopted = False
         try:
             try:
                 self.client.generate(ids, CAPTURE_PARAMS, rid, context={"sample_id": rec.sample_id})
@@ -375,12 +396,15 @@ class Driver:
                     "hook_status.json)?"))
                 return
             try:
-                written = finalize(self.watcher, entry, self.samples_dir, mask, prov)
-            except (FinalizeError, OSError) as e:
-                self._failed(rec, key, "finalize", str(e))
+                written = adopt(self.watcher, entry, self.samples_dir, sample_id=rec.sample_id, run=cfg.run)
+                adopted = True
+            except (AdoptError, OSError) as e:
+                self._failed(rec, key, "adopt", str(e))
                 return
         finally:
             self.status.update(in_flight=-1)
+            if not adopted:
+                intent.remove(self.capture_dir, key)
         with self.keys_lock:
             self.done.by_key[key] = rec.sample_id
             self.done.by_id[rec.sample_id] = key

@@ -1,6 +1,6 @@
 """``hs-extract``: run an extraction on the GPU host, next to the capturing SGLang server.
 
-Subcommands: ``drive`` (feed a dataset through the server and finalize the samples),
+Subcommands: ``drive`` (feed a dataset through the server and collect the samples),
 ``ship`` (move finished samples to training storage, verified), ``snapshot`` (one JSON
 view of a run, for the dashboard).
 """
@@ -35,8 +35,9 @@ where files go:
   --samples-dir   final samples <key>.safetensors + manifest.jsonl (what the shipper ships)
   --state-dir     run.json (parameters), ledger.jsonl (every decision), rejects.jsonl,
                   status.json (progress; --prometheus for a textfile too), lock
-  --capture-dir   the server's HS_CAPTURE_DIR: the driver picks up each raw sample there,
-                  finalizes it and deletes the raw file
+  --capture-dir   the server's HS_CAPTURE_DIR: the driver leaves each sample's intent (loss
+                  mask, provenance) there, the server writes the sample with it, and the
+                  driver moves it into --samples-dir (same filesystem)
 
 resume: run the same command again. Samples whose final file matches its manifest entry
 (size + sha256), or that the shipper recorded as verified (<state-dir>/shipped.jsonl),
@@ -172,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hs-extract", description="Run a hidden-state extraction on the GPU host.")
     p.add_argument("--version", action="version", version=f"hs-extract {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    d = sub.add_parser("drive", help="feed a dataset through the capturing server; finalize samples",
+    d = sub.add_parser("drive", help="feed a dataset through the capturing server; collect the samples",
                        description=DRIVE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_drive_arguments(d)
     d.set_defaults(func=cmd_drive)

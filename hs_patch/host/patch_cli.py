@@ -12,7 +12,7 @@ from hs_patch import __version__
 from hs_patch.server import config
 from hs_patch.host import patcher
 from hs_patch.releases import DEFAULT_RELEASE, RELEASES
-from hs_patch.flags import REQUIRED_FLAGS
+from hs_patch.flags import REQUIRED_FLAGS, args_violations
 
 EXIT_OK, EXIT_ERROR, EXIT_REFUSED, EXIT_VERIFY = 0, 1, 2, 3
 
@@ -49,6 +49,17 @@ def _status(site: str | None) -> dict[str, Any]:
             "backup": str(t.backup) if t.backup.exists() else None, "capture": capture,
             "required_server_flags": REQUIRED_FLAGS.get(release or "", []),
             "message": f"SGLang {release or t.installed_version or '?'}: {t.state}"}
+
+
+def _check_args(site: str | None, release: str | None, args: list[str]) -> dict[str, Any]:
+    """Check a server command line against the capture hook's rules (hs_patch.flags)."""
+    if release is None:
+        t = patcher.inspect_target(site)
+        release = t.release.version if t.release else None
+    problems = args_violations(args, release)
+    return {"action": "check-args", "release": release, "problems": problems, "clean": not problems,
+            "message": "server arguments compatible with capture" if not problems else
+            "server arguments the capture hook cannot work with:\n  - " + "\n  - ".join(problems)}
 
 
 def _inspect(path: str, deep: bool) -> dict[str, Any]:
@@ -102,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         "revert": lambda a: patcher.revert(a.site),
         "status": lambda a: _status(a.site),
         "inspect": lambda a: _inspect(a.path, not a.quick),
+        "check-args": lambda a: _check_args(a.site, a.release, a.args),
     }
     helps = {
         "apply": "patch deepseek_v2.py (idempotent; keeps the original for revert)",
@@ -109,16 +121,23 @@ def main(argv: list[str] | None = None) -> int:
         "revert": "restore the byte-identical original (idempotent)",
         "status": "release, pristine/patched/unknown, capture configuration, required server flags",
         "inspect": "validate a sample file or a dump directory against its manifest",
+        "check-args": "check SGLang server arguments against what capture needs and refuses (exit 2: refused)",
     }
     for name, text in helps.items():
         p = sub.add_parser(name, help=text, description=text)
-        if name == "inspect":
+        if name == "check-args":
+            _site_arg(p)
+            p.add_argument("--release", help="the SGLang release the server runs (default: the installed one)")
+            p.add_argument("args", nargs=argparse.REMAINDER, help="the server's arguments, after --")
+        elif name == "inspect":
             p.add_argument("path", help="a sample .safetensors file or a directory with manifest.jsonl")
             p.add_argument("--quick", action="store_true", help="directories: compare sizes only, skip sha256")
             p.add_argument("--json", action="store_true", help="print one JSON object")
         else:
             _site_arg(p)
     args = parser.parse_args(argv)
+    if args.command == "check-args" and args.args[:1] == ["--"]:
+        args.args = args.args[1:]
     as_json = args.json
     try:
         res = actions[args.command](args)
@@ -130,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         kind = type(e).__name__
         return _fail(args.command, f"{kind}: {e}", EXIT_ERROR if kind != "SampleError" else EXIT_VERIFY, as_json)
     _print(res, as_json)
+    if res["action"] == "check-args" and not res["clean"]:
+        return EXIT_REFUSED
     return EXIT_OK if res.get("clean", True) else EXIT_VERIFY
 
 

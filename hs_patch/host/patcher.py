@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hs_patch.files import write_all
 from hs_patch.releases import (RELEASES, TARGET, PatchError, Release, apply_edits, by_patched_sha, by_pristine_sha,
                                from_earlier_layout)
 
@@ -112,21 +113,31 @@ def _check_version(t: Target) -> None:
 
 
 def _atomic_write(path: Path, data: bytes, like: Path) -> None:
-    """Write ``data`` to ``path`` via a temp file + rename, with ``like``'s mode and owner."""
+    """Write ``data`` to ``path`` via a temp file + fsync + rename, with ``like``'s mode and owner.
+
+    Every byte is checked written (a nearly full disk raises instead of leaving a short
+    file); on any error the temp file is removed and ``path`` is left as it was.
+    """
     st = like.stat()
     tmp = path.with_name(f".{path.name}.hs_patch.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, data)
-        os.fchmod(fd, st.st_mode & 0o7777)
         try:
-            os.fchown(fd, st.st_uid, st.st_gid)
-        except PermissionError:
-            pass
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+            write_all(fd, data)
+            os.fchmod(fd, st.st_mode & 0o7777)
+            try:
+                os.fchown(fd, st.st_uid, st.st_gid)
+            except PermissionError:
+                pass
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if tmp.stat().st_size != len(data) or tmp.read_bytes() != data:
+            raise OSError(f"{tmp}: what is on disk differs from what was written")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _drop_pycache(path: Path) -> list[str]:

@@ -23,7 +23,6 @@ import json
 import os
 import re
 import shutil
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from hs_patch import store
+from hs_patch.files import JsonLog, write_text_atomic
 
 RUN_JSON, LEDGER, REJECTS, STATUS, SHIPPED, LOCK = (
     "run.json", "ledger.jsonl", "rejects.jsonl", "status.json", "shipped.jsonl", "lock")
@@ -43,23 +43,14 @@ class RunError(RuntimeError):
     """The run cannot start as asked; the message says what to do."""
 
 
-class Ledger:
-    """Append-only ``ledger.jsonl``; thread-safe, one line per event, flushed at once."""
-
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        self._lock = threading.Lock()
-        self._f = open(self.path, "a", encoding="utf-8")
+class Ledger(JsonLog):
+    """Append-only ``ledger.jsonl``: one whole line per event (a full disk raises, leaves no torn line)."""
 
     def write(self, event: str, **fields: Any) -> None:
-        line = json.dumps({"t": round(time.time(), 3), "event": event, **fields}, sort_keys=True, default=str)
-        with self._lock:
-            self._f.write(line + "\n")
-            self._f.flush()
+        self.append({"t": round(time.time(), 3), "event": event, **fields})
 
     def close(self) -> None:
-        with self._lock:
-            self._f.close()
+        """Nothing is held open between events (kept for callers that close a ledger)."""
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -106,9 +97,8 @@ def check_params(state_dir: Path, params: Mapping[str, Any]) -> bool:
             raise RunError(f"run {params['run']!r} already exists in {state_dir} with other parameters:\n{lines}\n"
                            "Resume it with the same parameters, or start a new run with another --run NAME.")
         return True
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"params": dict(params), "created": time.time()}, indent=2, sort_keys=True))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps({"params": dict(params), "created": time.time()}, indent=2, sort_keys=True),
+                      fsync=True)
     return False
 
 
@@ -170,7 +160,7 @@ def load_done(samples_dir: Path, shipped_path: Path, *, workers: int = 4) -> Don
     return st
 
 
-_SENT_KEY = re.compile(rb'"event": "(?:sent|regen_turn)".*"key": "([0-9a-f]+)"')
+_SENT_KEY = re.compile(rb'"event": ?"(?:sent|regen_turn)".*"key": ?"([0-9a-f]+)"')
 
 
 def run_keys(ledger_path: Path, among: set[str]) -> set[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from hs_patch.flags import REQUIRED_FLAGS  # noqa: F401  (re-exported: what refusals asks for)
+from hs_patch.flags import violations
 
 
 def _server_args() -> Any:
@@ -36,52 +36,73 @@ def _prefill_graph(args: Any) -> str:
     return "disabled"
 
 
+def _getter(args: Any) -> Any:
+    """Read a setting as the release resolved it: 0.5.23 keeps raw input on the record and
+    the resolved values apart (its deprecated ``enable_dp_attention`` stays false while
+    ``--attn-dp-size`` turns attention DP on), earlier releases resolve in place."""
+    if hasattr(args, "resolved_dict"):
+        resolved = args.resolved_dict()
+        return lambda name, default=None: resolved.get(name, getattr(args, name, default))
+    return lambda name, default=None: getattr(args, name, default)
+
+
 def read_settings() -> dict[str, Any]:
     """The settings ``refusals`` looks at, read inside the SGLang server process."""
     from sglang.srt.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
     args = _server_args()
-    get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+    get = _getter(args)
     return {
         "tp_rank": get_tensor_model_parallel_rank(),
         "tp_size": get_tensor_model_parallel_world_size(),
         "pp_size": int(get("pp_size", 1) or 1),
         "dp_attention": bool(get("enable_dp_attention", False)),
+        "attn_dp_size": int(get("attn_dp_size", 1) or 1),
+        "dwdp_size": int(get("dwdp_size", 1) or 1),
         "radix_cache": not bool(get("disable_radix_cache", False)),
         "prefill_graph": _prefill_graph(args),
         "mixed_chunk": bool(get("enable_mixed_chunk", False)),
         "two_batch_overlap": bool(get("enable_two_batch_overlap", False)),
         "input_scattered": bool(get("enable_attn_tp_input_scattered", False)),
         "moe_a2a_backend": str(get("moe_a2a_backend", "none") or "none"),
-        "context_parallel": bool(get("enable_prefill_cp", False) or get("enable_nsa_prefill_context_parallel", False)
-                                 or int(get("attn_cp_size", 1) or 1) > 1),
+        "attn_cp_size": int(get("attn_cp_size", 1) or 1),
+        "prefill_cp": bool(get("enable_prefill_cp", False)),
+        "nsa_prefill_cp": bool(get("enable_nsa_prefill_context_parallel", False)),
+        "deterministic": bool(get("enable_deterministic_inference", False)),
+        "pdmux": bool(get("enable_pdmux", False)),
         "chunked_prefill_size": get("chunked_prefill_size"),
+        "watchdog_timeout": float(get("watchdog_timeout", 300) or 300),
     }
 
 
 def refusals(s: Mapping[str, Any]) -> list[str]:
     """One line per unsupported setting, each saying which server flag to change."""
     out = []
-    if s.get("pp_size", 1) > 1:
-        out.append("pipeline parallelism (--pp-size > 1) splits the layers over ranks: use --pp-size 1 "
-                   "(tensor parallelism is supported)")
-    if s.get("dp_attention"):
-        out.append("DP attention (--enable-dp-attention) scatters tokens over ranks: remove the flag")
     if s.get("radix_cache"):
         out.append("the radix cache skips cached prefixes, so their states are never computed: "
                    "add --disable-radix-cache")
     if s.get("prefill_graph", "disabled") != "disabled":
         out.append(f"prefill CUDA graphs ({s['prefill_graph']}) replay without running the capture hook: "
                    "add --disable-prefill-cuda-graph (0.5.16+) or remove --enable-piecewise-cuda-graph (0.5.9)")
-    if s.get("mixed_chunk"):
-        out.append("mixed prefill/decode batches (--enable-mixed-chunk) are not captured: remove the flag")
-    if s.get("two_batch_overlap"):
-        out.append("two-batch overlap (--enable-two-batch-overlap) runs layers outside the captured loop: "
-                   "remove the flag")
-    if s.get("input_scattered"):
-        out.append("--enable-attn-tp-input-scattered leaves each rank a slice of the tokens: remove the flag")
-    if s.get("moe_a2a_backend", "none") != "none":
-        out.append(f"--moe-a2a-backend {s['moe_a2a_backend']} is not supported: use --moe-a2a-backend none")
-    if s.get("context_parallel"):
-        out.append("prefill context parallelism splits each sequence over ranks: remove the context-parallel flags")
+    return out + violations(s)
+
+
+def capture_refusals(cfg: Any, s: Mapping[str, Any]) -> list[str]:
+    """What the HS_CAPTURE_* settings cannot do with this server, each saying what to set."""
+    out = []
+    if cfg.rank >= int(s.get("tp_size", 1)):
+        out.append(f"HS_CAPTURE_RANK={cfg.rank}, but the server has {s.get('tp_size', 1)} tensor-parallel ranks "
+                   f"(0..{int(s.get('tp_size', 1)) - 1}): no rank would write; use HS_CAPTURE_RANK=0")
+    chunk = s.get("chunked_prefill_size")
+    chunk = int(chunk) if chunk not in (None, "") else -1
+    if not cfg.slot_tokens and chunk <= 0:
+        out.append("chunked prefill is off (--chunked-prefill-size -1), so one pass can hold any prompt: set "
+                   "--chunked-prefill-size N (e.g. 8192), or HS_CAPTURE_SLOT_TOKENS to the largest pass")
+    elif cfg.slot_tokens and 0 < chunk and cfg.slot_tokens < chunk:
+        out.append(f"HS_CAPTURE_SLOT_TOKENS={cfg.slot_tokens} is below --chunked-prefill-size {chunk}: a pass would "
+                   "not fit its staging buffer; unset HS_CAPTURE_SLOT_TOKENS or raise it")
+    watchdog = float(s.get("watchdog_timeout", 300) or 300)
+    if cfg.stall_seconds >= watchdog:
+        out.append(f"HS_CAPTURE_STALL_SECONDS={cfg.stall_seconds:g} is not below SGLang's --watchdog-timeout "
+                   f"{watchdog:g}: the watchdog would kill the server first, without saying why; lower it")
     return out

@@ -7,6 +7,7 @@ when it builds the model. Standard library only (imported inside the server).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
@@ -23,10 +24,12 @@ ENV_DOCS = (
      "what the LM head reads), both, or none."),
     ("HS_CAPTURE_SLOTS", "3", "Pinned host staging buffers, one prefill pass each; when all are busy the forward "
      "pass waits for the writer (back-pressure, counted in hook_status.json)."),
-    ("HS_CAPTURE_SLOT_TOKENS", "16384", "Tokens one staging buffer holds at first (it grows for a larger pass)."),
+    ("HS_CAPTURE_SLOT_TOKENS", "--chunked-prefill-size", "Tokens one staging buffer holds; every buffer is "
+     "allocated (pinned) at startup and a larger pass fails loudly. Default: the server's chunked-prefill size, "
+     "the most tokens SGLang puts in one prefill pass."),
     ("HS_CAPTURE_WRITERS", "4", "Writer threads that write and sha256-hash sample files."),
-    ("HS_CAPTURE_STALL_SECONDS", "300", "How long a forward pass may wait for a free staging buffer before the "
-     "server fails loudly instead of waiting on."),
+    ("HS_CAPTURE_STALL_SECONDS", "120", "How long a forward pass may wait for a free staging buffer before the "
+     "server fails loudly instead of waiting on; must stay below SGLang's --watchdog-timeout (300)."),
     ("HS_CAPTURE_SKIP_RID_PREFIX", "nocap-", "Requests whose id starts with this are not captured (releases with "
      "request ids in the forward batch: 0.5.10 and later)."),
     ("HS_CAPTURE_RANK", "0", "The tensor-parallel rank that writes (after the all-reduce every rank holds the "
@@ -50,9 +53,9 @@ class CaptureConfig:
     layers: tuple[int, ...] = DEFAULT_LAYERS
     final: str = "pre"
     slots: int = 3
-    slot_tokens: int = 16384
+    slot_tokens: int = 0  # 0: the server's --chunked-prefill-size (hook.attach)
     writers: int = 4
-    stall_seconds: float = 300.0
+    stall_seconds: float = 120.0
     skip_rid_prefix: str = "nocap-"
     rank: int = 0
 
@@ -109,18 +112,18 @@ def from_env(env: Mapping[str, str] | None = None) -> CaptureConfig:
     layers_raw = env.get("HS_CAPTURE_LAYERS", "").strip()
     stall = env.get("HS_CAPTURE_STALL_SECONDS", "").strip()
     try:
-        stall_seconds = float(stall) if stall else 300.0
+        stall_seconds = float(stall) if stall else 120.0
     except ValueError:
         raise ConfigError(f"HS_CAPTURE_STALL_SECONDS={stall!r} is not a number") from None
-    if stall_seconds <= 0:
-        raise ConfigError("HS_CAPTURE_STALL_SECONDS must be > 0")
+    if not math.isfinite(stall_seconds) or stall_seconds <= 0:
+        raise ConfigError(f"HS_CAPTURE_STALL_SECONDS={stall!r} must be a finite number of seconds > 0")
     return CaptureConfig(
         enabled=enabled_raw == "1",
         directory=directory,
         layers=parse_layers(layers_raw) if layers_raw else DEFAULT_LAYERS,
         final=final,
         slots=_int(env, "HS_CAPTURE_SLOTS", 3, 1),
-        slot_tokens=_int(env, "HS_CAPTURE_SLOT_TOKENS", 16384, 1),
+        slot_tokens=_int(env, "HS_CAPTURE_SLOT_TOKENS", 0, 1),
         writers=_int(env, "HS_CAPTURE_WRITERS", 4, 1),
         stall_seconds=stall_seconds,
         skip_rid_prefix=env.get("HS_CAPTURE_SKIP_RID_PREFIX", "nocap-"),

@@ -21,6 +21,8 @@ ever dropped silently.
 
 from __future__ import annotations
 
+import dataclasses
+import fcntl
 import logging
 import os
 import queue
@@ -36,6 +38,7 @@ from hs_patch import store
 from hs_patch.server.writer import PassRecord, Writer, skipped
 
 log = logging.getLogger("hs_patch")
+WRITER_LOCK = ".hs-writer.lock"
 WAIT_LOG_SECONDS = 60.0  # back-pressure is logged at most this often (every wait is counted)
 
 
@@ -50,12 +53,14 @@ def attach(model: torch.nn.Module, config: Any, release: str) -> Optional["Captu
         return None
     cfg.check_layers(int(config.num_hidden_layers))
     settings = server_checks.read_settings()
-    problems = server_checks.refusals(settings)
+    problems = server_checks.refusals(settings) + server_checks.capture_refusals(cfg, settings)
     if problems:
-        raise RuntimeError("hs_patch capture (HS_CAPTURE=1) cannot run with these SGLang settings:\n  - "
+        raise RuntimeError("hs_patch capture (HS_CAPTURE=1) cannot run with these settings:\n  - "
                            + "\n  - ".join(problems))
     if settings["tp_rank"] != cfg.rank:
         return None
+    if not cfg.slot_tokens:  # a pass holds at most --chunked-prefill-size tokens (refused above when unbounded)
+        cfg = dataclasses.replace(cfg, slot_tokens=int(settings["chunked_prefill_size"]))
     meta = {
         "sglang_release": release,
         "model_type": str(getattr(config, "model_type", "")),
@@ -63,7 +68,8 @@ def attach(model: torch.nn.Module, config: Any, release: str) -> Optional["Captu
         "architecture": ",".join(getattr(config, "architectures", None) or []),
         "tp_size": str(settings["tp_size"]),
     }
-    hook = CaptureHook(cfg, hidden_size=int(config.hidden_size), metadata=meta)
+    hook = CaptureHook(cfg, hidden_size=int(config.hidden_size), metadata=meta, dtype=torch.get_default_dtype(),
+                       pinned=torch.cuda.is_available())
     _register(hook)
     log.info("hs_patch: capturing layers %s + final=%s into %s (rank %d of %d)",
              list(cfg.layers), cfg.final, cfg.directory, settings["tp_rank"], settings["tp_size"])
@@ -71,33 +77,32 @@ def attach(model: torch.nn.Module, config: Any, release: str) -> Optional["Captu
 
 
 class _Slot:
-    """Host staging memory for one pass: int64 ids + one [capacity, H] buffer per plane."""
+    """Host staging memory for one pass, allocated once at startup (pinned on a GPU host):
+    int64 ids and int32 prompt lengths for ``capacity`` tokens, one [capacity, H] buffer per plane."""
 
-    def __init__(self) -> None:
-        self.capacity = 0
-        self.ids: Optional[torch.Tensor] = None
-        self.planes: list[Optional[torch.Tensor]] = []
+    def __init__(self, capacity: int, nplanes: int, hidden: int, itemsize: int, pinned: bool):
+        self.capacity, self.hidden, self.itemsize = capacity, hidden, itemsize
+        self.ids = torch.empty(capacity, dtype=torch.int64, pin_memory=pinned)
+        self.lens = torch.empty(capacity, dtype=torch.int32, pin_memory=pinned)
+        self._raw = [torch.empty(capacity * hidden * itemsize, dtype=torch.uint8, pin_memory=pinned)
+                     for _ in range(nplanes)]
 
-    def ensure(self, tokens: int, nplanes: int, pinned: bool) -> None:
-        if tokens > self.capacity or len(self.planes) != nplanes or (
-                self.ids is not None and self.ids.is_pinned() != pinned):
-            self.capacity = max(tokens, self.capacity)
-            self.ids = torch.empty(self.capacity, dtype=torch.int64, pin_memory=pinned)
-            self.planes = [None] * nplanes
-
-    def plane(self, idx: int, like: torch.Tensor, pinned: bool) -> torch.Tensor:
-        buf = self.planes[idx]
-        if buf is None or buf.dtype != like.dtype or buf.shape[1] != like.shape[1]:
-            buf = torch.empty((self.capacity, like.shape[1]), dtype=like.dtype, pin_memory=pinned)
-            self.planes[idx] = buf
-        return buf
+    def plane(self, idx: int, like: torch.Tensor, tokens: int) -> torch.Tensor:
+        """Plane ``idx``'s first ``tokens`` rows, viewed with ``like``'s dtype."""
+        if like.element_size() != self.itemsize or like.shape[1] != self.hidden:
+            raise RuntimeError(f"hs_patch: a captured state is {like.dtype} x {like.shape[1]}, the staging buffers "
+                               f"were sized for {self.itemsize}-byte values x {self.hidden} (the model's dtype at "
+                               "startup); please report this with the server's --dtype and quantization flags")
+        return self._raw[idx][: tokens * self.hidden * self.itemsize].view(like.dtype).view(tokens, self.hidden)
 
 
 class CaptureHook:
     """One per captured model; owns the staging buffers, the copy stream and the writer."""
 
-    def __init__(self, cfg: capture_config.CaptureConfig, *, hidden_size: int, metadata: dict[str, str]):
+    def __init__(self, cfg: capture_config.CaptureConfig, *, hidden_size: int, metadata: dict[str, str],
+                 dtype: torch.dtype = torch.bfloat16, pinned: bool = False):
         self.cfg = cfg
+        self._lock_fd = _lock_capture_dir(cfg.directory)
         self.hidden_size = hidden_size
         self.planes = store.plane_names(cfg.layers, cfg.final)
         self.layer_index = {layer: k for k, layer in enumerate(cfg.layers)}
@@ -105,8 +110,12 @@ class CaptureHook:
         self.pre_index = self.planes.index("final.pre_norm") if "final.pre_norm" in final else None
         self.post_index = self.planes.index("final.post_norm") if "final.post_norm" in final else None
         self._free: "queue.Queue[_Slot]" = queue.Queue()
-        for _ in range(cfg.slots):
-            self._free.put(_Slot())
+        if cfg.slot_tokens < 1:
+            raise capture_config.ConfigError("HS_CAPTURE_SLOT_TOKENS must be >= 1 (or unset: the server's "
+                                             "--chunked-prefill-size)")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        for _ in range(cfg.slots):  # all staging memory now: never an allocation on the forward path
+            self._free.put(_Slot(cfg.slot_tokens, len(self.planes), hidden_size, itemsize, pinned))
         self._streams: dict[Any, torch.cuda.Stream] = {}
         self._current: Optional[_Pass] = None
         self.waits = 0
@@ -159,9 +168,18 @@ class CaptureHook:
         if sum(seq_lens) != tokens:
             raise RuntimeError(f"hs_patch: the pass has {tokens} tokens but extend_seq_lens sum to "
                                f"{sum(seq_lens)} (padded batch?); capture cannot split it per request")
+        if tokens > self.cfg.slot_tokens:
+            raise RuntimeError(f"hs_patch: a prefill pass of {tokens} tokens exceeds the staging buffers' "
+                               f"{self.cfg.slot_tokens} (HS_CAPTURE_SLOT_TOKENS, default --chunked-prefill-size); "
+                               "set HS_CAPTURE_SLOT_TOKENS to at least the largest pass and restart")
+        full = getattr(forward_batch, "orig_seq_lens", None)
+        if full is None:
+            raise RuntimeError("hs_patch: the forward batch has no orig_seq_lens (each prompt's whole length), "
+                               "which the capture needs to reassemble chunked prompts; this SGLang build differs "
+                               "from the supported releases")
         slot = self._acquire()
         p = _Pass(self, slot, tokens, list(seq_lens), list(prefix_lens), rids)
-        p.copy_ids(ids)
+        p.copy_ids(ids, full)
         self._current = p
         return p
 
@@ -195,8 +213,13 @@ class CaptureHook:
         return s
 
     def close(self, timeout: float = 60.0) -> None:
-        """Drain the writer (tests, benchmarks; the server just exits)."""
-        self.writer.close(timeout)
+        """Drain the writer and let go of the capture directory (tests, benchmarks; the server just exits)."""
+        try:
+            self.writer.close(timeout)
+        finally:
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
 
 
 class _Tee:
@@ -232,22 +255,28 @@ class _Pass:
         self.seq_lens, self.prefix_lens = seq_lens, prefix_lens
         self.rids = list(rids) if rids is not None else None
         self.done = [False] * len(hook.planes)
+        self.like: list[Optional[torch.Tensor]] = [None] * len(hook.planes)
         self.cuda: Optional[torch.device] = None
         self.deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def copy_ids(self, ids: torch.Tensor) -> None:
-        pinned = ids.is_cuda
-        self.slot.ensure(self.tokens, len(self.hook.planes), pinned)
-        dst = self.slot.ids[: self.tokens]
+    def copy_ids(self, ids: torch.Tensor, full: Any) -> None:
+        """Copy the token ids and each request's whole prompt length (device tensors on a GPU)."""
+        dst, lens = self.slot.ids[: self.tokens], self.slot.lens[: len(self.seq_lens)]
+        if not isinstance(full, torch.Tensor):
+            full = torch.tensor(list(full), dtype=torch.int32)
         if ids.is_cuda:
             self.cuda = ids.device
             stream = self.hook.stream(ids.device)
             stream.wait_stream(torch.cuda.current_stream(ids.device))
             with torch.cuda.stream(stream):
                 dst.copy_(ids, non_blocking=True)
+                lens.copy_(full, non_blocking=True)
             ids.record_stream(stream)
+            if full.is_cuda:
+                full.record_stream(stream)
         else:
             dst.copy_(ids)
+            lens.copy_(full)
 
     def collector(self, layer_id: int, inner: Any) -> Any:
         idx = self.hook.layer_index.get(layer_id)
@@ -260,7 +289,8 @@ class _Pass:
             raise RuntimeError(f"hs_patch: {self.hook.planes[idx]} has shape {tuple(t.shape)}, expected "
                                f"({self.tokens}, hidden): a code path the hook does not support")
         self.done[idx] = True
-        dst = self.slot.plane(idx, t, pinned=t.is_cuda)[: self.tokens]
+        self.like[idx] = t
+        dst = self.slot.plane(idx, t, self.tokens)
         if t.is_cuda:
             stream = self.hook.stream(t.device)
             src = t if owned else t.clone()  # snapshot now: SGLang updates its residual in place later
@@ -295,9 +325,26 @@ class _Pass:
         n = self.tokens
         slot = self.slot
         hook.writer.submit(PassRecord(
-            ids=slot.ids[:n], planes=[slot.planes[k][:n] for k in range(len(hook.planes))],
-            seq_lens=self.seq_lens, prefix_lens=self.prefix_lens, rids=self.rids,
-            wait=wait, release=lambda: hook._free.put(slot)))
+            ids=slot.ids[:n], planes=[slot.plane(k, self.like[k], n) for k in range(len(hook.planes))],
+            seq_lens=self.seq_lens, prefix_lens=self.prefix_lens, full_lens=slot.lens[: len(self.seq_lens)],
+            rids=self.rids, wait=wait, release=lambda: hook._free.put(slot)))
+
+
+def _lock_capture_dir(directory: str) -> int:
+    """One writing server per capture directory: an exclusive flock held for the process's life."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, WRITER_LOCK)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise RuntimeError(f"hs_patch: {directory} is written by {holder}; give each server its own "
+                           "HS_CAPTURE_DIR") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"SGLang server pid {os.getpid()}".encode(), 0)
+    return fd
 
 
 def _on_tmpfs(path: str) -> bool:

@@ -1,35 +1,45 @@
-"""The capture hook's background writer: turns prefill passes into sample files.
+"""The capture hook's background writer: turns prefill passes into sample files, each byte once.
 
-Runs in threads of the SGLang server process, never on the forward path. One
-coordinator thread takes passes in order (chunked prefill needs the order), splits
-each into per-request parts with ``extend_seq_lens``, and hands the file writes to a
-small pool. A pass's staging buffer is released when all its files are written.
+Runs in threads of the SGLang server process, never on the forward path. One coordinator
+thread takes passes in order (chunked prefill needs the order), splits each into
+per-request parts with ``extend_seq_lens``, and hands the file writes to a small pool.
+A pass's staging buffer is given back only when every job that reads it has ended,
+whether it succeeded or failed (a buffer reused under a running write would put the next
+pass's states into a file under a valid checksum).
 
-Chunked prefill: a prompt longer than the chunk budget reaches the model over several
-passes; every part after the first starts at ``extend_prefix_len > 0``. SGLang puts at
-most one request in that state at a time and truncates only the last request of a
-pass, so the writer keeps that request open (key hasher, end, request id). A part
-with a prefix continues the open request when the request ids match (releases that
-have them) and its prefix equals the open request's end; the writer then writes the
-merged sample under the key of all tokens so far and removes the shorter one. A part
-with a prefix that continues nothing (a radix-cache hit, a lost chunk) is never
-written as if it were complete: it goes to ``errors.jsonl`` and the log.
+Each part knows its request's whole prompt length (``orig_seq_lens`` in SGLang's forward
+batch), so:
+
+- a part that is its whole request is written complete, hashed as it is written;
+- the first part of a longer prompt (chunked prefill) opens an :class:`~hs_patch.store.InPlaceSample`
+  laid out for the whole prompt; every later part (``extend_prefix_len > 0``, the same
+  request id where the release has them, starting where the open one ends) writes its
+  rows at their final offsets; the last part finishes the file (small tensors, header,
+  one hashing read). No chunk is ever read back or rewritten;
+- a part with a prefix that continues nothing (a radix-cache hit, a lost chunk) is never
+  written as if it were complete: it goes to ``errors.jsonl`` and the log.
+
+The driver's intent (``hs_patch.intent``: loss mask and provenance, keyed by the sample's
+content key) is read when a sample completes and written into it. A pass's samples
+become visible (rename + manifest line) only when all of its writes succeeded: a failed
+pass leaves nothing in any manifest, and the writer stops (the hook then fails the
+server loudly).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import os
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
+from hs_patch import intent as intents
 from hs_patch import store
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -37,8 +47,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("hs_patch")
 STATUS_FILE = "hook_status.json"
-
-
 HEALTH_CHECK_PREFIX = "HEALTH_CHECK"  # SGLang's /health_generate probes (sglang.srt.constants)
 
 
@@ -55,6 +63,7 @@ class PassRecord:
     planes: Sequence["torch.Tensor"]    # [T, H] each, CPU, in plane order
     seq_lens: Sequence[int]
     prefix_lens: Sequence[int]
+    full_lens: Sequence[int]            # each request's whole prompt length (SGLang's orig_seq_lens)
     rids: Optional[Sequence[str]] = None
     wait: Optional[Callable[[], None]] = None     # blocks until the copies have landed
     release: Optional[Callable[[], None]] = None  # gives the staging buffer back
@@ -62,18 +71,15 @@ class PassRecord:
 
 @dataclass
 class _Open:
-    """The last request of the previous pass, which a later pass may continue.
+    """A prompt whose first parts are written and whose next part a later pass brings."""
 
-    ``link`` is a private hard link to its file: a sample named by content may be taken
-    (and deleted) by a consumer that wants exactly those tokens (a conversation that is a
-    prefix of a longer one), and the continuation still needs it."""
-
-    key: str
+    sample: store.InPlaceSample
     end: int
     hasher: Any
     rid: Optional[str]
+    ids: list["torch.Tensor"]
     parts: int
-    link: Optional[Path] = None
+    dtype: str
 
 
 @dataclass
@@ -85,19 +91,20 @@ class WriterStats:
     merged: int = 0
     skipped: int = 0
     errors: int = 0
+    with_intent: int = 0
     started: float = field(default_factory=time.time)
 
 
 class Writer:
-    """Writes samples of :class:`PassRecord` s in a background thread."""
+    """Writes samples of :class:`PassRecord` s in background threads."""
 
     def __init__(self, directory: str, planes: Sequence[str], metadata: dict[str, str], *,
-                 workers: int = 2, skip_rid_prefix: str = "", fsync: bool = False,
-                 max_queue: int = 0):
+                 workers: int = 2, skip_rid_prefix: str = "", fsync: bool = False, max_queue: int = 0):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.planes = list(planes)
         self.metadata = dict(metadata)
+        self.hidden = int(metadata.get("hidden_size", 0) or 0)
         self.skip_rid_prefix = skip_rid_prefix
         self.fsync = fsync
         self.manifest = store.Manifest(self.directory)
@@ -107,9 +114,9 @@ class Writer:
         self._open: Optional[_Open] = None
         self._queue: "queue.Queue[Optional[PassRecord]]" = queue.Queue(max_queue)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hs_patch-write")
+        self._finishing: list[Future] = []
         self._status_at = 0.0
         self._stats_lock = threading.Lock()
-        self._links = itertools.count()
         self._thread = threading.Thread(target=self._run, name="hs_patch-writer", daemon=True)
         self._thread.start()
 
@@ -127,8 +134,9 @@ class Writer:
         self._queue.put(None)
         self._thread.join(timeout)
         self._pool.shutdown(wait=True)
-        if self._open is not None and self._open.link is not None:
-            self._open.link.unlink(missing_ok=True)
+        if self._open is not None:  # a prompt whose last chunk never came
+            self._open.sample.abandon()
+            self._open = None
         self._write_status(force=True)
         if self._thread.is_alive():
             raise RuntimeError(f"hs_patch writer did not finish within {timeout:.0f}s")
@@ -141,96 +149,180 @@ class Writer:
                 return
             try:
                 if self.error is None:
-                    if rec.wait is not None:
-                        rec.wait()
                     self._write_pass(rec)
-            except BaseException as e:  # noqa: BLE001 - reported to the forward path, then raised there
-                self.error = e
-                self.stats.errors += 1
-                log.error("hs_patch writer failed, capture stops: %s", e, exc_info=True)
-            finally:
-                if rec.release is not None:
+                elif rec.release is not None:
                     rec.release()
+            except BaseException as e:  # noqa: BLE001 - reported to the forward path, then raised there
+                self._fail(e)
+            finally:
                 self._write_status()
 
-    def _write_pass(self, rec: PassRecord) -> None:
-        import torch  # noqa: F401  (slicing CPU tensors)
+    def _fail(self, e: BaseException) -> None:
+        if self.error is None:
+            self.error = e
+        with self._stats_lock:
+            self.stats.errors += 1
+        log.error("hs_patch writer failed, capture stops: %s", e, exc_info=True)
+        if self._open is not None:
+            self._open.sample.abandon()
+            self._open = None
 
+    def _write_pass(self, rec: PassRecord) -> None:
         jobs: list[Future] = []
-        opened = self._open
-        self._open = None
+        finish: list[_Open] = []
+        touched: list[_Open] = []
+        try:
+            try:
+                if rec.wait is not None:
+                    rec.wait()
+                self._plan(rec, jobs, finish, touched)
+            finally:
+                # the staging buffer goes back only when no job reads it any more
+                wait(jobs)
+                if rec.release is not None:
+                    rec.release()
+            written = [job.result() for job in jobs]  # the first failure: nothing of this pass is published
+        except BaseException:
+            for job in jobs:
+                if job.done() and job.exception() is None and job.result() is not None:
+                    job.result()[0].path.unlink(missing_ok=True)
+            for part in touched:
+                part.sample.abandon()
+            if self._open in touched:
+                self._open = None
+            raise
+        for w, extra in (x for x in written if x is not None):
+            self._publish(w, extra)
+        for part in finish:  # chunked prompts complete: small tensors, header, one hashing read
+            self._finishing.append(self._pool.submit(self._finish, part))
+        self._finishing = [f for f in self._finishing if not f.done()]
+        with self._stats_lock:
+            self.stats.passes += 1
+
+    def _plan(self, rec: PassRecord, jobs: list[Future], finish: list[_Open], touched: list[_Open]) -> None:
+        """Split the pass per request and submit each part's write."""
+        if sum(int(n) for n in rec.seq_lens) != rec.ids.shape[0]:
+            raise RuntimeError(f"extend_seq_lens sum to {sum(rec.seq_lens)} but the pass has {rec.ids.shape[0]} tokens")
+        opened, self._open = self._open, None
         offset = 0
-        last = len(rec.seq_lens) - 1
-        for j, (n, prefix) in enumerate(zip(rec.seq_lens, rec.prefix_lens)):
-            s, e = offset, offset + int(n)
+        for j, (n, prefix, full) in enumerate(zip(rec.seq_lens, rec.prefix_lens, rec.full_lens)):
+            n, prefix, full = int(n), int(prefix), int(full)
+            s, e = offset, offset + n
             offset = e
             rid = rec.rids[j] if rec.rids is not None else None
             if skipped(rid, self.skip_rid_prefix):
-                self.stats.skipped += 1
+                with self._stats_lock:
+                    self.stats.skipped += 1
                 continue
             ids = rec.ids[s:e]
-            base: Optional[_Open] = None
-            if prefix:
-                if opened is None or opened.end != prefix or (rid is not None and opened.rid != rid):
-                    self._reject(rid, prefix, e - s, ids, opened)
-                    continue
-                base, hasher = opened, opened.hasher.copy()
-            else:
-                hasher = store.key_hasher()
-            hasher.update(store.ids_bytes(ids))
-            key = hasher.hexdigest()[: store.KEY_HEX]
-            parts = base.parts + 1 if base else 1
             slices = [p[s:e] for p in rec.planes]
-            keep = j == last  # SGLang truncates only the last request of a pass
-            jobs.append(self._pool.submit(self._write_one, key, ids, slices, rid, base, parts, keep))
-            if keep:
-                self._open = _Open(key, int(prefix) + e - s, hasher, rid, parts)
-        if offset != rec.ids.shape[0]:
-            raise RuntimeError(f"extend_seq_lens sum to {offset} but the pass has {rec.ids.shape[0]} tokens")
-        links = [job.result() for job in jobs]
-        if self._open is not None:
-            self._open.link = links[-1]
-        if opened is not None and opened.link is not None:
-            opened.link.unlink(missing_ok=True)
-        self.stats.passes += 1
+            if prefix == 0 and n == full:
+                jobs.append(self._pool.submit(self._write_whole, ids, slices, rid))
+                continue
+            if prefix == 0:
+                part = self._start_open(ids, full, rid, slices[0])
+            elif opened is not None and opened.end == prefix and opened.sample.tokens == full and (
+                    rid is None or opened.rid == rid):
+                part, opened = opened, None
+                part.parts += 1
+            else:
+                self._reject(rid, prefix, n, ids, opened)
+                continue
+            touched.append(part)
+            part.hasher.update(store.ids_bytes(ids))
+            part.ids.append(ids.clone())
+            jobs.append(self._pool.submit(self._put, part.sample, prefix, slices))
+            part.end = prefix + n
+            if part.end == full:
+                finish.append(part)
+            elif self._open is not None:
+                raise RuntimeError("two prompts of one pass are cut by chunked prefill; SGLang keeps at most one "
+                                   "(--enable-deterministic-inference aligns cuts otherwise: it is refused)")
+            else:
+                self._open = part
+        if opened is not None:  # the open prompt did not continue in this pass: its next chunk is lost
+            opened.sample.abandon()
+            self._lost(opened)
 
-    def _write_one(self, key: str, ids: "torch.Tensor", slices: list["torch.Tensor"],
-                   rid: Optional[str], base: Optional[_Open], parts: int, keep: bool) -> Optional[Path]:
-        if base is None:
-            tensors = [store.tensor_bytes("input_ids", ids)]
-            tensors += [store.tensor_bytes(n, t) for n, t in zip(self.planes, slices)]
-        else:
-            import torch
+    # ------------------------------------------------------------------ jobs
+    def _start_open(self, ids: "torch.Tensor", full: int, rid: Optional[str], like: "torch.Tensor") -> _Open:
+        sample = store.InPlaceSample(self.directory, f"open-{store.sample_key(ids)[:12]}", self.planes, full,
+                                     like.shape[1], store.dtype_name(like))
+        return _Open(sample, 0, store.key_hasher(), rid, [], 1, str(like.dtype).replace("torch.", ""))
 
-            prev = store.read_tensors(base.link)
-            ids = torch.cat([prev["input_ids"], ids])
-            tensors = [store.tensor_bytes("input_ids", ids)]
-            tensors += [store.tensor_bytes(n, torch.cat([prev[n], t]))
-                        for n, t in zip(self.planes, slices)]
-        n = int(ids.shape[0])
-        meta = dict(self.metadata, key=key, num_tokens=str(n), parts=str(parts),
-                    dtype=str(slices[0].dtype).replace("torch.", ""),
+    def _put(self, sample: store.InPlaceSample, start: int, slices: list["torch.Tensor"]) -> None:
+        for k, (name, t) in enumerate(zip(self.planes, slices)):
+            sample.put(k, start, store.raw_bytes(name, t))
+
+    def _meta(self, key: str, n: int, dtype: str, rid: Optional[str], parts: int,
+              found: Optional[intents.Intent]) -> dict[str, str]:
+        meta = dict(self.metadata, key=key, num_tokens=str(n), parts=str(parts), dtype=dtype,
                     rid="" if rid is None else str(rid), created=f"{time.time():.3f}")
-        written = store.write_sample(self.directory, key, tensors, meta, fsync=self.fsync)
-        self.manifest.add(written, tokens=n, rid=meta["rid"], parts=parts)
-        if base is not None:
-            # the shorter sample is still valid for its own tokens: its consumer (the driver)
-            # deletes it unless a request of exactly those tokens wants it
-            self.manifest.append({"op": "superseded", "key": base.key, "by": key, "t": round(time.time(), 3)})
-        link = None
-        if keep:
-            # unique: the next pass may end with the same tokens (a prompt that is a prefix of another)
-            link = self.directory / store.TMPDIR / f"open.{key}.{os.getpid()}.{next(self._links)}"
-            os.link(written.path, link)
-        with self._stats_lock:
-            self.stats.merged += base is not None
-            self.stats.samples += 1
-            self.stats.tokens += n
-            self.stats.bytes += written.nbytes
-        return link
+        if found is not None:
+            meta.update({k: v for k, v in found.metadata.items() if k not in meta}, loss_tokens=str(found.loss_tokens))
+        return meta
 
-    def _reject(self, rid: Optional[str], prefix: int, n: int, ids: "torch.Tensor",
-                opened: Optional[_Open]) -> None:
+    def _tail(self, ids: "torch.Tensor", found: Optional[intents.Intent]) -> list[store.TensorBytes]:
+        tail = [store.tensor_bytes("input_ids", ids.contiguous())]
+        if found is not None:
+            tail.append(store.TensorBytes("loss_mask", "U8", (found.tokens,), [found.loss_mask()]))
+        return tail
+
+    def _write_whole(self, ids: "torch.Tensor", slices: list["torch.Tensor"], rid: Optional[str]) -> tuple:
+        key = store.sample_key(ids)
+        found = self._intent(key, int(ids.shape[0]))
+        tensors = [store.tensor_bytes(n, t) for n, t in zip(self.planes, slices)] + self._tail(ids, found)
+        n = int(ids.shape[0])
+        meta = self._meta(key, n, str(slices[0].dtype).replace("torch.", ""), rid, 1, found)
+        return store.write_temp(self.directory, key, tensors, meta, fsync=self.fsync), self._extra(found, rid, 1, n)
+
+    def _complete(self, part: _Open) -> tuple:
+        import torch
+
+        key = part.hasher.hexdigest()[: store.KEY_HEX]
+        ids = torch.cat(part.ids)
+        n = int(ids.shape[0])
+        found = self._intent(key, n)
+        meta = self._meta(key, n, part.dtype, part.rid, part.parts, found)
+        return part.sample.finish(key, self._tail(ids, found), meta, fsync=self.fsync), \
+            self._extra(found, part.rid, part.parts, n)
+
+    def _finish(self, part: _Open) -> None:
+        try:
+            w, extra = self._complete(part)
+            self._publish(w, extra)
+            with self._stats_lock:
+                self.stats.merged += 1
+        except BaseException as e:  # noqa: BLE001 - the next pass raises it on the forward path
+            part.sample.abandon()
+            self._fail(e)
+
+    def _publish(self, w: store.Written, extra: dict[str, Any]) -> None:
+        final = store.publish(w, self.directory)
+        self.manifest.add(final, **extra)
+        with self._stats_lock:
+            self.stats.samples += 1
+            self.stats.tokens += extra["tokens"]
+            self.stats.bytes += final.nbytes
+            self.stats.with_intent += "sample_id" in extra
+
+    def _extra(self, found: Optional[intents.Intent], rid: Optional[str], parts: int, n: int) -> dict[str, Any]:
+        extra: dict[str, Any] = {"rid": "" if rid is None else str(rid), "parts": parts, "tokens": n}
+        if found is not None:
+            extra.update(sample_id=found.metadata.get("sample_id", ""), run=found.metadata.get("run", ""),
+                         loss_tokens=found.loss_tokens)
+        return extra
+
+    def _intent(self, key: str, tokens: int) -> Optional[intents.Intent]:
+        try:
+            return intents.read(self.directory, key, tokens)
+        except intents.IntentError as e:
+            log.error("hs_patch: sample %s is written without the driver's loss mask: %s", key, e)
+            store.log_error(self.directory, {"error": "intent_unusable", "key": key, "why": str(e)})
+            return None
+
+    # ------------------------------------------------------------------ errors and status
+    def _reject(self, rid: Optional[str], prefix: int, n: int, ids: "torch.Tensor", opened: Optional[_Open]) -> None:
         with self._stats_lock:
             self.stats.errors += 1
         why = ("its first tokens were not computed in this pass (radix-cache prefix hit?) and it "
@@ -239,7 +331,15 @@ class Writer:
         store.log_error(self.directory, {
             "error": "partial_prefill", "rid": rid, "prefix": int(prefix), "tokens": int(n),
             "part_key": store.sample_key(ids), "open": None if opened is None else
-            {"key": opened.key, "end": opened.end, "rid": opened.rid}, "why": why})
+            {"end": opened.end, "tokens": opened.sample.tokens, "rid": opened.rid}, "why": why})
+
+    def _lost(self, opened: _Open) -> None:
+        with self._stats_lock:
+            self.stats.errors += 1
+        why = "a chunked prompt's next part did not come in the next prefill pass; its partial file is removed"
+        log.error("hs_patch: rid=%s after %d of %d tokens: %s", opened.rid, opened.end, opened.sample.tokens, why)
+        store.log_error(self.directory, {"error": "chunk_lost", "rid": opened.rid, "end": opened.end,
+                                         "tokens": opened.sample.tokens, "why": why})
 
     def _write_status(self, force: bool = False) -> None:
         now = time.time()
@@ -247,9 +347,10 @@ class Writer:
             return
         self._status_at = now
         st = self.stats
-        doc = {"pid": os.getpid(), "time": now, "passes": st.passes, "samples": st.samples,
-               "tokens": st.tokens, "bytes": st.bytes, "merged": st.merged, "skipped": st.skipped,
-               "errors": st.errors, "queued": self._queue.qsize(),
+        doc = {"pid": os.getpid(), "time": now, "directory": str(self.directory), "passes": st.passes,
+               "samples": st.samples, "tokens": st.tokens, "bytes": st.bytes, "merged": st.merged,
+               "skipped": st.skipped, "errors": st.errors, "with_intent": st.with_intent,
+               "skip_rid_prefix": self.skip_rid_prefix, "queued": self._queue.qsize(),
                "error": None if self.error is None else str(self.error), **self.extra_status()}
         try:
             store.write_text_atomic(self.directory / STATUS_FILE, json.dumps(doc, sort_keys=True))

@@ -1,0 +1,173 @@
+"""Checked writes: every byte written or an exception, never a torn line or a short file.
+
+The one place for the low-level file writing everything else uses: the capture hook's
+sample writer (inside SGLang), the driver, the shipper, the patcher. Standard library
+only (imported inside the SGLang server).
+
+- :func:`write_all` / :func:`pwrite_all` loop over short writes and raise when the
+  kernel writes nothing (a full disk raises ENOSPC on its own);
+- :func:`write_atomic` / :func:`write_text_atomic` replace a file through a temporary
+  file + fsync + rename, removing the temporary on any error;
+- :class:`JsonLog` appends whole JSON lines under ``flock``; a failed or short append is
+  cut back to where it started (so a full disk leaves no torn line), and a torn last line
+  left by a crash (a killed process) is cut off before the next append.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any, Mapping
+
+
+def write_all(fd: int, data: Any) -> int:
+    """Write all of ``data`` (any buffer) to ``fd``; return the byte count or raise OSError."""
+    view = memoryview(data).cast("B")
+    total = len(view)
+    while view:
+        n = os.write(fd, view)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, "write wrote nothing (disk full?)")
+        view = view[n:]
+    return total
+
+
+def pwrite_all(fd: int, data: Any, offset: int) -> int:
+    """Write all of ``data`` at ``offset`` (positional, thread-safe on one fd)."""
+    view = memoryview(data).cast("B")
+    total = len(view)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, "pwrite wrote nothing (disk full?)")
+        view, offset = view[n:], offset + n
+    return total
+
+
+def write_atomic(path: str | os.PathLike, data: bytes, *, mode: int = 0o644, fsync: bool = True) -> None:
+    """Replace ``path`` with ``data``: temp file in the same directory, fsync, rename.
+
+    A reader sees the old file or the whole new one; on any error (disk full, failed
+    fsync) the temporary is removed and the old file is left as it was.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        try:
+            write_all(fd, data)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        if os.path.getsize(tmp) != len(data):  # belt and braces: what is on disk is all of it
+            raise OSError(errno.EIO, f"{tmp}: {os.path.getsize(tmp)} bytes on disk, {len(data)} written")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path: str | os.PathLike, text: str, *, fsync: bool = False, mode: int = 0o644) -> None:
+    """Replace a small text file (status, progress, parameters) so a reader never sees half of it."""
+    write_atomic(path, text.encode("utf-8"), fsync=fsync, mode=mode)
+
+
+def file_sha256(path: str | os.PathLike) -> tuple[int, str]:
+    """(size, sha256) of a file, read in 8 MiB blocks."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(8 << 20)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            h.update(view[:n])
+            size += n
+    return size, h.hexdigest()
+
+
+def _cut_torn_tail(fd: int, size: int) -> int:
+    """If the file does not end with a newline (a writer was killed mid-line), cut the torn
+    line off; return the new size. Only called under the file's flock."""
+    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+        return size
+    start = max(0, size - (1 << 20))
+    while True:
+        chunk = os.pread(fd, size - start, start)
+        nl = chunk.rfind(b"\n")
+        if nl >= 0 or start == 0:
+            keep = start + nl + 1 if nl >= 0 else 0
+            os.ftruncate(fd, keep)
+            return keep
+        start = max(0, start - (1 << 20))
+
+
+def append_line(path: str | os.PathLike, line: bytes, *, mode: int = 0o644, fsync: bool = False) -> None:
+    """Append one complete line (ending in b"\\n") to ``path``, whole or not at all."""
+    if not line.endswith(b"\n"):
+        raise ValueError("append_line needs a complete line")
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, mode)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        size = _cut_torn_tail(fd, os.fstat(fd).st_size)
+        try:
+            write_all(fd, line)
+            if fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.ftruncate(fd, size)  # no torn line: the log is as it was before this append
+            raise
+    finally:
+        os.close(fd)
+
+
+class JsonLog:
+    """An append-only JSON-lines log shared by processes (one whole line per record).
+
+    ``append`` serializes with sorted keys; records must be JSON-serializable (``default``
+    turns anything else into a string, e.g. paths in a ledger).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, mode: int = 0o644, fsync: bool = False):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.mode, self.fsync = mode, fsync
+        self._lock = threading.Lock()
+
+    def append(self, record: Mapping[str, Any]) -> None:
+        line = (json.dumps(record, separators=(",", ":"), sort_keys=True, default=str) + "\n").encode()
+        with self._lock:
+            append_line(self.path, line, mode=self.mode, fsync=self.fsync)
+
+
+def read_jsonl(path: str | os.PathLike, *, strict: bool = True) -> list[dict[str, Any]]:
+    """The records of an append-only JSON-lines log ([] if it does not exist).
+
+    A torn last line (a crash mid-append; the next append cuts it) is ignored. A bad line
+    elsewhere raises ValueError naming the file and line, unless ``strict`` is false
+    (then it is skipped).
+    """
+    path = Path(path)
+    if not path.exists():
+        return []
+    records = []
+    lines = path.read_bytes().split(b"\n")
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+        except ValueError:
+            if n >= len(lines) - 1 or not strict:
+                continue
+            raise ValueError(f"{path}:{n}: unreadable line; it was not written by hs_patch") from None
+        if isinstance(rec, dict):
+            records.append(rec)
+        elif strict:
+            raise ValueError(f"{path}:{n}: not a JSON object; it was not written by hs_patch")
+    return records
