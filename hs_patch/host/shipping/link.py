@@ -27,7 +27,7 @@ from typing import Any
 INCOMING = ".incoming"
 REMOTE_SOURCE = (Path(__file__).parent / "at_destination.py").read_text()
 # rsync exit codes after which verification decides per file: 0 ok, 23 some files not
-# transferred, 24 some source files vanished (superseded or removed while queued).
+# transferred, 24 some source files vanished (removed while queued).
 RSYNC_PER_FILE = {0, 23, 24}
 IO_TIMEOUT = 120  # seconds without I/O before rsync gives up on a stalled link
 
