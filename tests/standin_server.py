@@ -89,7 +89,7 @@ class BadRequest(ValueError):
 class Engine:
     """Tokenizer, model, patched forward + capture hook, and a prefill scheduler thread."""
 
-    def __init__(self, model_dir: str, capture_dir: str, *, release: str = RELEASE_DEFAULT,
+    def __init__(self, model_dir: str, capture_dir: Optional[str], *, release: str = RELEASE_DEFAULT,
                  wheel: Optional[str] = None, chunked_prefill_size: int = 8192, batch_window_ms: float = 5.0,
                  context_length: Optional[int] = None, installed: bool = False):
         from transformers import AutoTokenizer, DeepseekV3ForCausalLM
@@ -119,7 +119,8 @@ class Engine:
             source = apply_edits(RELEASES[release], (site / TARGET).read_text())
         aux = load_aux_module(site) if release == "0.5.23" else None
         n = cfg.num_hidden_layers
-        env = dict(os.environ, HS_CAPTURE="1", HS_CAPTURE_DIR=str(Path(capture_dir).resolve()))
+        env = dict(os.environ, HS_CAPTURE="1" if capture_dir else "0",
+                   HS_CAPTURE_DIR=str(Path(capture_dir or "/nonexistent").resolve()))
         env.setdefault("HS_CAPTURE_LAYERS", ",".join(map(str, sorted({1, n // 2, n - 1}))))
         cap = capture_config.from_env(env)
         cap.check_layers(n)
@@ -130,7 +131,8 @@ class Engine:
             cap = dataclasses.replace(cap, slot_tokens=self.chunk)
         meta = {"sglang_release": f"{release} (stand-in)", "model_type": str(cfg.model_type),
                 "model": self.model_dir, "architecture": ",".join(cfg.architectures or []), "tp_size": "1"}
-        self.hook = capture_hook.CaptureHook(cap, hidden_size=int(cfg.hidden_size), metadata=meta)
+        self.hook = capture_hook.CaptureHook(cap, hidden_size=int(cfg.hidden_size), metadata=meta) \
+            if capture_dir else None  # no capture dir: a pristine-behaving server (the patched forward, no hook)
         self.capture = cap
         self.refs: dict[str, Any] = {}
         self.sim = Sim(release, source, self.model, self.refs, hook=self.hook, aux_module=aux)
@@ -166,11 +168,13 @@ class Engine:
         return {"version": self.release, "standin": True, "disable_radix_cache": True,
                 "chunked_prefill_size": self.chunk, "tp_size": 1, "dp_size": 1, "pp_size": 1,
                 "context_length": self.context_length, "model_path": self.model_dir,
-                "hs_capture_dir": self.capture.directory, "hs_capture_layers": list(self.capture.layers),
+                "hs_capture_dir": self.capture.directory if self.hook else None,
+                "hs_capture_layers": list(self.capture.layers) if self.hook else None,
                 "passes": self.passes}
 
     def close(self) -> None:
-        self.hook.close()
+        if self.hook is not None:
+            self.hook.close()
         self._site.cleanup()
 
     # ------------------------------------------------------------------ prefill scheduler
@@ -403,10 +407,15 @@ def main(argv: Optional[list[str]] = None) -> None:
                     "prefilled together (default: %(default)s)")
     ap.add_argument("--context-length", type=int, help="default: the model's max_position_embeddings")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: %(default)s)")
+    ap.add_argument("--accept-sglang-flags", action="store_true", help="accept and ignore SGLang's own server "
+                    "flags (the GPU proof scripts' command line), and serve without capture when HS_CAPTURE is "
+                    "not 1 (a pristine stand-in)")
     a, ignored = ap.parse_known_args(argv)
-    if ignored and not a.installed_sglang:
+    if ignored and not (a.installed_sglang or a.accept_sglang_flags):
         ap.error(f"unrecognized arguments: {' '.join(ignored)}")
-    if not a.capture_dir:
+    if a.accept_sglang_flags and os.environ.get("HS_CAPTURE") != "1":
+        a.capture_dir = None
+    elif not a.capture_dir:
         ap.error("--capture-dir or HS_CAPTURE_DIR is required")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s standin %(levelname)s %(message)s")
     torch.set_num_threads(a.threads)

@@ -68,18 +68,22 @@ class Server:
     allocated, so the next server on the same GPU can size its own from what is left.
     """
 
+    # what starts a server; tests/test_gpu_scripts.py puts the CPU stand-in here to rehearse the scripts
+    LAUNCHER = [sys.executable, "-m", "sglang.launch_server"]
+
     def __init__(self, name: str, model: str, port: int, chunk: int, capture: dict | None, extra: list[str],
                  first_on_path: str | None = None, mem_fraction: float = 0.5, tp_size: int = 1):
         env = {k: v for k, v in os.environ.items() if not k.startswith("HS_CAPTURE")}
         env["PYTHONPATH"] = ":".join(p for p in (first_on_path, str(ROOT), env.get("PYTHONPATH")) if p)
         env.update(capture or {})
+        self.env = env
         self.name, self.url, self.t0 = name, f"http://127.0.0.1:{port}", time.time()
         self.log_path = REC.logs / f"server-{name}.log"
         # which sglang this server imports (find_spec of a top-level package imports nothing)
         probe = "import importlib.util as u; print(u.find_spec('sglang').submodule_search_locations[0])"
         self.sglang_dir = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
                                          text=True).stdout.strip()
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1",
+        cmd = [*self.LAUNCHER, "--model-path", model, "--host", "127.0.0.1",
                "--port", str(port), "--tp-size", str(tp_size), "--attention-backend", "triton",
                "--sampling-backend", "pytorch", "--disable-radix-cache", "--disable-prefill-cuda-graph",
                "--disable-decode-cuda-graph", "--mem-fraction-static", str(mem_fraction), "--random-seed", "0",

@@ -17,15 +17,19 @@ output in bench/RESULTS.md). In one run it:
    - SGLang's own ``return_hidden_states`` for the same request (must be identical);
    - ``lm_head`` on the dumped final state at the last prompt position against the
      token SGLang generated first (must match for every request);
-4. throughput (``tests/gpu/throughput.py``): prefill tokens/s for PROMPTS x TOKENS on a
+4. extraction (``tests/gpu/extract.py``): what a user runs, side by side on the same
+   prompts: pristine SGLang with a plain client, the capturing server with the same
+   client (until every sample is written), and the capturing server driven by
+   ``hs-extract drive`` (until every sample is adopted);
+5. throughput (``tests/gpu/throughput.py``): prefill tokens/s for PROMPTS x TOKENS on a
    TP_LAYERS-deep model, side by side: pristine SGLang (a reverted copy of the package first
    on its PYTHONPATH), patched with capture off, patched with capture on, three servers up
    at once on the one GPU, each round sending the same prompts to each in rotating order;
    ratios within each round, median over REPS rounds; the cost per captured layer against
    one layer's compute and the projection for Kimi-K2.5 (from a copy micro-benchmark);
-5. writes everything as JSON under --out as it goes and prints a table last.
+6. writes everything as JSON under --out as it goes and prints a table last.
 
-usage: python3 tests/gpu/proof.py --site /tmp/site --out "$OUT" [--phases fidelity,throughput]
+usage: python3 tests/gpu/proof.py --site /tmp/site --out "$OUT" [--phases fidelity,extract,throughput,micro]
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ sys.path[:0] = [str(HERE.parents[1]), str(HERE.parent), str(HERE)]
 import torch  # noqa: E402
 
 from common import REC, Server, hs_patch_cli, wait_for_samples  # noqa: E402
+from extract import extraction, summarize_extraction  # noqa: E402
 from hs_patch import reader, store  # noqa: E402
 from throughput import copy_microbench, projection, summarize, throughput  # noqa: E402
 
@@ -101,8 +106,7 @@ def fidelity(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
         server.stop()
     REC.save()
 
-    partial = store.superseded(dump)  # first parts of the chunked prompts
-    samples = {s.key: s for s in reader.iter_samples(dump) if s.key not in partial}
+    samples = {s.key: s for s in reader.iter_samples(dump)}
     res["samples"] = len(samples)
     res["foreign_samples"] = len(samples) - len(prompts) - len(solo)  # SGLang's own warmup request
     res["inspect_clean"] = reader.check_dir(dump).clean
@@ -191,7 +195,8 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu-proof-out"), help="results directory")
     ap.add_argument("--work", default="/tmp/hs-proof", help="models and logs")
     ap.add_argument("--dump-root", default="/dev/shm/hs-proof", help="capture directories (tmpfs, as in production)")
-    ap.add_argument("--phases", default="fidelity,throughput,micro", help="any of fidelity,throughput,micro")
+    ap.add_argument("--phases", default="fidelity,throughput,micro",
+                    help="any of fidelity,extract,throughput,micro")
     ap.add_argument("--hidden", default="1024", help="comma-separated hidden sizes to run, e.g. 1024,7168")
     ap.add_argument("--layers", type=int, default=4, help="model depth for the fidelity run")
     ap.add_argument("--tp-layers", type=int, default=61, help="model depth for the throughput runs (Kimi: 61)")
@@ -204,6 +209,11 @@ def main() -> int:
     ap.add_argument("--on", action="append", default=None, metavar="NAME[:HS_CAPTURE_X=V,...]",
                     help="a capturing server for the throughput run (repeatable; default: one with the "
                          "product defaults), e.g. --on on --on w8:HS_CAPTURE_WRITERS=8")
+    ap.add_argument("--concurrency", type=int, default=32, help="requests in flight in the extract phase "
+                    "(plain client and hs-extract drive --concurrency)")
+    ap.add_argument("--long-prompts", type=int, default=0, help="extract phase: this many of the prompts are "
+                    "--long-tokens long (prefilled in several chunks)")
+    ap.add_argument("--long-tokens", type=int, default=16384)
     ap.add_argument("--mem-fraction", type=float, default=0.45,
                     help="--mem-fraction-static of each throughput server (of the memory free at its start)")
     ap.add_argument("--tp-size", type=int, default=1,
@@ -237,6 +247,9 @@ def main() -> int:
                 f = fidelity(a, model(a, h, a.layers), tag)
                 REC.log(f"{tag} fidelity: envelope ok={f['all_within_envelope']} rhs identical="
                         f"{f['return_hidden_states_identical']} lm_head {f['lm_head_match']}")
+            if "extract" in phases:
+                extraction(a, model(a, h, a.tp_layers, a.tp_preset),
+                           f"{tag}_l{a.tp_layers}_{a.tp_preset}_c{a.chunk}_long{a.long_prompts}")
             if "throughput" in phases:
                 throughput(a, model(a, h, a.tp_layers, a.tp_preset), f"{tag}_l{a.tp_layers}_{a.tp_preset}")
             if "micro" in phases:
@@ -273,6 +286,8 @@ def summary(r: dict) -> None:
                   f"{f['lm_head_match']}; chunked sample reassembled: {f['chunked_reassembled']}")
         if k.startswith("throughput_") and "ratio_on" in f:
             summarize(k, f)
+        if k.startswith("extract_") and "ratios" in f:
+            summarize_extraction(k, f)
         if k.startswith("micro_"):
             print(f"\n{k}: clone {f['clone_ms']:.3f} ms ({f['clone_GBps']:.0f} GB/s), "
                   f"D2H {f['d2h_ms_side_stream']:.3f} ms ({f['d2h_GBps']:.0f} GB/s) for {f['tokens']}x{f['hidden']} bf16")

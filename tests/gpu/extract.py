@@ -1,0 +1,158 @@
+"""Extraction part of the GPU proof: what a user runs, side by side with pristine SGLang.
+
+Three rows on the same prompts, in an order that rotates by round, two servers up at once
+on the one GPU (pristine, and patched with capture on):
+
+- ``pristine``: pristine SGLang, a plain concurrent ``/generate`` client (max_new_tokens 1);
+- ``capture``: the capturing server, the same plain client, timed until every sample is
+  in the capture manifest (hook + writer);
+- ``driver``: the capturing server driven by ``hs-extract drive --concurrency N`` on a
+  pre-tokenized dataset of the same prompts (intents, hook + writer, adopt, manifests),
+  timed from its first ``sent`` to its last ``done`` ledger event (``active``; the
+  process's whole wall time, with imports and the tokenizer load, is reported too).
+
+``--long-prompts K --long-tokens T`` makes K of the prompts T tokens long, so with a small
+``--chunk`` they are prefilled in many passes (the merge cost that format 1 paid).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from common import REC, ROOT, Server, hs_patch_cli, pristine_copy, wait_for_samples
+
+from hs_patch import store
+
+ROWS = ("pristine", "capture", "driver")
+
+
+def _plain(server: Server, prompts: list[list[int]], concurrency: int, tag: str) -> float:
+    t = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(server.generate, prompts, [f"{tag}-{i}" for i in range(len(prompts))]))
+    return time.perf_counter() - t
+
+
+def _drive(a: argparse.Namespace, server: Server, model_dir: str, dump: Path, prompts: list[list[int]],
+           rnd: int, tag: str) -> dict:
+    work = Path(a.work) / f"extract-{tag}-r{rnd}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    data = work / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts))
+    samples = Path(a.dump_root) / f"samples-{tag}-r{rnd}"
+    cmd = [sys.executable, "-m", "hs_patch.host.extract_cli", "drive", "--run", f"proof-{tag}-r{rnd}",
+           "--data", str(data), "--model", model_dir, "--server", server.url, "--capture-dir", str(dump),
+           "--state-dir", str(work / "state"), "--samples-dir", str(samples), "--concurrency", str(a.concurrency),
+           "--max-tokens", str(max(len(p) for p in prompts)), "--raw-timeout", "600", "--server-wait", "120"]
+    t = time.perf_counter()
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=server.env)
+    wall = time.perf_counter() - t
+    ledger = [json.loads(x) for x in (work / "state" / "ledger.jsonl").read_text().splitlines() if x.strip()]
+    sent = [e["t"] for e in ledger if e["event"] == "sent"]
+    done = [e["t"] for e in ledger if e["event"] == "done"]
+    res = {"exit_code": out.returncode, "wall_s": round(wall, 2), "done": len(done),
+           "active_s": round(max(done) - min(sent), 3) if done and sent else None,
+           "stderr_tail": out.stderr[-2000:] if out.returncode else ""}
+    if out.returncode or len(done) != len(prompts):
+        raise RuntimeError(f"hs-extract drive: exit {out.returncode}, {len(done)}/{len(prompts)} done:\n"
+                           f"{out.stderr[-3000:]}\n{out.stdout[-1000:]}")
+    res["samples_clean"] = bool(store.read_manifest(samples)) and len(store.read_manifest(samples)) == len(prompts)
+    shutil.rmtree(samples, ignore_errors=True)
+    return res
+
+
+def extraction(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
+    cfg = json.loads(Path(model_dir, "config.json").read_text())
+    n_layers, hidden = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
+    layers = sorted({2, n_layers // 2, n_layers - 2} & set(range(n_layers)))  # 16 layers: 2, 8, 14
+    longest = max(a.tokens, a.long_tokens if a.long_prompts else 0)
+    kv_tokens = a.concurrency * longest + a.chunk
+    res: dict = {"model": model_dir, "layers": n_layers, "hidden": hidden, "prompts": a.prompts, "tokens": a.tokens,
+                 "long_prompts": a.long_prompts, "long_tokens": a.long_tokens, "concurrency": a.concurrency,
+                 "chunked_prefill_size": a.chunk, "capture_layers": layers, "capture_final": "pre",
+                 "rounds": a.reps, "order": [], **{r: {"tok_s": []} for r in ROWS}}
+    REC.data[f"extract_{tag}"] = res
+    st = hs_patch_cli("apply", "--site", a.site)
+    assert st["exit_code"] == 0 and st["state"] == "patched", st
+    pristine = pristine_copy(a.site, Path(a.work) / "pristine-site")
+    dump = Path(a.dump_root) / f"dump-extract-{tag}"
+    shutil.rmtree(dump, ignore_errors=True)
+    capture = {"HS_CAPTURE": "1", "HS_CAPTURE_DIR": str(dump), "HS_CAPTURE_FINAL": "pre",
+               "HS_CAPTURE_LAYERS": ",".join(map(str, layers))}
+    extra = ["--sleep-on-idle", "--max-total-tokens", str(kv_tokens)]
+    servers: dict[str, Server] = {}
+    try:
+        servers["pristine"] = Server(f"ex-{tag}-pristine", model_dir, a.port + 1, a.chunk, None, extra,
+                                     first_on_path=str(pristine), mem_fraction=a.mem_fraction, tp_size=a.tp_size)
+        servers["pristine"].wait_memory()
+        servers["capture"] = Server(f"ex-{tag}-capture", model_dir, a.port + 2, a.chunk, capture, extra,
+                                    mem_fraction=a.mem_fraction, tp_size=a.tp_size)
+        for s in servers.values():
+            s.wait_ready()
+        rng = random.Random(13)
+        for rnd in range(a.reps + 1):  # round 0 warms up
+            order = list(ROWS[rnd % 3:] + ROWS[:rnd % 3])
+            lengths = [a.long_tokens] * a.long_prompts + [a.tokens] * (a.prompts - a.long_prompts)
+            rng.shuffle(lengths)
+            prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
+            total = sum(lengths)
+            secs = {}
+            for row in order:
+                if row == "pristine":
+                    secs[row] = _plain(servers["pristine"], prompts, a.concurrency, f"ex-{rnd}-p")
+                elif row == "capture":
+                    t = time.perf_counter()
+                    _plain(servers["capture"], prompts, a.concurrency, f"ex-{rnd}-c")
+                    wait_for_samples(dump, {store.sample_key(p) for p in prompts}, timeout=600)
+                    secs[row] = time.perf_counter() - t
+                    for f in dump.glob("*.safetensors"):  # keep /dev/shm small between rows
+                        f.unlink()
+                else:
+                    d = _drive(a, servers["capture"], model_dir, dump, prompts, rnd, tag)
+                    secs[row] = d["active_s"]
+                    res["driver"].setdefault("runs", []).append(d)
+            if rnd:
+                res["order"].append(order)
+                for row in ROWS:
+                    res[row]["tok_s"].append(total / secs[row])
+            REC.log(f"extract {tag} round {rnd} ({'warm-up, ' if not rnd else ''}order {','.join(order)}): "
+                    + ", ".join(f"{r} {total / secs[r]:.0f}" for r in ROWS) + " tok/s")
+            REC.save()
+        hook = dump / "hook_status.json"
+        res["hook_status"] = json.loads(hook.read_text()) if hook.exists() else None
+    finally:
+        for s in servers.values():
+            s.stop()
+        shutil.rmtree(dump, ignore_errors=True)
+    per_round = {f"{r}/pristine": [x / y for x, y in zip(res[r]["tok_s"], res["pristine"]["tok_s"])]
+                 for r in ("capture", "driver")}
+    res["ratios_per_round"] = per_round
+    res["ratios"] = {k: statistics.median(v) for k, v in per_round.items()}
+    driver_wall = [total_s["wall_s"] for total_s in res["driver"].get("runs", [])[1:]]
+    res["driver_wall_s"] = driver_wall
+    for r in ROWS:
+        res[r]["median_tok_s"] = statistics.median(res[r]["tok_s"])
+    REC.save()
+    return res
+
+
+def summarize_extraction(k: str, f: dict) -> None:
+    print(f"\n{k}: {f['layers']} layers, hidden {f['hidden']}, {f['prompts']} prompts x {f['tokens']} tokens "
+          f"({f['long_prompts']} of {f['long_tokens']}), chunk {f['chunked_prefill_size']}, concurrency "
+          f"{f['concurrency']}, layers {f['capture_layers']} + final, {f['rounds']} rounds (tok/s)")
+    for r in ROWS:
+        print(f"  {r:10}{f[r]['median_tok_s']:12.0f}  {[round(x) for x in f[r]['tok_s']]}")
+    for name, xs in f["ratios_per_round"].items():
+        print(f"  {name:18}{statistics.median(xs):7.3f}  rounds {[round(x, 3) for x in xs]}")
+    print(f"  hs-extract drive whole-process wall times (imports, tokenizer, health check included): "
+          f"{f['driver_wall_s']} s")

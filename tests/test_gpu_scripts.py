@@ -1,0 +1,62 @@
+"""The GPU proof's extraction phase, rehearsed on the CPU against stand-in servers.
+
+CI has no GPU, so tests/gpu/ runs only by hand; this runs its extraction code path (two
+servers, three rows in rotating order, a real ``hs-extract drive`` subprocess per round)
+with the stand-in server as the launcher, so a broken script is found here, not on the
+lent machine. It checks the mechanics, not the speeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+
+import common  # noqa: E402
+import extract  # noqa: E402
+
+
+def free_port_block(n: int) -> int:
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n < 65000 and all(_free(base + i) for i in range(n)):
+            return base
+    raise RuntimeError("no free port block")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+@pytest.mark.slow
+def test_extraction_phase_runs_end_to_end_on_standins(release_sources, tiny_model_dir, tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    shutil.copytree(release_sources["0.5.16"], site)
+    monkeypatch.setattr(common.Server, "LAUNCHER", [sys.executable, str(ROOT / "tests/standin_server.py"),
+                                                   "--accept-sglang-flags", "--release", "0.5.16", "--threads", "1"])
+    common.REC.out, common.REC.logs = tmp_path / "out", tmp_path / "logs"
+    common.REC.out.mkdir()
+    common.REC.logs.mkdir()
+    a = argparse.Namespace(site=str(site), work=str(tmp_path / "work"), dump_root=str(tmp_path / "dumps"),
+                           prompts=5, tokens=40, long_prompts=1, long_tokens=150, concurrency=3, chunk=64, reps=1,
+                           port=free_port_block(4) - 1, mem_fraction=0.3, tp_size=1)
+    res = extract.extraction(a, str(tiny_model_dir), "cpu")
+    assert [len(res[r]["tok_s"]) for r in extract.ROWS] == [1, 1, 1]
+    assert all(run["exit_code"] == 0 and run["done"] == 5 and run["samples_clean"] for run in res["driver"]["runs"])
+    assert set(res["ratios"]) == {"capture/pristine", "driver/pristine"}
+    assert res["hook_status"]["errors"] == 0 and res["hook_status"]["with_intent"] > 0
+    extract.summarize_extraction("extract_cpu", res)
