@@ -89,7 +89,7 @@ class _Slot:
 
     def plane(self, idx: int, like: torch.Tensor, tokens: int) -> torch.Tensor:
         """Plane ``idx``'s first ``tokens`` rows, viewed with ``like``'s dtype."""
-        if like.element_size() != self.itemsize or like.shape[1] != self.hidden:
+        if like.element_size() > self.itemsize or like.shape[1] != self.hidden:
             raise RuntimeError(f"hs_patch: a captured state is {like.dtype} x {like.shape[1]}, the staging buffers "
                                f"were sized for {self.itemsize}-byte values x {self.hidden} (the model's dtype at "
                                "startup); please report this with the server's --dtype and quantization flags")
