@@ -112,3 +112,16 @@ def test_hs_patch_check_args_exits_2_with_the_reasons(capsys):
     out = capsys.readouterr().out
     assert code == patch_cli.EXIT_REFUSED and "--enable-pdmux" in out
     assert patch_cli.main(["check-args", "--release", "0.5.9", "--", "--disable-radix-cache"]) == 0
+
+
+def test_staging_memory_is_on_the_host_even_inside_a_device_context(tmp_path):
+    """SGLang builds the model inside `with torch.device("cuda")`: the slots must still be host memory."""
+    import torch
+
+    with torch.device("meta"):
+        h = hook.CaptureHook(cfg(directory=str(tmp_path), layers=(0,), final="pre", slot_tokens=8),
+                             hidden_size=4, metadata={})
+    slot = h._free.get()
+    assert slot.ids.device.type == "cpu" and all(r.device.type == "cpu" for r in slot._raw)
+    h._free.put(slot)
+    h.close()

@@ -82,9 +82,10 @@ class _Slot:
 
     def __init__(self, capacity: int, nplanes: int, hidden: int, itemsize: int, pinned: bool):
         self.capacity, self.hidden, self.itemsize = capacity, hidden, itemsize
-        self.ids = torch.empty(capacity, dtype=torch.int64, pin_memory=pinned)
-        self.lens = torch.empty(capacity, dtype=torch.int32, pin_memory=pinned)
-        self._raw = [torch.empty(capacity * hidden * itemsize, dtype=torch.uint8, pin_memory=pinned)
+        # device="cpu" always: SGLang builds the model inside `with torch.device("cuda")`
+        self.ids = torch.empty(capacity, dtype=torch.int64, device="cpu", pin_memory=pinned)
+        self.lens = torch.empty(capacity, dtype=torch.int32, device="cpu", pin_memory=pinned)
+        self._raw = [torch.empty(capacity * hidden * itemsize, dtype=torch.uint8, device="cpu", pin_memory=pinned)
                      for _ in range(nplanes)]
 
     def plane(self, idx: int, like: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -113,7 +114,7 @@ class CaptureHook:
         if cfg.slot_tokens < 1:
             raise capture_config.ConfigError("HS_CAPTURE_SLOT_TOKENS must be >= 1 (or unset: the server's "
                                              "--chunked-prefill-size)")
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = torch.empty((), dtype=dtype, device="cpu").element_size()
         for _ in range(cfg.slots):  # all staging memory now: never an allocation on the forward path
             self._free.put(_Slot(cfg.slot_tokens, len(self.planes), hidden_size, itemsize, pinned))
         self._streams: dict[Any, torch.cuda.Stream] = {}
@@ -263,7 +264,7 @@ class _Pass:
         """Copy the token ids and each request's whole prompt length (device tensors on a GPU)."""
         dst, lens = self.slot.ids[: self.tokens], self.slot.lens[: len(self.seq_lens)]
         if not isinstance(full, torch.Tensor):
-            full = torch.tensor(list(full), dtype=torch.int32)
+            full = torch.tensor(list(full), dtype=torch.int32, device="cpu")
         if ids.is_cuda:
             self.cuda = ids.device
             stream = self.hook.stream(ids.device)
