@@ -179,6 +179,12 @@ class LazySample:
             raise SampleError(f"{self.path}: no tensor {name!r} (it has {sorted(self._names)})")
         return self._f.get_tensor(name)
 
+    def rows(self, name: str, start: int, stop: int) -> "torch.Tensor":
+        """Rows [start, stop) of a plane, reading only those bytes."""
+        if name not in self._names:
+            raise SampleError(f"{self.path}: no tensor {name!r} (it has {sorted(self._names)})")
+        return self._f.get_slice(name)[start:stop]
+
     def close(self) -> None:
         self._f.__exit__(None, None, None)
 
