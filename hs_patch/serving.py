@@ -61,9 +61,11 @@ def rule(release: str) -> ServingRule:
     return r
 
 
-def layers_to_capture(release: str, ids: Sequence[int] | None, num_layers: int) -> list[int]:
+def layers_to_capture(release: str, ids: Sequence[int] | None, num_layers: int | None) -> list[int]:
     """What ``set_eagle3_layers_to_capture(ids)`` of ``release`` sets (eager passes)."""
     if ids is None:
+        if num_layers is None:
+            raise ValueError("the default layers depend on num_hidden_layers")
         return default_layers(num_layers)
     ids = list(ids)
     if rule(release).plus_one == "always" or (ids and ids[0] == 1):
@@ -71,11 +73,12 @@ def layers_to_capture(release: str, ids: Sequence[int] | None, num_layers: int) 
     return ids
 
 
-def eagle_ids(release: str, planes: Sequence[int], num_layers: int, architecture: str = "",
+def eagle_ids(release: str, planes: Sequence[int], num_layers: int | None, architecture: str = "",
               *, cuda_graph: bool = True) -> list[int]:
     """The ``eagle_aux_hidden_state_layer_ids`` that make ``release`` feed our ``layer.<p>`` planes.
 
-    Raises :class:`NotServable` saying why when no list does.
+    Raises :class:`NotServable` saying why when no list does. Without ``num_layers`` the
+    checks that need it (range, 0.5.9's CUDA-graph default layers) are skipped.
     """
     r = rule(release)
     planes = list(planes)
@@ -83,11 +86,11 @@ def eagle_ids(release: str, planes: Sequence[int], num_layers: int, architecture
         raise NotServable(f"SGLang {r.release} cannot serve an EAGLE-3 drafter on Kimi-K2.5: its {KIMI_K25} has no "
                           "set_eagle3_layers_to_capture (0.5.14 and later delegate it to the language model); "
                           "serve on 0.5.16 or 0.5.23")
-    bad = [p for p in planes if not 0 < p < num_layers]
-    if bad or planes != sorted(set(planes)):
-        raise NotServable(f"planes {planes}: SGLang feeds the inputs of layers 1..{num_layers - 1}, ascending and "
-                          "distinct (layer.0, the embedding, and the final state are never fed)")
-    if r.graphs_use_default and cuda_graph and planes != default_layers(num_layers):
+    bad = [p for p in planes if not 0 < p < (num_layers or p + 1)]
+    if bad or not planes or planes != sorted(set(planes)):
+        raise NotServable(f"planes {planes}: SGLang feeds the inputs of layers 1..n-1, ascending and distinct "
+                          "(layer.0, the embedding, and the final state are never fed)")
+    if num_layers and r.graphs_use_default and cuda_graph and planes != default_layers(num_layers):
         raise NotServable(f"SGLang {r.release} feeds its CUDA-graph decode/verify passes the default layers "
                           f"{default_layers(num_layers)} whatever the drafter config says, but these samples hold "
                           f"{planes}: capture layers {default_layers(num_layers)}, or serve with --disable-cuda-graph")
@@ -98,7 +101,7 @@ def eagle_ids(release: str, planes: Sequence[int], num_layers: int, architecture
                       "other is used as it is, so layer.1 cannot lead; capture another first layer")
 
 
-def serving_table(planes: Sequence[int], num_layers: int, architecture: str = "") -> dict[str, dict[str, object]]:
+def serving_table(planes: Sequence[int], num_layers: int | None, architecture: str = "") -> dict[str, dict[str, object]]:
     """Per known release: the ids that serve these planes, or why none does."""
     out: dict[str, dict[str, object]] = {}
     for release in SERVING_RULES:
