@@ -138,6 +138,12 @@ def export(src: str | Path, dst: str | Path, spec: ExportSpec, *, workers: int =
     with reader.open_sample(src / first["file"]) as s:
         meta = dict(s.metadata)
     spec = resolve(spec, meta)
+    if spec.format == "speculators":
+        try:
+            import datasets  # noqa: F401  (the table is written last: refuse before any work)
+        except ImportError:
+            raise ExportRefused("--format speculators writes its table with the datasets package: "
+                                "pip install 'hs-patch[export]'") from None
     lock = layout.ExportLock(dst)
     try:
         prev = layout.read_info(dst)
