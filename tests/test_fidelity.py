@@ -164,3 +164,22 @@ def test_k_consecutive_mismatches_stop_with_a_diagnosis():
     msg = fresh.observe(Check("c" * 32, "last", checked=1, mismatches=1),
                         {"sglang_release": "0.5.9", "tp_size": "8"})
     assert "partial sum" in msg and "not the served model" in msg
+
+
+def test_dashboard_shows_the_fidelity_counts_and_the_last_rejection():
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from hs_patch.control.dashboard import render
+
+    mon = FidelityMonitor(max_consecutive=4)
+    mon.observe(Check("a" * 32, "last", checked=1), {})
+    mon.observe(Check("b" * 32, "positions", checked=32, mismatches=30), {})
+    snap = {"run": "r1", "driver": {"state": "running", "samples": {"total": 2, "done": 1},
+                                    "fidelity": mon.status()}}
+    progress = Progress()
+    console = Console(record=True, width=160)
+    console.print(render(snap, "gpu-host", progress, progress.add_task("x")))
+    text = console.export_text()
+    assert "1/2 ok" in text and "1 (1 in a row, stop at 4)" in text
+    assert "sample bbbbbbbbbbbb rejected: 30 of 32 positions" in text
