@@ -387,15 +387,16 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
         raise SampleError(f"{e} (unreadable manifest line)") from None
 
 
-def manifest_records(directory: str | os.PathLike) -> list[dict[str, Any]]:
+def manifest_records(directory: str | os.PathLike, name: str = MANIFEST) -> list[dict[str, Any]]:
     """Every record of a directory's manifest in order (``add`` and ``remove``)."""
-    return read_jsonl(Path(directory) / MANIFEST)
+    return read_jsonl(Path(directory) / name)
 
 
-def read_manifest(directory: str | os.PathLike) -> dict[str, dict[str, Any]]:
-    """The live entries by key (the last ``add`` of a key not removed after it)."""
+def read_manifest(directory: str | os.PathLike, name: str = MANIFEST) -> dict[str, dict[str, Any]]:
+    """The live entries by key (the last ``add`` of a key not removed after it); ``name``
+    reads another log of the same kind (an export's ``export.jsonl``)."""
     entries: dict[str, dict[str, Any]] = {}
-    for rec in manifest_records(directory):
+    for rec in manifest_records(directory, name):
         if rec.get("op") == "add":
             entries[rec["key"]] = rec
         elif rec.get("op") == "remove":

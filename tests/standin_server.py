@@ -18,10 +18,15 @@ patched server:
 - request ids reach the forward batch on releases >= 0.5.10 (so ``nocap-`` rids are not
   captured), not on 0.5.9 (so everything is), as in SGLang.
 
-Endpoints: ``POST /generate`` (``input_ids`` or ``text``, ``sampling_params``, ``rid``;
-answers ``text``, ``output_ids``, ``meta_info`` {id, finish_reason, prompt_tokens,
-completion_tokens, cached_tokens, e2e_latency}); decoding is greedy whatever the
-temperature (the transformers model with its KV cache); 400 with ``{"error": {"message"}}`` for bad input.
+Endpoints: ``POST /generate`` (``input_ids`` or ``text``, ``sampling_params``, ``rid``,
+``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``; answers ``text``,
+``output_ids``, ``meta_info`` {id, finish_reason, prompt_tokens, completion_tokens,
+cached_tokens, e2e_latency, and with return_logprob SGLang's input_token_logprobs,
+input_top_logprobs, output_token_logprobs, output_top_logprobs: ``[logprob, id, null]``
+entries, the first input entry None}); the first token and the logprobs come from the
+bf16 ``lm_head`` over the prefill pass's own output (the same pass the hook dumped), later
+tokens from greedy decoding whatever the temperature (the transformers model with its KV
+cache); 400 with ``{"error": {"message"}}`` for bad input.
 ``GET /health`` and ``/health_generate``: like SGLang, when idle they prefill ``input_ids
 [0]`` with a ``HEALTH_CHECK_`` rid (a capturing server writes it as a sample);
 ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0`` makes ``/health`` answer without it.
@@ -75,11 +80,15 @@ class Request:
     rid: str
     ids: list[int]
     max_new_tokens: int
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
     iid: str = field(default_factory=lambda: uuid.uuid4().hex)
     start: float = field(default_factory=time.time)
     done: threading.Event = field(default_factory=threading.Event)
     result: Optional[dict[str, Any]] = None
     error: Optional[str] = None
+    logprobs: dict[str, list] = field(default_factory=dict)   # SGLang's meta_info logprob fields
 
 
 class BadRequest(ValueError):
@@ -135,6 +144,7 @@ class Engine:
             if capture_dir else None  # no capture dir: a pristine-behaving server (the patched forward, no hook)
         self.capture = cap
         self.refs: dict[str, Any] = {}
+        self.rows: dict[str, list[torch.Tensor]] = {}   # request -> the pass outputs (post-norm) so far
         self.sim = Sim(release, source, self.model, self.refs, hook=self.hook, aux_module=aux)
         self.incoming: "queue.Queue[Request]" = queue.Queue()
         self.decode_q: "queue.Queue[Request]" = queue.Queue()
@@ -234,18 +244,26 @@ class Engine:
                           orig_seq_lens=torch.tensor([len(r.ids) for r, _, _ in parts], dtype=torch.int32))
         try:
             with torch.no_grad():
-                self.sim.forward(fb)
+                out = self.sim.forward(fb)
         except Exception as e:  # noqa: BLE001 - e.g. the capture writer failed: every request in the pass fails
             log.error("prefill pass failed: %s", e)
             for r, _, _ in parts:
                 self._fail(r, e)
                 self.refs.pop(r.iid, None)
+                self.rows.pop(r.iid, None)
             return False
         self.passes += 1
+        row = 0
+        for r, _, n in parts:   # the model's output rows of this pass, per request (same pass as the dump)
+            self.rows.setdefault(r.iid, []).append(out[row:row + n])
+            row += n
         for req in finished:
-            ref = self.refs.pop(req.iid)
-            with torch.no_grad():
-                first = int(self.model.lm_head(ref.post_norm[-1:]).argmax(-1))
+            self.refs.pop(req.iid)
+            states = torch.cat(self.rows.pop(req.iid))
+            with torch.no_grad():   # bf16 logits, as SGLang's logits processor computes them
+                first = int(self.model.lm_head(states[-1:]).argmax(-1))
+                if req.return_logprob:
+                    self._input_logprobs(req, states, first)
             if req.max_new_tokens <= 1 or first == self.model.config.eos_token_id:
                 self._answer(req, [first])
             else:
@@ -270,6 +288,8 @@ class Engine:
                         out = self.model(input_ids=step, use_cache=True, **{cache_arg: past})
                     past = getattr(out, cache_arg)
                     out_ids.append(int(out.logits[0, -1].argmax()))
+                    if req.return_logprob and len(out_ids) > 1:   # the first came from the prefill pass
+                        self._output_logprob(req, out.logits[0, -1], out_ids[-1])
                     step = torch.tensor([[out_ids[-1]]])
                 self._answer(req, out_ids)
             except Exception as e:  # noqa: BLE001
@@ -284,8 +304,37 @@ class Engine:
         req.result = {"text": self.tokenizer.decode(out_ids, skip_special_tokens=True), "output_ids": out_ids,
                       "meta_info": {"id": req.rid, "finish_reason": finish, "prompt_tokens": len(req.ids),
                                     "completion_tokens": len(out_ids), "cached_tokens": 0,
-                                    "e2e_latency": round(time.time() - req.start, 4)}}
+                                    "e2e_latency": round(time.time() - req.start, 4), **req.logprobs}}
         req.done.set()
+
+    # ------------------------------------------------------------------ logprobs (SGLang's meta_info shape)
+    def _top(self, logprobs: torch.Tensor, k: int) -> Optional[list]:
+        if k <= 0:
+            return None
+        v, i = logprobs.topk(k)
+        return [[float(a), int(b), None] for a, b in zip(v, i)]
+
+    def _input_logprobs(self, req: Request, states: torch.Tensor, first: int) -> None:
+        """input_token_logprobs / input_top_logprobs from logprob_start_len on (first entry None, entry j
+        from the logits at position start + j - 1), output_* for the first generated token."""
+        n = len(req.ids)
+        start = n - 1 if req.logprob_start_len < 0 else min(req.logprob_start_len, n - 1)
+        lp = torch.log_softmax(self.model.lm_head(states[start:]).float(), dim=-1)
+        k = req.top_logprobs_num
+        tok = [[None, req.ids[start], None]] + [[float(lp[j - 1, req.ids[start + j]]), req.ids[start + j], None]
+                                               for j in range(1, n - start)]
+        top = [None] + [self._top(lp[j - 1], k) for j in range(1, n - start)]
+        req.logprobs = {"input_token_logprobs": tok, "output_token_logprobs": [], "output_token_logprobs_length": 0}
+        if k > 0:
+            req.logprobs.update(input_top_logprobs=top, output_top_logprobs=[])
+        self._output_logprob(req, lp[-1], first, already_log=True)
+
+    def _output_logprob(self, req: Request, logits: torch.Tensor, token: int, already_log: bool = False) -> None:
+        lp = logits if already_log else torch.log_softmax(logits.float(), dim=-1)
+        req.logprobs["output_token_logprobs"].append([float(lp[token]), token, None])
+        req.logprobs["output_token_logprobs_length"] += 1
+        if req.top_logprobs_num > 0:
+            req.logprobs["output_top_logprobs"].append(self._top(lp, req.top_logprobs_num))
 
     def _fail(self, req: Request, e: BaseException) -> None:
         req.error = f"{type(e).__name__}: {e}"
@@ -311,7 +360,14 @@ class Engine:
                              f"({self.context_length} tokens).")
         max_new = max(1, min(max_new, self.context_length - len(ids)))
         rid = body.get("rid") or uuid.uuid4().hex
-        return Request(str(rid), list(ids), max_new)
+        try:
+            start = int(body.get("logprob_start_len", -1) if body.get("logprob_start_len") is not None else -1)
+            k = int(body.get("top_logprobs_num", 0) or 0)
+        except (TypeError, ValueError):
+            raise BadRequest("logprob_start_len and top_logprobs_num must be integers") from None
+        if start >= len(ids):
+            raise BadRequest(f"logprob_start_len ({start}) is superior or equal to the input length ({len(ids)})")
+        return Request(str(rid), list(ids), max_new, bool(body.get("return_logprob")), start, k)
 
 
 class Handler(BaseHTTPRequestHandler):

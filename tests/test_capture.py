@@ -231,7 +231,7 @@ def test_attach_refuses_unsupported_settings_and_gates_ranks(tiny_model, tmp_pat
     assert hook.attach(None, tiny_model.config, "0.5.16") is None, "only the writing rank captures"
     current.update(settings(tp_rank=0))
     h = hook.attach(None, tiny_model.config, "0.5.16")
-    assert h.planes == ["layer.1", "layer.2", "final.pre_norm"]
+    assert h.planes == ["layer.1", "layer.2", "final.pre_norm", "final.post_norm"]  # default HS_CAPTURE_FINAL=both
     h.close()
     monkeypatch.setenv("HS_CAPTURE_LAYERS", "1,4")
     with pytest.raises(config.ConfigError, match="layers 0..3"):

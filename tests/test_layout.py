@@ -6,8 +6,9 @@
   the forward pass never waits on an import and the server's environment stays SGLang's.
 - ``hs_patch/control/`` (and ``fabfile.py``) runs on the control node: never torch,
   safetensors or transformers (a laptop with Ansible and Fabric only).
-- The shared modules at the top (``store``, ``files``, ``intent``, ``flags``, ``releases``)
-  import only the standard library at module level (``reader`` is shared too: safetensors).
+- The shared modules at the top (``store``, ``files``, ``intent``, ``flags``, ``serving``,
+  ``releases``) import only the standard library at module level (``reader`` is shared too:
+  safetensors).
 - The patch's injected import names a module and function that exist.
 """
 
@@ -25,8 +26,10 @@ from hs_patch.releases import RELEASES
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "hs_patch"
 STDLIB = set(sys.stdlib_module_names)
-SHARED = ("hs_patch.files", "hs_patch.flags", "hs_patch.intent", "hs_patch.releases", "hs_patch.store")
-SERVER_SHARED = {"hs_patch", "hs_patch.files", "hs_patch.flags", "hs_patch.intent", "hs_patch.store"}
+SHARED = ("hs_patch.files", "hs_patch.flags", "hs_patch.intent", "hs_patch.releases", "hs_patch.serving",
+          "hs_patch.store")
+SERVER_SHARED = {"hs_patch", "hs_patch.files", "hs_patch.flags", "hs_patch.intent", "hs_patch.serving",
+                 "hs_patch.store"}
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -54,7 +57,7 @@ def test_subpackages_are_the_places_code_runs():
     for sub in ("server", "host", "host/shipping", "control"):
         assert (PKG / sub / "__init__.py").is_file(), sub
     top = sorted(p.stem for p in PKG.glob("*.py"))
-    assert top == ["__init__", "files", "flags", "intent", "reader", "releases", "store"], \
+    assert top == ["__init__", "files", "flags", "intent", "reader", "releases", "serving", "store"], \
         f"only shared modules at the top: {top}"
 
 

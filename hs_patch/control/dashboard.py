@@ -65,6 +65,11 @@ def render(snap: dict[str, Any], host: str, progress: Progress, task: Any) -> Gr
                   "samples dir", f"{samples.get('used_pct', '-')}% used")
     stats.add_row("server", _state(snap, "sglang") if "sglang" in (snap.get("units") or {}) else "-",
                   "hook waits", f"{hook.get('waits', 0)} ({hook.get('wait_seconds', 0)} s)")
+    fid = d.get("fidelity") or {}   # hs_patch.host.fidelity_policy.FidelityMonitor.status()
+    if fid:
+        stats.add_row("fidelity", f"{fid.get('passed', 0)}/{fid.get('checked', 0)} ok, {fid.get('ties', 0)} ties",
+                      "fid. rejected", f"{fid.get('rejected', 0)} ({fid.get('consecutive_mismatches', 0)} in a row, "
+                      f"stop at {fid.get('max_consecutive', '-')})")
 
     gpus = Table("GPU", "name", "util", "memory", box=None, padding=(0, 1))
     for g in snap.get("gpus") or []:
@@ -74,6 +79,10 @@ def render(snap: dict[str, Any], host: str, progress: Progress, task: Any) -> Gr
     problems = []
     for r in snap.get("rejects") or []:
         problems.append(f"reject {r.get('source', '')}:{r.get('line', '')} {r.get('reason', '')}"[:160])
+    if fid.get("last_mismatch"):
+        m = fid["last_mismatch"]
+        problems.append(f"fidelity: sample {m.get('key', '')[:12]} rejected: {m.get('mismatches')} of "
+                        f"{m.get('checked')} positions disagree with the server's own tokens")
     for who, msg in (("driver", (d.get("errors") or {}).get("last")), ("shipper", ship.get("last_error")),
                      ("hook", hook.get("error"))):
         if msg:

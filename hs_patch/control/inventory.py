@@ -38,8 +38,8 @@ class Target:
     server_port: int = 30000
     model_path: str = "/models/Kimi-K2.5"
     dump_dir: str = "/dev/shm/hs_capture"
-    capture_layers: list[int] = field(default_factory=lambda: [2, 30, 58, 60])
-    capture_final: str = "pre"
+    capture_layers: list[int] = field(default_factory=lambda: [2, 30, 58])
+    capture_final: str = "both"
     gpu_count: int = 8
     gpu_model: str = "NVIDIA RTX PRO 6000 Blackwell"
     ship_enabled: bool = True

@@ -93,9 +93,19 @@ class SGLangClient:
 
     # ------------------------------------------------------------------ endpoints
     def generate(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str,
-                 context: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-        """Native ``/generate`` with token ids, so the server sees exactly these tokens."""
-        body = {"input_ids": input_ids, "sampling_params": sampling_params, "rid": rid, "stream": False}
+                 context: Optional[dict[str, Any]] = None, *, return_logprob: bool = False,
+                 logprob_start_len: Optional[int] = None, top_logprobs_num: int = 0) -> dict[str, Any]:
+        """Native ``/generate`` with token ids, so the server sees exactly these tokens.
+
+        ``return_logprob`` with ``logprob_start_len`` S and ``top_logprobs_num`` K makes
+        SGLang return, from the same pass, its top-K at every position from S on
+        (:func:`server_top1` reads them).
+        """
+        body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params, "rid": rid,
+                                "stream": False}
+        if return_logprob:
+            body.update(return_logprob=True, top_logprobs_num=top_logprobs_num,
+                        logprob_start_len=-1 if logprob_start_len is None else logprob_start_len)
         out = self._request("POST", "/generate", json=body, context=context).json()
         if not isinstance(out, dict) or "meta_info" not in out:
             raise ClientError(f"/generate answered without meta_info: {str(out)[:200]}")
@@ -135,3 +145,37 @@ def _error_message(r: requests.Response) -> str:
         return str(body)[:300]
     except ValueError:
         return r.text[:300]
+
+
+def generated_token(out: dict[str, Any]) -> int:
+    """The first token the server generated (``output_ids``; else ``meta_info.output_token_logprobs``)."""
+    ids = out.get("output_ids")
+    if ids:
+        return int(ids[0])
+    lp = (out.get("meta_info") or {}).get("output_token_logprobs")
+    if lp:
+        return int(lp[0][1])
+    raise ClientError(f"/generate answered without a generated token: {str(out)[:200]}")
+
+
+def server_top1(out: dict[str, Any], num_tokens: int, start: int) -> dict[int, int]:
+    """Position -> the server's top-1 next token there, for positions ``start .. num_tokens-1``.
+
+    SGLang's shape (tokenizer_manager.add_logprob_to_meta_info, logprob_result_processor):
+    ``meta_info.input_top_logprobs`` has one entry per input position from
+    ``logprob_start_len`` on, the first ``None`` and entry j (j >= 1) the top-K of the
+    distribution computed at position ``start + j - 1``, each a list of
+    ``[logprob, token_id, text]`` best first; the last position's is
+    ``output_top_logprobs[0]``.
+    """
+    meta = out.get("meta_info") or {}
+    inp, outp = meta.get("input_top_logprobs"), meta.get("output_top_logprobs")
+    if inp is None or not outp or not outp[0]:
+        raise ClientError("/generate answered without input_top_logprobs/output_top_logprobs: send it with "
+                          "return_logprob, logprob_start_len and top_logprobs_num >= 1")
+    if len(inp) != num_tokens - start:
+        raise ClientError(f"{len(inp)} input_top_logprobs for positions {start}..{num_tokens - 1}: expected "
+                          f"{num_tokens - start} (was logprob_start_len {start} sent?)")
+    top = {start + j - 1: int(entry[0][1]) for j, entry in enumerate(inp) if j >= 1 and entry}
+    top[num_tokens - 1] = int(outp[0][0][1])
+    return top

@@ -2,7 +2,8 @@
 
 Subcommands: ``drive`` (feed a dataset through the server and collect the samples),
 ``ship`` (move finished samples to training storage, verified), ``snapshot`` (one JSON
-view of a run, for the dashboard).
+view of a run, for the dashboard), ``export`` (samples in a trainer's layout),
+``drafter-config`` (the eagle_config a drafter is served with).
 """
 
 from __future__ import annotations
@@ -189,6 +190,18 @@ def build_parser() -> argparse.ArgumentParser:
                        description=snapshot.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     snapshot.add_arguments(n)
     n.set_defaults(func=snapshot.run_args)
+    from hs_patch.host import drafter
+    from hs_patch.host.export import cli as export_cli
+
+    e = sub.add_parser("export", help="export samples for a trainer: SpecForge .ckpt or speculators (bf16/fp8)",
+                       description=export_cli.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    export_cli.add_arguments(e)
+    e.set_defaults(func=export_cli.run_args)
+    c = sub.add_parser("drafter-config", help="the eagle_config that makes an SGLang release feed a drafter the "
+                       "planes it was trained on", description=drafter.DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    drafter.add_arguments(c)
+    c.set_defaults(func=drafter.run_args)
     return p
 
 

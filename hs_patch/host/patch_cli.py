@@ -37,7 +37,7 @@ def _site_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object (for Ansible changed_when)")
 
 
-def _status(site: str | None) -> dict[str, Any]:
+def _status(site: str | None, model: str | None = None) -> dict[str, Any]:
     t = patcher.inspect_target(site)
     try:
         capture: dict[str, Any] = config.from_env().as_dict()
@@ -48,6 +48,7 @@ def _status(site: str | None) -> dict[str, Any]:
             "state": t.state, "site": str(t.site), "files": [t.describe()],
             "backup": str(t.backup) if t.backup.exists() else None, "capture": capture,
             "required_server_flags": REQUIRED_FLAGS.get(release or "", []),
+            "serving": _serving(capture.get("layers"), release or t.installed_version, model),
             "message": f"SGLang {release or t.installed_version or '?'}: {t.state}"}
 
 
@@ -60,6 +61,28 @@ def _check_args(site: str | None, release: str | None, args: list[str]) -> dict[
     return {"action": "check-args", "release": release, "problems": problems, "clean": not problems,
             "message": "server arguments compatible with capture" if not problems else
             "server arguments the capture hook cannot work with:\n  - " + "\n  - ".join(problems)}
+
+
+def _serving(layers: Any, release: str | None, model: str | None) -> dict[str, Any]:
+    """The drafter eagle_config that serves the captured layers on this release (hs_patch.serving)."""
+    from hs_patch import serving
+
+    if not layers or not release:
+        return {}
+    n, arch = None, ""
+    if model:
+        from hs_patch.host.model_files import ModelFileError, model_info
+
+        try:
+            info = model_info(model)
+            n, arch = info.num_hidden_layers, info.architecture
+        except ModelFileError as e:
+            return {"error": str(e)}
+    try:
+        ids = serving.eagle_ids(release, list(layers), n, arch)
+    except serving.NotServable as e:
+        return {"release": release, "refused": str(e)}
+    return {"release": release, "eagle_aux_hidden_state_layer_ids": ids, "checked_with_model": n is not None}
 
 
 def _inspect(path: str, deep: bool) -> dict[str, Any]:
@@ -91,6 +114,13 @@ def _print(res: dict[str, Any], as_json: bool) -> None:
     if res["action"] == "status":
         print(f"  file: {res['files'][0]['path']}\n  sha256: {res['files'][0]['sha256']}")
         print(f"  capture: {json.dumps(res['capture'])}")
+        sv = res.get("serving") or {}
+        if "eagle_aux_hidden_state_layer_ids" in sv:
+            print(f"  drafter served on SGLang {sv['release']}: eagle_aux_hidden_state_layer_ids "
+                  f"{sv['eagle_aux_hidden_state_layer_ids']} feed layers {list(res['capture']['layers'])}"
+                  + ("" if sv["checked_with_model"] else " (give --model DIR to check against the model's depth)"))
+        elif sv:
+            print(f"  drafter serving: {sv.get('refused') or sv.get('error')}")
         if res["required_server_flags"]:
             print(f"  server flags needed with capture on: {' '.join(res['required_server_flags'])}")
     if res["action"] == "inspect":
@@ -111,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         "apply": lambda a: patcher.apply(a.site),
         "verify": lambda a: patcher.verify(a.site),
         "revert": lambda a: patcher.revert(a.site),
-        "status": lambda a: _status(a.site),
+        "status": lambda a: _status(a.site, a.model),
         "inspect": lambda a: _inspect(a.path, not a.quick),
         "check-args": lambda a: _check_args(a.site, a.release, a.args),
     }
@@ -135,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--json", action="store_true", help="print one JSON object")
         else:
             _site_arg(p)
+        if name == "status":
+            p.add_argument("--model", metavar="DIR", help="the served model's directory: check the drafter's serving "
+                           "ids against its depth and architecture")
     args = parser.parse_args(argv)
     if args.command == "check-args" and args.args[:1] == ["--"]:
         args.args = args.args[1:]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import json
 import logging
 import os
 import queue
@@ -34,7 +35,7 @@ import torch
 
 from hs_patch.server import config as capture_config
 from hs_patch.server import checks as server_checks
-from hs_patch import store
+from hs_patch import serving, store
 from hs_patch.server.writer import PassRecord, Writer, skipped
 
 log = logging.getLogger("hs_patch")
@@ -67,13 +68,24 @@ def attach(model: torch.nn.Module, config: Any, release: str) -> Optional["Captu
         "model": str(getattr(config, "_name_or_path", "") or ""),
         "architecture": ",".join(getattr(config, "architectures", None) or []),
         "tp_size": str(settings["tp_size"]),
+        "num_hidden_layers": str(int(config.num_hidden_layers)),
     }
+    meta.update(_serving_ids(release, cfg.layers, int(config.num_hidden_layers), meta["architecture"]))
     hook = CaptureHook(cfg, hidden_size=int(config.hidden_size), metadata=meta, dtype=torch.get_default_dtype(),
                        pinned=torch.cuda.is_available())
     _register(hook)
     log.info("hs_patch: capturing layers %s + final=%s into %s (rank %d of %d)",
              list(cfg.layers), cfg.final, cfg.directory, settings["tp_rank"], settings["tp_size"])
     return hook
+
+
+def _serving_ids(release: str, layers: Any, n: int, architecture: str) -> dict[str, str]:
+    """The drafter ids that make this release feed the captured layers (hs_patch.serving), for every sample."""
+    try:
+        return {"eagle_aux_hidden_state_layer_ids": json.dumps(serving.eagle_ids(release, list(layers), n,
+                                                                                  architecture))}
+    except serving.NotServable as e:
+        return {"eagle_serving_refused": str(e)}
 
 
 class _Slot:

@@ -104,6 +104,9 @@ def extraction(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
             order = list(ROWS[rnd % 3:] + ROWS[:rnd % 3])
             lengths = [a.long_tokens] * a.long_prompts + [a.tokens] * (a.prompts - a.long_prompts)
             rng.shuffle(lengths)
+            if not rnd and a.warmup_prompts:  # a shorter warm-up that still compiles the long prompts' shapes
+                lengths = sorted(lengths, reverse=True)[:min(2, a.long_prompts)] + \
+                    [a.tokens] * max(0, a.warmup_prompts - min(2, a.long_prompts))
             prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
             total = sum(lengths)
             secs = {}

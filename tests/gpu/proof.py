@@ -27,9 +27,13 @@ output in bench/RESULTS.md). In one run it:
    at once on the one GPU, each round sending the same prompts to each in rotating order;
    ratios within each round, median over REPS rounds; the cost per captured layer against
    one layer's compute and the projection for Kimi-K2.5 (from a copy micro-benchmark);
-6. writes everything as JSON under --out as it goes and prints a table last.
+6. production (``tests/gpu/production.py``, not in the default phases): the driver's
+   same-pass fidelity check (fp32 lm_head argmax vs SGLang's own top-1 from
+   return_logprob) on every position of batched and chunked prompts, its near-tie margins,
+   wrong states, the --derive-post-norm gap and the check's CPU cost at Kimi-K2.5's head size;
+7. writes everything as JSON under --out as it goes and prints a table last.
 
-usage: python3 tests/gpu/proof.py --site /tmp/site --out "$OUT" [--phases fidelity,extract,throughput,micro]
+usage: python3 tests/gpu/proof.py --site /tmp/site --out "$OUT" [--phases fidelity,extract,throughput,micro,production]
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ import torch  # noqa: E402
 from common import REC, Server, hs_patch_cli, wait_for_samples  # noqa: E402
 from extract import extraction, summarize_extraction  # noqa: E402
 from hs_patch import reader, store  # noqa: E402
+from production import production  # noqa: E402
 from throughput import copy_microbench, projection, summarize, throughput  # noqa: E402
 
 
@@ -196,7 +201,7 @@ def main() -> int:
     ap.add_argument("--work", default="/tmp/hs-proof", help="models and logs")
     ap.add_argument("--dump-root", default="/dev/shm/hs-proof", help="capture directories (tmpfs, as in production)")
     ap.add_argument("--phases", default="fidelity,throughput,micro",
-                    help="any of fidelity,extract,throughput,micro")
+                    help="any of fidelity,extract,throughput,micro,production")
     ap.add_argument("--hidden", default="1024", help="comma-separated hidden sizes to run, e.g. 1024,7168")
     ap.add_argument("--layers", type=int, default=4, help="model depth for the fidelity run")
     ap.add_argument("--tp-layers", type=int, default=61, help="model depth for the throughput runs (Kimi: 61)")
@@ -214,6 +219,8 @@ def main() -> int:
     ap.add_argument("--long-prompts", type=int, default=0, help="extract phase: this many of the prompts are "
                     "--long-tokens long (prefilled in several chunks)")
     ap.add_argument("--long-tokens", type=int, default=16384)
+    ap.add_argument("--warmup-prompts", type=int, default=0, help="extract phase: prompts of the warm-up round "
+                    "(0: as many as a measured round)")
     ap.add_argument("--mem-fraction", type=float, default=0.45,
                     help="--mem-fraction-static of each throughput server (of the memory free at its start)")
     ap.add_argument("--tp-size", type=int, default=1,
@@ -250,6 +257,10 @@ def main() -> int:
             if "extract" in phases:
                 extraction(a, model(a, h, a.tp_layers, a.tp_preset),
                            f"{tag}_l{a.tp_layers}_{a.tp_preset}_c{a.chunk}_long{a.long_prompts}")
+            if "production" in phases:
+                p = production(a, model(a, h, a.layers), tag)
+                REC.log(f"{tag} production check: agree {p['agree']}/{p['positions']}, first token "
+                        f"{p['first_token']}, largest disagreement margin {p['disagree_margin_max']} std")
             if "throughput" in phases:
                 throughput(a, model(a, h, a.tp_layers, a.tp_preset), f"{tag}_l{a.tp_layers}_{a.tp_preset}")
             if "micro" in phases:
@@ -284,6 +295,11 @@ def summary(r: dict) -> None:
                   f"for which SGLang returned all rows: {f['return_hidden_states_batched_rows_ok']}/{len(f['requests'])}")
             print(f"lm_head first token: "
                   f"{f['lm_head_match']}; chunked sample reassembled: {f['chunked_reassembled']}")
+        if k.startswith("production_") and "positions" in f:
+            print(f"\n{k}: same-pass top-1 {f['agree']}/{f['positions']} positions, first token {f['first_token']}; "
+                  f"disagreement margins max {f['disagree_margin_max']} p99 {f['disagree_margin_p99']} std; "
+                  f"wrong states {f['wrong_states']}; derive-post-norm {f['derive_post_norm'][:2]}; "
+                  f"Kimi head on CPU {f['kimi_head_cpu']}")
         if k.startswith("throughput_") and "ratio_on" in f:
             summarize(k, f)
         if k.startswith("extract_") and "ratios" in f:

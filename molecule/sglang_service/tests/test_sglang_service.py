@@ -24,7 +24,7 @@ def test_unit_content(host):
         assert part in execstart
     assert "--disable-prefill-cuda-graph" not in execstart  # 0.5.9 does not need it
     for line in ('Environment="HS_CAPTURE=1"', 'Environment="HS_CAPTURE_DIR=/dev/shm/hs_capture"',
-                 'Environment="HS_CAPTURE_LAYERS=2,30,58,60"', 'Environment="HS_CAPTURE_FINAL=pre"',
+                 'Environment="HS_CAPTURE_LAYERS=2,30,58"', 'Environment="HS_CAPTURE_FINAL=both"',
                  "Restart=on-failure", "LimitMEMLOCK=infinity", "User=sglang"):
         assert line in text.splitlines()
 
@@ -38,7 +38,7 @@ def test_running_but_not_enabled(host):
 def test_server_sees_the_unit_wiring(host):
     d = _debug(host)
     assert d["env"] == {"HS_CAPTURE": "1", "HS_CAPTURE_DIR": "/dev/shm/hs_capture",
-                        "HS_CAPTURE_LAYERS": "2,30,58,60", "HS_CAPTURE_FINAL": "pre"}
+                        "HS_CAPTURE_LAYERS": "2,30,58", "HS_CAPTURE_FINAL": "both"}
     assert d["argv"]["tp_size"] == 8 and d["argv"]["host"] == "127.0.0.1"
     assert "--disable-radix-cache" in d["argv"]["rest"]
     assert d["uid"] == host.user("sglang").uid

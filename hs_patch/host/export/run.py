@@ -1,0 +1,224 @@
+"""The export run: plan, then every sample in a pool of worker processes, then the table.
+
+Workers read a sample through :func:`hs_patch.reader.open_sample` (checked against the
+source manifest's sha256), write its export file and return a manifest record; only this
+process appends to ``export.jsonl``. At most ``2 x workers`` samples are in flight, so
+memory is bounded by the largest samples, not the dataset. A re-run keeps every file
+whose source is unchanged and whose bytes still match its record (sha256; ``quick``:
+size only) and redoes the rest.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+from hs_patch import __version__, reader, serving, store
+from hs_patch.host.export import arrow, layout
+from hs_patch.host.export.spec import ExportRefused, ExportSpec, check_sample, resolve
+
+
+@dataclass
+class Task:
+    key: str
+    src: str
+    src_entry: dict[str, Any]
+    dst: str
+    rel: str
+    row: Optional[int]
+    prev: Optional[dict[str, Any]]
+    spec: ExportSpec
+    quick: bool = False
+    fsync: bool = True
+
+
+@dataclass
+class Summary:
+    state: str
+    exported: int = 0
+    kept: int = 0
+    failed: dict[str, str] = field(default_factory=dict)
+    removed: int = 0
+    moved: int = 0
+    swept: int = 0
+    src_bytes: int = 0
+    out_bytes: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+_NORM: dict[str, Any] = {}
+
+
+def _norm(model: str) -> tuple[Any, float]:
+    if model not in _NORM:
+        from hs_patch.host.model_files import NORM_NAMES, find_name, model_info, read_tensor
+
+        _NORM[model] = (read_tensor(model, find_name(model, NORM_NAMES, "final norm weight")),
+                        model_info(model).rms_norm_eps)
+    return _NORM[model]
+
+
+def _init_worker() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def work(t: Task) -> dict[str, Any]:
+    """Keep or (re)write one sample's export file; a result record for the parent."""
+    dst = Path(t.dst)
+    if t.prev and t.prev.get("src_sha256") == t.src_entry["sha256"] and t.prev["file"] == t.rel:
+        path = dst / t.rel
+        bad = (None if path.is_file() and path.stat().st_size == t.prev["bytes"] else "size") if t.quick \
+            else store.verify_entry(dst, t.prev)
+        if bad is None:
+            return {"key": t.key, "status": "kept", "tokens": t.prev.get("tokens", 0)}
+    try:
+        from hs_patch.host.export import writers
+
+        with reader.open_sample(Path(t.src) / t.src_entry["file"], entry=t.src_entry) as s:
+            check_sample(t.spec, s.metadata, s.has("loss_mask"))
+            rec: dict[str, Any] = {"op": "add", "key": t.key, "src_sha256": t.src_entry["sha256"],
+                                   "tokens": s.num_tokens, "t": round(time.time(), 3)}
+            if t.spec.format == "specforge":
+                final = s.tensor(t.spec.final_source())
+                if t.spec.derive_post_norm:
+                    final = writers.post_norm_from_pre(final, *_norm(str(t.spec.model)))
+                out = writers.write_specforge(dst, t.rel, s, t.spec.aux_planes, final, fsync=t.fsync)
+            else:
+                rec["row"] = t.row
+                rec["mask_sha256"] = arrow.mask_sha256(s.tensor("loss_mask"))
+                out = writers.write_speculators(dst, t.rel, s, t.spec.aux_planes + ["final.pre_norm"],
+                                                fp8=t.spec.fp8, fsync=t.fsync)
+        rec.update(file=out.file, bytes=out.nbytes, sha256=out.sha256)
+        return {"key": t.key, "status": "written", "record": rec, "tokens": rec["tokens"],
+                "src_bytes": t.src_entry["bytes"], "out_bytes": out.nbytes}
+    except (store.SampleError, ExportRefused, OSError, RuntimeError, ValueError) as e:
+        return {"key": t.key, "status": "failed", "error": f"{type(e).__name__}: {e}"}
+
+
+def source_entries(src: Path) -> dict[str, dict[str, Any]]:
+    """The live samples of a samples dir or shipped destination."""
+    entries = store.read_manifest(src)
+    if not entries:
+        raise ExportRefused(f"{src}: no samples in {store.MANIFEST}: give a driver's --samples-dir or a shipped run "
+                            "directory (RUN/ with manifest.jsonl and samples/)")
+    return entries
+
+
+def _serving(spec: ExportSpec, meta: dict[str, str]) -> dict[str, Any]:
+    n = meta.get("num_hidden_layers")
+    arch = meta.get("architecture", "")
+    if spec.model:
+        from hs_patch.host.model_files import model_info
+
+        info = model_info(spec.model)
+        n, arch = info.num_hidden_layers, info.architecture or arch
+    if n is None:
+        return {"unknown": "give --model DIR (the served model's directory) to record the serving ids"}
+    return {"num_hidden_layers": int(n), "architecture": arch, "captured_layers": spec.layers,
+            "releases": serving.serving_table(spec.layers, int(n), arch)}
+
+
+def export(src: str | Path, dst: str | Path, spec: ExportSpec, *, workers: int = 1, quick: bool = False,
+           fsync: bool = True, progress: Optional[Callable[[int, int, int, int], None]] = None) -> Summary:
+    """Export SRC into DST; ``progress(done, samples, bytes_done, bytes_total)`` after each sample."""
+    t0 = time.time()
+    src, dst = Path(src).resolve(), Path(dst).resolve()
+    entries = source_entries(src)
+    first = entries[min(entries)]
+    with reader.open_sample(src / first["file"]) as s:
+        meta = dict(s.metadata)
+    spec = resolve(spec, meta)
+    if spec.format == "speculators":
+        try:
+            import datasets  # noqa: F401  (the table is written last: refuse before any work)
+        except ImportError:
+            raise ExportRefused("--format speculators writes its table with the datasets package: "
+                                "pip install 'hs-patch[export]'") from None
+    lock = layout.ExportLock(dst)
+    try:
+        prev = layout.read_info(dst)
+        if prev and prev.get("identity") != spec.identity():
+            raise ExportRefused(f"{dst} holds another export ({prev.get('identity')}); export into a new directory "
+                                "or remove this one")
+        if not prev and any(p.name != layout.LOCK for p in dst.iterdir()):
+            raise ExportRefused(f"{dst} is not empty and holds no export.json: give a new or empty directory")
+        info = {"identity": spec.identity(), "source": str(src), "hs_patch": __version__, "state": "in-progress",
+                "sample_format": meta.get("format"), "dtype": meta.get("dtype"), "hidden_size": meta.get("hidden_size"),
+                "sglang_release_captured": meta.get("sglang_release"), "model": meta.get("model"),
+                "final": spec.final_label(), "serving": _serving(spec, meta), "started": time.time()}
+        if spec.format == "speculators":
+            info.update(hidden_states_dir=layout.hs_dir(spec.fp8), table_bytes=prev.get("table_bytes"))
+        layout.write_info(dst, info)
+        log = store.Manifest(dst, layout.LOG)
+        keys = sorted(entries)
+        table_ok = (dst / arrow.STATE).is_file()
+        pl = layout.plan(dst, spec.format, spec.fp8, keys, log)
+        if spec.format == "speculators" and (pl.removed or pl.moved):
+            arrow.unpublish(dst)   # rows now pair with other files: no trainer may load the old table
+            table_ok = False
+        live = layout.live_entries(dst)
+        rows_added = any(k not in live for k in keys)
+        tasks = [Task(k, str(src), entries[k], str(dst), layout.rel_path(spec.format, k, pl.rows[k], spec.fp8),
+                      pl.rows[k], live.get(k), spec, quick, fsync) for k in keys]
+        summ = Summary("incomplete", removed=len(pl.removed), moved=len(pl.moved), swept=len(pl.swept))
+        total = sum(e["bytes"] for e in entries.values())
+        done_bytes = 0
+        for i, res in enumerate(_results(tasks, workers), 1):
+            done_bytes += entries[res["key"]]["bytes"]
+            if res["status"] == "written":
+                log.append(res["record"])
+                summ.exported += 1
+                summ.src_bytes += res["src_bytes"]
+                summ.out_bytes += res["out_bytes"]
+            elif res["status"] == "kept":
+                summ.kept += 1
+            else:
+                summ.failed[res["key"]] = res["error"]
+            summ.tokens += int(res.get("tokens", 0))
+            if progress:
+                progress(i, len(tasks), done_bytes, total)
+        live = layout.live_entries(dst)
+        if not summ.failed and spec.format == "speculators" and not (table_ok and not rows_added):
+            by_row = sorted(keys, key=lambda k: pl.rows[k])
+            info["table_bytes"] = arrow.write_table(dst, src, by_row, entries, live)
+        summ.state = "complete" if not summ.failed else "incomplete"
+        info.update(state=summ.state, samples=len(live), tokens=summ.tokens, finished=time.time(),
+                    bytes=sum(e["bytes"] for e in live.values()), failed=len(summ.failed))
+        layout.write_info(dst, info)
+        summ.info = info
+    finally:
+        lock.close()
+    summ.seconds = round(time.time() - t0, 3)
+    return summ
+
+
+def _results(tasks: list[Task], workers: int) -> Iterable[dict[str, Any]]:
+    if workers <= 1:
+        _init_worker()
+        yield from map(work, tasks)
+        return
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_init_worker) as pool:
+        pending: set[Future] = set()
+        it = iter(tasks)
+        try:
+            while True:
+                while len(pending) < 2 * workers and (t := next(it, None)) is not None:
+                    pending.add(pool.submit(work, t))
+                if not pending:
+                    return
+                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for f in done:
+                    yield f.result()
+        except BaseException:
+            for f in pending:
+                f.cancel()
+            raise

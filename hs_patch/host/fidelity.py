@@ -1,0 +1,233 @@
+"""Production fidelity check: is the dumped final state the one the server computed in that pass?
+
+Per sample: argmax of an fp32 ``lm_head`` over the dumped final state at the last prompt
+position must equal the token the server generated in the SAME pass (greedy,
+``max_new_tokens`` 1). On a sampled fraction (chosen by key, so a resumed run samples the
+same ones) the last N positions are compared with the server's own top-1 of that pass
+(``return_logprob``, ``logprob_start_len`` L - N, ``top_logprobs_num`` 2). A disagreement
+whose logit margin is within ``tie_tolerance`` standard deviations of that position's
+logits is a near-tie (bf16 server logits against our fp32 ones), not a mismatch: on
+H200 / SGLang 0.5.16 every disagreement was below 0.015 std (docs/training.md); a shifted,
+partial or wrong-rank state fails at almost every position.
+
+The LM head and final norm weight are read by name from the model directory
+(:mod:`hs_patch.host.model_files`); the head is kept in fp32 (Kimi-K2.5: 4.7 GB of RAM) and
+concurrent checks are batched into one matrix product (:class:`FidelityChecker`). Each
+result is one line of the fidelity log; :mod:`hs_patch.host.fidelity_policy` turns a run
+of mismatches into a stop with what is likely wrong.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+from hs_patch import reader, store
+from hs_patch.host.client import generated_token, server_top1
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+DEFAULT_TIE_TOLERANCE = 0.02   # std of the row's logits; the largest same-pass disagreement measured: 0.015
+DEFAULT_POSITIONS = 32
+DEFAULT_FRACTION = 0.01
+FIDELITY_LOG = "fidelity.jsonl"
+
+
+@dataclass
+class Position:
+    pos: int
+    server: int
+    ours: int
+    margin_std: float    # (our logit of ours - our logit of the server's) / std of our logits
+    tie: bool
+
+
+@dataclass
+class Check:
+    key: str
+    kind: str                      # "last" or "positions"
+    checked: int = 0
+    mismatches: int = 0
+    ties: int = 0
+    parts: int = 1
+    plane: str = ""
+    details: list[Position] = field(default_factory=list)   # disagreements only
+    hints: dict[str, float] = field(default_factory=dict)   # alternative explanations that fit better
+
+    @property
+    def ok(self) -> bool:
+        return self.mismatches == 0
+
+    def record(self, **extra: Any) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(ok=self.ok, t=round(time.time(), 3), **extra)
+        return d
+
+
+class LMHead:
+    """An fp32 LM head and the final norm, for argmax over dumped final states."""
+
+    def __init__(self, head: "torch.Tensor", norm: "torch.Tensor", eps: float):
+        import torch
+
+        self.weight = head.to(torch.float32).contiguous()
+        self.norm, self.eps = norm, eps
+
+    @classmethod
+    def from_model_dir(cls, directory: str | Path) -> "LMHead":
+        from hs_patch.host.model_files import head_and_norm
+
+        head, norm, info = head_and_norm(directory)
+        return cls(head, norm, info.rms_norm_eps)
+
+    def logits(self, states: "torch.Tensor") -> "torch.Tensor":
+        """fp32 logits [N, V] of post-norm states [N, H]."""
+        return states.float() @ self.weight.T
+
+    def post_norm(self, sample: reader.LazySample, start: int, stop: int) -> tuple["torch.Tensor", str]:
+        """Post-norm final states of rows [start, stop): the stored plane, or derived from the pre-norm one."""
+        from hs_patch.host.model_files import rms_norm
+
+        if sample.has("final.post_norm"):
+            return sample.rows("final.post_norm", start, stop), "final.post_norm"
+        if sample.has("final.pre_norm"):
+            return rms_norm(sample.rows("final.pre_norm", start, stop), self.norm, self.eps), "final.pre_norm+norm"
+        raise store.SampleError(f"{sample.path}: no final state stored (HS_CAPTURE_FINAL=none): nothing to check")
+
+
+def compare(logits: "torch.Tensor", server: Sequence[int], positions: Sequence[int], tol: float) -> list[Position]:
+    """Positions where our argmax differs from the server's token (ties marked)."""
+    ours = logits.argmax(-1)
+    std = logits.std(-1)
+    out = []
+    for i, (pos, tok) in enumerate(zip(positions, server)):
+        o = int(ours[i])
+        if o != tok:
+            margin = float((logits[i, o] - logits[i, tok]) / std[i].clamp_min(1e-30))
+            out.append(Position(pos, int(tok), o, round(margin, 6), margin <= tol))
+    return out
+
+
+def wants_positions(key: str, fraction: float) -> bool:
+    """The sampled fraction, decided by the key (stable across resumes)."""
+    return int(key[:8], 16) < fraction * 16 ** 8
+
+
+def request_fields(key: str, num_tokens: int, *, fraction: float = DEFAULT_FRACTION,
+                   positions: int = DEFAULT_POSITIONS) -> dict[str, Any]:
+    """Extra keyword arguments of ``SGLangClient.generate`` for this sample ({} unless sampled)."""
+    if not wants_positions(key, fraction):
+        return {}
+    return {"return_logprob": True, "logprob_start_len": max(0, num_tokens - positions), "top_logprobs_num": 2}
+
+
+@dataclass
+class _Job:
+    key: str
+    path: Path
+    response: dict[str, Any]
+    states: Any = None
+    positions: list[int] = field(default_factory=list)
+    server: list[int] = field(default_factory=list)
+    check: Optional[Check] = None
+    error: Optional[BaseException] = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class FidelityChecker:
+    """Check samples against the server's answers; callers from several threads are batched.
+
+    ``check(key, path, response)`` blocks until its result; a background thread runs one
+    matrix product for everything queued meanwhile (at most ``batch`` samples).
+    """
+
+    def __init__(self, head: LMHead, log_dir: str | Path, *, tie_tolerance: float = DEFAULT_TIE_TOLERANCE,
+                 positions: int = DEFAULT_POSITIONS, batch: int = 32):
+        self.head, self.tol, self.positions, self.batch = head, tie_tolerance, positions, batch
+        self.log = store.Manifest(log_dir, FIDELITY_LOG)
+        self._q: list[_Job] = []
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="hs-fidelity", daemon=True)
+        self._thread.start()
+
+    def prepare(self, job: _Job) -> None:
+        """Read the rows to check and the server's tokens for them."""
+        with reader.open_sample(job.path) as s:
+            n = s.num_tokens
+            if "input_top_logprobs" in (job.response.get("meta_info") or {}):
+                start = max(0, n - self.positions)
+                top = server_top1(job.response, n, start)
+                job.positions = sorted(top)
+                job.server = [top[p] for p in job.positions]
+                kind = "positions"
+            else:
+                job.positions, job.server, kind = [n - 1], [generated_token(job.response)], "last"
+            job.states, plane = self.head.post_norm(s, job.positions[0], n)
+            job.check = Check(job.key, kind, checked=len(job.positions), parts=int(s.metadata.get("parts", 1)),
+                              plane=plane)
+
+    def check(self, key: str, path: str | Path, response: dict[str, Any], **log_extra: Any) -> Check:
+        """Check one final sample against the server's answer to its request; logged."""
+        job = _Job(key, Path(path), response)
+        self.prepare(job)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the fidelity checker is closed")
+            self._q.append(job)
+            self._cv.notify()
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        assert job.check is not None
+        self.log.append(job.check.record(**log_extra))
+        return job.check
+
+    def _loop(self) -> None:
+        import torch
+
+        while True:
+            with self._cv:
+                while not self._q and not self._closed:
+                    self._cv.wait()
+                if not self._q:
+                    return
+                jobs, self._q = self._q[:self.batch], self._q[self.batch:]
+            try:
+                logits = self.head.logits(torch.cat([j.states for j in jobs]))
+                row = 0
+                for j in jobs:
+                    n = len(j.positions)
+                    diff = compare(logits[row:row + n], j.server, j.positions, self.tol)
+                    assert j.check is not None
+                    j.check.details = diff
+                    j.check.ties = sum(d.tie for d in diff)
+                    j.check.mismatches = len(diff) - j.check.ties
+                    if j.check.mismatches:
+                        j.check.hints = hints(logits[row:row + n], j.server)
+                    row += n
+            except BaseException as e:  # noqa: BLE001 - handed to every waiting caller
+                for j in jobs:
+                    j.error = e
+            for j in jobs:
+                j.done.set()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join()
+
+
+def hints(logits: "torch.Tensor", server: Sequence[int]) -> dict[str, float]:
+    """How often our argmax equals the server's token one position EARLIER or LATER (a shift)."""
+    ours = logits.argmax(-1).tolist()
+    n = len(ours)
+    if n < 2:
+        return {}
+    return {"shift_plus_one": sum(ours[i] == server[i + 1] for i in range(n - 1)) / (n - 1),
+            "shift_minus_one": sum(ours[i + 1] == server[i] for i in range(n - 1)) / (n - 1)}
