@@ -53,7 +53,7 @@ def test_subpackages_are_the_places_code_runs():
     for sub in ("server", "host", "host/shipping", "control"):
         assert (PKG / sub / "__init__.py").is_file(), sub
     top = sorted(p.stem for p in PKG.glob("*.py"))
-    assert top == ["__init__", "flags", "reader", "releases", "store"], f"only shared modules at the top: {top}"
+    assert top == ["__init__", "flags", "names", "reader", "releases", "store"], f"only shared modules at the top: {top}"
 
 
 def test_server_code_imports_only_stdlib_torch_sglang_and_its_own_subpackage():
@@ -105,7 +105,7 @@ def test_control_node_never_imports_torch():
 
 
 def test_shared_modules_import_only_the_standard_library():
-    for mod in ("hs_patch.store", "hs_patch.releases", "hs_patch.flags"):
+    for mod in ("hs_patch.store", "hs_patch.releases", "hs_patch.flags", "hs_patch.names"):
         new = _new_modules(f"import {mod}", before=BLOCK_HEAVY)
         assert all(m.split(".")[0] in STDLIB or m in ("hs_patch", mod) for m in new), (mod, new)
 

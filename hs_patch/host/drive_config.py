@@ -12,6 +12,7 @@ from typing import Any
 
 from hs_patch.host import dataset
 from hs_patch import store
+from hs_patch.names import check_run_name
 
 
 @dataclass
@@ -26,6 +27,7 @@ class DriveConfig:
     trust_remote_code: bool = False
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     max_tokens: int = 32768
+    max_line_chars: int = 0             # 0: 256 x max_tokens, at least 1 Mi (dataset.line_limit)
     on_too_long: str = "skip"           # skip | truncate
     regenerate: bool = False
     regen_max_new_tokens: int = 2048
@@ -46,6 +48,7 @@ class DriveConfig:
     limit: int = 0                      # 0: all lines
 
     def __post_init__(self) -> None:
+        check_run_name(self.run)  # it names directories: never '../x', '' or '.'
         self.state_dir = self.state_dir or f"/var/lib/hs-patch/runs/{self.run}"
         self.samples_dir = self.samples_dir or f"/dev/shm/hs-runs/{self.run}/samples"
 

@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from hs_patch import __version__, store
-from hs_patch.host import chat, dataset, runstate
+from hs_patch.host import capture_check, chat, dataset, limits, runstate
 from hs_patch.host.backpressure import BackPressure, disk_usage
 from hs_patch.host.capture_dir import CaptureWatcher, RawTimeout
-from hs_patch.host.client import HEALTH_PROBE_IDS, ClientError, RetryPolicy, SGLangClient
+from hs_patch.host.client import HEALTH_PROBE_IDS, ClientError, RetryPolicy, SGLangClient, redact_url
 from hs_patch.host.drive_config import DriveConfig
 from hs_patch.host.finalize import FinalizeError, finalize
-from hs_patch.host.runstatus import RunStatus
+from hs_patch.host.runstatus import RunStatus, nothing_extracted
 
 EXIT_OK, EXIT_ERROR, EXIT_INCOMPLETE, EXIT_FAILURES, EXIT_SIGNAL = 0, 1, 3, 4, 130
 CAPTURE_LOCK = ".hs-driver.lock"
@@ -94,6 +94,7 @@ class Driver:
                 raise runstate.RunError(f"cannot create {what} {d}: {e.strerror}; choose a writable "
                                         "directory") from None
         dataset.check_sources(cfg.data)
+        chat.check_model_dir(cfg.model)
         locks: list[int] = []
         try:
             locks.append(runstate.take_lock(self.state_dir / runstate.LOCK, f"run {cfg.run!r}"))
@@ -123,7 +124,7 @@ class Driver:
             # this run (SGLang's warm-up request, another client, a first chunk the server dropped)
             self._sweep(set(self.watcher.keys()), "not requested by this run")
         except Exception as e:
-            self.status.state, self.status.message = "failed", str(e)
+            self.status.state, self.status.message, self.exit_code = "failed", str(e), EXIT_ERROR
             self.ledger.write("run_failed", error=f"{type(e).__name__}: {e}")
             raise
         finally:
@@ -137,6 +138,9 @@ class Driver:
                 s = doc["samples"]
                 if not self.stop_reason and (s["failed"] or s["remaining"]):
                     self.exit_code = EXIT_INCOMPLETE
+                empty = None if self.stop_reason else nothing_extracted(doc, self.rejects.by_reason)
+                if empty:
+                    self.exit_code, self.stop_reason = EXIT_ERROR, empty
                 self.status.state = "finished" if not self.stop_reason else "stopped"
                 self.status.message = self.stop_reason or (
                     "complete" if self.exit_code == EXIT_OK else
@@ -152,25 +156,31 @@ class Driver:
     def _prepare(self, resumed: bool) -> None:
         cfg = self.cfg
         if self.tokenizer is None:
-            from transformers import AutoTokenizer
-
-            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+            self.tokenizer = chat.load_tokenizer(cfg.model, cfg.trust_remote_code)
         self.vocab = chat.vocab_bound(self.tokenizer, cfg.model)
+        self.longest_token = limits.longest_token_chars(self.tokenizer)
+        self.max_chars = dataset.line_limit(cfg.max_tokens, cfg.max_line_chars)
         self.client = SGLangClient(cfg.server, policy=RetryPolicy(cfg.retries, cfg.backoff, cfg.backoff_max),
                                    timeout=cfg.request_timeout, on_retry=self._on_retry,
                                    should_stop=self.stop.is_set)
         self.client.wait_healthy(cfg.server_wait)
-        info = self.client.server_info()
+        info = self.client.server_info(timeout=cfg.server_wait)
         if info.get("disable_radix_cache") is not True:
             raise runstate.RunError("the server runs with the radix cache on: a cached prefix is never computed, so "
                                     "it cannot be captured. Restart SGLang with --disable-radix-cache")
         self.server_version = str(info.get("version", ""))
+        self.limit = limits.effective(cfg.max_tokens, info)
+        checked = capture_check.check(self.client, self.capture_dir, self.tokenizer, f"hs-{cfg.run}-",
+                                      timeout=cfg.raw_timeout, release=self.server_version)
         done = self.done = runstate.load_done(self.samples_dir, self.state_dir / runstate.SHIPPED)
-        self.status.c.total = dataset.count_lines(cfg.data) if not cfg.limit else \
-            min(cfg.limit, dataset.count_lines(cfg.data))
+        counts = dataset.count_lines(cfg.data, self.max_chars)
+        self.status.c.total = counts.lines if not cfg.limit else min(cfg.limit, counts.lines)
+        self.status.c.blank = counts.blank
         self.bp = BackPressure([str(self.capture_dir), str(self.samples_dir)], high=cfg.high_water,
                                low=cfg.low_water, usage=self.usage, on_change=self._on_pressure)
-        self.ledger.write("run_start", resumed=resumed, driver=__version__, params=asdict(cfg),
+        self.ledger.write("run_start", resumed=resumed, driver=__version__,
+                          params=dict(asdict(cfg), server=redact_url(cfg.server)), capture_check=checked,
+                          max_tokens_effective=self.limit.tokens, blank_lines=counts.blank,
                           server={k: info.get(k) for k in ("version", "model_path", "tp_size", "chunked_prefill_size",
                                                            "disable_radix_cache", "standin")},
                           done_verified=done.live, done_shipped=done.shipped, discarded=done.discarded)
@@ -196,8 +206,8 @@ class Driver:
     def _sweep(self, keys: set[str], reason: str) -> None:
         """Remove this run's raw samples (and SGLang's health-check probe) left in the capture dir."""
         probe = store.sample_key(HEALTH_PROBE_IDS)
-        for key in self.watcher.keys():
-            if key == probe or (key in keys and key not in self.inflight):
+        for key in self.watcher.keys():  # a dataset sample of the probe's tokens in flight waits for its own
+            if key not in self.inflight and (key == probe or key in keys):
                 why = "SGLang health-check probe (input_ids [0])" if key == probe else reason
                 if self.watcher.remove(key, reason=why, run=self.cfg.run):
                     self.ledger.write("raw_removed", key=key, reason=why)
@@ -217,7 +227,7 @@ class Driver:
                    for i in range(self.cfg.concurrency)]
         for w in workers:
             w.start()
-        items = dataset.read(self.cfg.data)
+        items = dataset.read(self.cfg.data, self.max_chars)
         if self.cfg.limit:
             items = itertools.islice(items, self.cfg.limit)
         for item in items:
@@ -279,6 +289,11 @@ class Driver:
             self._failed(rec, None, "regenerate", str(e))
             return
         key = store.sample_key(ids)
+        if key in self.shipped.keys and key not in self.done.by_key:  # at the destination (its manifest, via the shipper)
+            self.status.update(done_before=1)
+            self.status.c.done_keys.add(key)
+            self.ledger.write("done_at_destination", sample_id=rec.sample_id, key=key)
+            return
         with self.keys_lock:
             first = self.done.by_key.get(key) or self.inflight.get(key)
             if first is None:
@@ -309,16 +324,19 @@ class Driver:
             if cfg.regenerate:
                 messages = self._regenerate(rec)
                 prov["regenerated"] = "1"
+            if cfg.on_too_long == "skip":
+                limits.check_chars(messages, self.limit, self.longest_token)
             enc = chat.encode_chat(self.tokenizer, messages, cfg.chat_template_kwargs)
             ids, mask = enc.input_ids, enc.loss_mask
             prov["loss_mask"] = "assistant"
-        if len(ids) > cfg.max_tokens:
+        limit = self.limit.tokens
+        if len(ids) > limit:
             if cfg.on_too_long == "skip":
-                raise dataset.Invalid("too_long", f"{len(ids)} tokens > --max-tokens {cfg.max_tokens}")
+                raise dataset.Invalid("too_long", f"{len(ids)} tokens > {self.limit.why}")
             prov["truncated_from"] = str(len(ids))
-            ids, mask = ids[:cfg.max_tokens], mask[:cfg.max_tokens]
+            ids, mask = ids[:limit], mask[:limit]
             if not any(mask):
-                raise dataset.Invalid("too_long", f"{prov['truncated_from']} tokens truncated to {cfg.max_tokens} "
+                raise dataset.Invalid("too_long", f"{prov['truncated_from']} tokens truncated to {limit} "
                                                   "leave no assistant token")
         return ids, mask, prov
 
@@ -371,8 +389,8 @@ class Driver:
                 self._failed(rec, key, "wait_raw", (
                     f"the server answered but no sample {key} appeared in {self.capture_dir}/manifest.jsonl within "
                     f"{cfg.raw_timeout:.0f}s (--raw-timeout). Is the server started with HS_CAPTURE=1 and "
-                    f"HS_CAPTURE_DIR={self.capture_dir} (= --capture-dir)? Is its writer failing (errors.jsonl, "
-                    "hook_status.json)?"))
+                    f"HS_CAPTURE_DIR={self.capture_dir} (= --capture-dir)? Does its HS_CAPTURE_SKIP_RID_PREFIX "
+                    f"match this request id {rid}? Is its writer failing (errors.jsonl, hook_status.json)?"))
                 return
             try:
                 written = finalize(self.watcher, entry, self.samples_dir, mask, prov)

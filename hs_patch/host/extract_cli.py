@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 from typing import Any, Optional
@@ -78,7 +79,11 @@ def add_drive_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens", type=int, default=D["max_tokens"], metavar="N", help="longest sample in tokens "
                    "(default: %(default)s)")
     g.add_argument("--on-too-long", choices=("skip", "truncate"), default=D["on_too_long"],
-                   help="a longer sample is rejected (skip) or cut to --max-tokens (truncate) (default: %(default)s)")
+                   help="a longer sample is rejected (skip) or cut to --max-tokens (truncate); the server's own "
+                   "limit (/get_server_info max_req_input_len) applies when smaller (default: %(default)s)")
+    g.add_argument("--max-line-chars", type=int, default=D["max_line_chars"], metavar="N",
+                   help="a longer input line is rejected as too_long without being read whole (0: 256 x "
+                   "--max-tokens, at least 1Mi) (default: %(default)s)")
     g = p.add_argument_group("regeneration (the target model writes the assistant turns first)")
     g.add_argument("--regenerate", action="store_true", help="generate each assistant turn with the served model "
                    "(normal decoding, rid nocap-..., not captured), then capture the whole conversation; "
@@ -131,6 +136,14 @@ def drive_config(a: argparse.Namespace) -> Any:
     for name in ("concurrency", "max_tokens", "max_consecutive_failures"):
         if getattr(a, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if a.max_line_chars < 0:
+        raise SystemExit("--max-line-chars must be >= 0 (0: the default bound)")
+    from hs_patch.names import RunNameError, check_run_name
+
+    try:
+        check_run_name(a.run)
+    except RunNameError as e:
+        raise SystemExit(f"--run: {e}") from None
     return DriveConfig(**{f.name: getattr(a, f.name) for f in fields(DriveConfig) if f.name != "chat_template_kwargs"},
                        chat_template_kwargs=kwargs)
 
@@ -192,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    os.umask(0o077)  # hidden states of a proprietary model: every file and dir we create is owner-only
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     a = build_parser().parse_args(argv)
     return a.func(a)

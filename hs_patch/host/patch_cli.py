@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -119,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             _site_arg(p)
     args = parser.parse_args(argv)
+    os.umask(0o077)  # what we create is owner-only; the patched module keeps the original's mode (patcher)
     as_json = args.json
     try:
         res = actions[args.command](args)

@@ -128,6 +128,7 @@ def commit(root, files):
 
 
 def main():
+    os.umask(0o077)  # samples and manifest at the destination are readable by the shipping account only
     req = json.load(sys.stdin)
     root = os.path.expanduser(req["root"])
     for d in (os.path.join(root, INCOMING), os.path.join(root, SAMPLES)):

@@ -209,6 +209,7 @@ def run_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    os.umask(0o077)  # as hs-extract: owner-only files
     parser = argparse.ArgumentParser(prog="hs-extract",
                                      description="Ship hidden-state samples to training storage.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
