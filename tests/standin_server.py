@@ -334,6 +334,7 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self) -> None:  # noqa: N802
+        self.path = self.path.split("?", 1)[0]  # query parameters (a token) are ignored, as by SGLang's router
         if self.path in ("/get_server_info", "/server_info"):
             self._send(200, self.engine.info())
         elif self.path in ("/health", "/health_generate"):
@@ -351,6 +352,7 @@ class Handler(BaseHTTPRequestHandler):
             self._send(404, {"detail": "Not Found"})
 
     def do_POST(self) -> None:  # noqa: N802
+        self.path = self.path.split("?", 1)[0]
         if self.path != "/generate":
             self._send(404, {"detail": "Not Found"})
             return

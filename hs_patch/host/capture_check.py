@@ -102,7 +102,7 @@ def _size(path: Path) -> int:
 def check(client: SGLangClient, capture_dir: Path, tokenizer: Any, rid_prefix: str, *, timeout: float,
           release: str = "", poll: float = 0.05) -> dict[str, Any]:
     """Send the probe, wait for its sample, remove it; raise CaptureCheckFailed saying what is wrong."""
-    ids = encode_text(tokenizer, f"hs-patch capture check {uuid.uuid4().hex}")
+    ids = encode_text(tokenizer, f"hs-patch capture check {uuid.uuid4().hex[:12]}")
     problem = skip_prefix_problem(_status(capture_dir), rid_prefix, capture_dir)
     if problem:
         raise CaptureCheckFailed(problem)
@@ -148,11 +148,14 @@ def _diagnose(st: Optional[dict[str, Any]], capture_dir: Path, rid_prefix: str, 
               last_sent: float) -> Optional[str]:
     fix = (f"start the server with HS_CAPTURE=1 and HS_CAPTURE_DIR={capture_dir}, or give --capture-dir the "
            "server's HS_CAPTURE_DIR (sglang.service's Environment=)")
+    if not release.startswith("0.5.9"):  # later releases skip requests by id; a hook skipping all writes nothing
+        fix += (f"; or the server's HS_CAPTURE_SKIP_RID_PREFIX matches the driver's request ids '{rid_prefix}...' "
+                "(it must not: its default, nocap-, is right)")
     if st is None:
         if waited < NO_STATUS_GRACE:
             return None
-        return (f"the server answered but no capture hook writes into --capture-dir {capture_dir} (no {HOOK_STATUS} "
-                f"there): {fix}")
+        return (f"the server answered the capture check but no capture hook wrote into --capture-dir {capture_dir} "
+                f"(no {HOOK_STATUS} there): {fix}")
     if st.get("error"):
         return f"the capture hook's writer has failed ({capture_dir}/{HOOK_STATUS}): {st['error']}; fix it and " \
                "restart the server"
@@ -165,7 +168,7 @@ def _diagnose(st: Optional[dict[str, Any]], capture_dir: Path, rid_prefix: str, 
             return None
         return (f"{capture_dir}/{HOOK_STATUS} was last written {time.time() - written:.0f}s ago (pid {st.get('pid')}) "
                 "and not since the driver's capture check: the server that answers does not capture into this "
-                f"directory. {fix}")
+                f"directory: {fix}")
     if written >= last_sent and not st.get("queued") and waited >= RESEND_AFTER + 5:
         if release.startswith("0.5.9"):
             return (f"the capture hook writing into {capture_dir} ran the capture check but wrote no sample of it; "

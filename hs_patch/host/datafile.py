@@ -66,6 +66,18 @@ def _open(path: str) -> IO[bytes]:
     return opener(path) if opener else open(path, "rb")
 
 
+def first_char(path: Union[str, os.PathLike], window: int = 1 << 16) -> str:
+    """The first character that is not whitespace or a BOM in the file's first ``window`` characters
+    (decompressed), or '' if there is none."""
+    try:
+        with io.TextIOWrapper(_open(str(path)), encoding="utf-8-sig", errors="surrogateescape") as f:
+            head = f.read(window)
+    except READ_ERRORS as e:
+        raise DataFileError(f"dataset file {Path(path).name} cannot be read: {type(e).__name__}: {e}") from None
+    stripped = head.lstrip(" \t\r\n\ufeff")
+    return stripped[:1]
+
+
 def lines(path: Union[str, os.PathLike], max_chars: int) -> Iterator[Union[Line, TooLong]]:
     """Every line of the file (blank ones too, so numbers match an editor's), in order."""
     path = str(path)

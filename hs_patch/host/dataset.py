@@ -107,6 +107,9 @@ def check_sources(paths: list[str]) -> None:
             raise ValueError(f"dataset file {p} cannot be read: {e.strerror}") from None
         if path.stat().st_size == 0:
             raise ValueError(f"dataset file {p} is empty: nothing to extract")
+        if datafile.first_char(path) == "[":
+            raise ValueError(f"dataset file {p} is a JSON array, not JSON lines (one object a line): convert it "
+                             f"with jq -c '.[]' {p} > {path.stem}.jsonl")
         name = source_name(p)
         if name in seen:
             raise ValueError(f"two dataset files are named {name!r} ({seen[name]} and {p}); sample ids are "

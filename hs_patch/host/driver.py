@@ -141,7 +141,7 @@ class Driver:
                 empty = None if self.stop_reason else nothing_extracted(doc, self.rejects.by_reason)
                 if empty:
                     self.exit_code, self.stop_reason = EXIT_ERROR, empty
-                self.status.state = "finished" if not self.stop_reason else "stopped"
+                self.status.state = "failed" if empty else "finished" if not self.stop_reason else "stopped"
                 self.status.message = self.stop_reason or (
                     "complete" if self.exit_code == EXIT_OK else
                     f"{s['failed']} failed, {s['remaining']} not done: run the same command again to redo them")

@@ -80,6 +80,8 @@ def ship(cfg: ShipConfig) -> int:
 
 def check_config(cfg: ShipConfig) -> None:
     """Raise ConfigError saying what to fix."""
+    if cfg.follow and not cfg.samples_dir.exists():  # the driver, started alongside, has not made it yet
+        cfg.samples_dir.mkdir(parents=True, exist_ok=True)
     if not cfg.samples_dir.is_dir():
         raise ConfigError(f"--samples-dir {cfg.samples_dir} is not a directory (the driver's samples "
                           "directory, e.g. /dev/shm/hs-runs/RUN/samples)")
