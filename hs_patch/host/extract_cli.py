@@ -44,7 +44,11 @@ resume: run the same command again. Samples whose final file matches its manifes
 are skipped; everything else is redone; truncated or damaged files are discarded first.
 A restart with different parameters (data files, model, limits, regeneration) is refused.
 
-exit codes: 0 every sample done or rejected; 1 refused or error (nothing else runs);
+before the first sample, one probe of the driver's own checks that the server captures its
+requests into --capture-dir (else the run is refused saying what to set).
+
+exit codes: 0 every sample done or rejected; 1 refused, error, or nothing extracted from a
+non-empty input (the reasons are in rejects.jsonl);
 3 incomplete (failed or unsent samples: run again to resume); 4 stopped after
 --max-consecutive-failures; 130 stopped by SIGINT/SIGTERM (a second one kills at once)
 """
