@@ -2,20 +2,22 @@
 
 ``read_sample`` validates one file (format tag, planes and shapes, dtype, that the token
 ids hash to the sample's key, and size + sha256 against its manifest entry);
-``check_dir`` checks a whole directory against its manifest; ``hs-patch inspect`` is
-the command-line face of both.
+``check_header`` is the quick check (size, and the safetensors header: its length, format
+tag, key and tensor extents; the tensor data is not read, so a flipped byte there is
+found only by the deep check); ``check_dir`` checks a whole directory against its
+manifest, deep or quick, in parallel; ``hs-patch inspect`` is the command-line face.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-import os
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
-
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
-from hs_patch.store import FORMATS_READ, SUFFIX, SampleError, file_sha256, read_manifest, sample_key
+from hs_patch.store import FORMATS_READ, MANIFEST, SUFFIX, SampleError, file_sha256, read_manifest, sample_key
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -95,6 +97,68 @@ def check_sample(path: Path, metadata: Mapping[str, str], tensors: Mapping[str, 
         raise SampleError(f"{path}: token ids do not hash to the sample key {metadata.get('key')}")
 
 
+def check_header(path: Path, entry: Mapping[str, Any]) -> None:
+    """The quick check of one listed file: its size, and a safetensors header that parses, has the
+    sample format and key, and tensors that end where the file does. Tensor bytes are not read."""
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        raise SampleError(f"{path}: size {size}, manifest says {entry['bytes']}")
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+        if not 0 < n <= min(size - 8, 100 << 20):
+            raise SampleError(f"{path}: not a safetensors file (header length {n})")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            raise SampleError(f"{path}: the safetensors header is damaged") from None
+    meta = header.get("__metadata__") or {} if isinstance(header, dict) else {}
+    if meta.get("format") not in FORMATS_READ or meta.get("key") != entry.get("key"):
+        raise SampleError(f"{path}: header says format {meta.get('format')!r}, key {meta.get('key')!r}; the "
+                          f"manifest lists key {entry.get('key')}")
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+    if 8 + n + max(ends, default=0) != size:
+        raise SampleError(f"{path}: its tensors end at byte {8 + n + max(ends, default=0)}, the file has {size}")
+
+
+ADD_FIELDS = {"key": str, "file": str, "bytes": int, "sha256": str}
+
+
+def manifest_entries(directory: Path) -> tuple[Optional[dict[str, dict[str, Any]]], list[str]]:
+    """Live entries of ``directory``'s manifest (None if there is none), and each unusable line as
+    ``manifest.jsonl:N: why`` (a torn last line, from a crash mid-append, is not a problem)."""
+    path = directory / MANIFEST
+    if not path.is_file():
+        return None, []
+    entries: dict[str, dict[str, Any]] = {}
+    problems: list[str] = []
+    lines = path.read_bytes().split(b"\n")
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+        except (ValueError, RecursionError):
+            if n < len(lines) - 1:
+                problems.append(f"{MANIFEST}:{n}: not JSON")
+            continue
+        op = rec.get("op") if isinstance(rec, dict) else None
+        if op == "add":
+            bad = [k for k, t in ADD_FIELDS.items() if not isinstance(rec.get(k), t) or isinstance(rec.get(k), bool)]
+            if bad:
+                problems.append(f"{MANIFEST}:{n}: an add line without a valid {', '.join(repr(b) for b in bad)}")
+                continue
+            entries[rec["key"]] = rec
+        elif op == "remove":
+            if not isinstance(rec.get("key"), str):
+                problems.append(f"{MANIFEST}:{n}: a remove line without a valid 'key'")
+                continue
+            entries.pop(rec["key"], None)
+        elif not isinstance(rec, dict):
+            problems.append(f"{MANIFEST}:{n}: not a JSON object")
+    return entries, problems
+
+
 @dataclass
 class Header:
     """A sample's metadata and tensor table, read without its data (a few KB)."""
@@ -147,42 +211,62 @@ class DirReport:
     bad: dict[str, str] = field(default_factory=dict)       # key -> reason
     missing: list[str] = field(default_factory=list)        # in manifest, no file
     unlisted: list[str] = field(default_factory=list)       # file, no manifest entry
+    problems: list[str] = field(default_factory=list)       # unusable manifest lines, as file:line: why
+    no_manifest: bool = False                               # nothing to check against
     tokens: int = 0
     nbytes: int = 0
 
     @property
     def clean(self) -> bool:
-        return not (self.bad or self.missing or self.unlisted)
+        return not (self.bad or self.missing or self.unlisted or self.problems or self.no_manifest)
 
 
-def check_dir(directory: str | os.PathLike, *, deep: bool = True) -> DirReport:
-    """Check every sample of a directory against its manifest.
+def check_dir(directory: str | os.PathLike, *, deep: bool = True, workers: int = 1,
+              progress: Optional[Callable[[int], None]] = None) -> DirReport:
+    """Check every sample of a directory against its manifest, ``workers`` files at a time.
 
     An entry's ``file`` is relative to the manifest's directory: a bare name where the
     capture writes, ``samples/<key>.safetensors`` at a shipping destination.
-    ``deep`` re-reads each file (sha256 and tensor checks); otherwise only sizes are compared.
+    ``deep`` re-reads each file (sha256 and tensor checks); otherwise :func:`check_header`.
+    ``progress`` is called with each checked file's byte size. A directory without a
+    manifest is not clean (``no_manifest``).
     """
     directory = Path(directory)
-    entries = read_manifest(directory)
+    rep = DirReport()
+    entries, rep.problems = manifest_entries(directory)
+    if entries is None:
+        rep.no_manifest = True
+        entries = {}
     sample_dirs = {directory} | {(directory / e["file"]).parent for e in entries.values()}
     files = {p.name[: -len(SUFFIX)] for d in sample_dirs for p in d.glob(f"*{SUFFIX}")}
-    rep = DirReport()
     rep.unlisted = sorted(files - entries.keys())
-    for key, entry in sorted(entries.items()):
+
+    def one(item: tuple[str, dict[str, Any]]) -> tuple[str, str, int]:
+        key, entry = item
         path = directory / entry["file"]
-        if not path.is_file():
-            rep.missing.append(key)
-            continue
         try:
+            if not path.is_file():
+                return key, "missing", 0
             if deep:
-                s = read_sample(path, entry=entry)
-                rep.tokens += int(s.metadata["num_tokens"])
-            elif path.stat().st_size != entry["bytes"]:
-                raise SampleError(f"{path}: size {path.stat().st_size}, manifest says {entry['bytes']}")
-            rep.ok.append(key)
-            rep.nbytes += entry["bytes"]
-        except SampleError as e:
-            rep.bad[key] = str(e)
+                return key, "ok", int(read_sample(path, entry=entry).metadata["num_tokens"])
+            check_header(path, entry)
+            return key, "ok", 0
+        except (SampleError, OSError, ValueError, KeyError, TypeError, IndexError) as e:
+            return key, f"bad:{e}", 0
+        finally:
+            if progress is not None:
+                progress(int(entry.get("bytes") or 0))
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        for key, result, tokens in pool.map(one, sorted(entries.items())):
+            if result == "missing":
+                rep.missing.append(key)
+            elif result.startswith("bad:"):
+                rep.bad[key] = result[4:]
+            else:
+                rep.ok.append(key)
+                rep.tokens += tokens
+                rep.nbytes += entries[key]["bytes"]
     return rep
 
 

@@ -31,7 +31,12 @@ cache); 400 with ``{"error": {"message"}}`` for bad input.
 [0]`` with a ``HEALTH_CHECK_`` rid (a capturing server writes it as a sample);
 ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0`` makes ``/health`` answer without it.
 ``GET /get_server_info`` (and ``/server_info``): ``version`` (the release), ``disable_radix_cache:
-true``, ``chunked_prefill_size``, ``tp_size: 1``, ``context_length``, ``model_path``, ``standin: true``.
+true``, ``chunked_prefill_size``, ``tp_size: 1``, ``context_length`` (the server argument: null unless
+``--context-length`` is given, as in SGLang), ``max_total_num_tokens`` and ``max_req_input_len`` (SGLang's
+scheduler fields: ``min(context_len - 1, max_total_num_tokens - 1) - 5``, where ``context_len`` is
+``--context-length`` or the model's ``max_position_embeddings``), ``model_path``, ``standin: true``.
+Length checks as SGLang makes them: ``len >= context_len`` and ``len + max_new_tokens >= context_len``
+are refused (tokenizer manager), and ``len >= max_req_input_len`` (scheduler), with HTTP 400.
 
 Capture settings come from the same HS_CAPTURE_* variables as the real server
 (HS_CAPTURE_DIR is ``--capture-dir``; HS_CAPTURE_LAYERS defaults to 1,<mid>,<last>).
@@ -100,7 +105,8 @@ class Engine:
 
     def __init__(self, model_dir: str, capture_dir: Optional[str], *, release: str = RELEASE_DEFAULT,
                  wheel: Optional[str] = None, chunked_prefill_size: int = 8192, batch_window_ms: float = 5.0,
-                 context_length: Optional[int] = None, installed: bool = False):
+                 context_length: Optional[int] = None, installed: bool = False,
+                 max_total_num_tokens: int = 1 << 20):
         from transformers import AutoTokenizer, DeepseekV3ForCausalLM
 
         from sglang_sim import Sim, load_aux_module
@@ -114,7 +120,10 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.model = DeepseekV3ForCausalLM.from_pretrained(self.model_dir, dtype=torch.bfloat16).eval()
         cfg = self.model.config
+        self.context_arg = context_length  # SGLang's server_args.context_length: None unless given
         self.context_length = context_length or int(cfg.max_position_embeddings)
+        self.max_total_num_tokens = max_total_num_tokens
+        self.max_req_input_len = min(self.context_length - 1, max_total_num_tokens - 1) - 5
         self.vocab = int(cfg.vocab_size)
         self._site = tempfile.TemporaryDirectory(prefix="standin-sglang-")
         if installed:  # the SGLang installed (and patched, e.g. by Ansible) for this Python
@@ -177,7 +186,8 @@ class Engine:
     def info(self) -> dict[str, Any]:
         return {"version": self.release, "standin": True, "disable_radix_cache": True,
                 "chunked_prefill_size": self.chunk, "tp_size": 1, "dp_size": 1, "pp_size": 1,
-                "context_length": self.context_length, "model_path": self.model_dir,
+                "context_length": self.context_arg, "max_total_num_tokens": self.max_total_num_tokens,
+                "max_req_input_len": self.max_req_input_len, "model_path": self.model_dir,
                 "hs_capture_dir": self.capture.directory if self.hook else None,
                 "hs_capture_layers": list(self.capture.layers) if self.hook else None,
                 "passes": self.passes}
@@ -358,7 +368,13 @@ class Engine:
         if len(ids) >= self.context_length:
             raise BadRequest(f"The input ({len(ids)} tokens) is longer than the model's context length "
                              f"({self.context_length} tokens).")
-        max_new = max(1, min(max_new, self.context_length - len(ids)))
+        if len(ids) + max_new >= self.context_length:
+            raise BadRequest(f"Requested token count exceeds the model's maximum context length of "
+                             f"{self.context_length} tokens. You requested a total of {len(ids) + max_new} tokens: "
+                             f"{len(ids)} tokens from the input messages and {max_new} tokens for the completion.")
+        if len(ids) >= self.max_req_input_len:
+            raise BadRequest(f"Input length ({len(ids)} tokens) exceeds the maximum allowed length "
+                             f"({self.max_req_input_len} tokens). Use a shorter input or enable --allow-auto-truncate.")
         rid = body.get("rid") or uuid.uuid4().hex
         try:
             start = int(body.get("logprob_start_len", -1) if body.get("logprob_start_len") is not None else -1)
@@ -386,6 +402,7 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self) -> None:  # noqa: N802
+        self.path = self.path.split("?", 1)[0]  # query parameters (a token) are ignored, as by SGLang's router
         if self.path in ("/get_server_info", "/server_info"):
             self._send(200, self.engine.info())
         elif self.path in ("/health", "/health_generate"):
@@ -403,6 +420,7 @@ class Handler(BaseHTTPRequestHandler):
             self._send(404, {"detail": "Not Found"})
 
     def do_POST(self) -> None:  # noqa: N802
+        self.path = self.path.split("?", 1)[0]
         if self.path != "/generate":
             self._send(404, {"detail": "Not Found"})
             return

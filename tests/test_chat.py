@@ -101,3 +101,41 @@ def test_generation_prompt_ends_with_the_assistant_header(tiny_tokenizer):
 
 def test_vocab_bound_reads_the_config(tiny_tokenizer, tiny_model_dir):
     assert chat.vocab_bound(tiny_tokenizer, str(tiny_model_dir)) == 512 > len(tiny_tokenizer)
+
+
+def test_an_assistant_first_chat_masks_that_turn_as_rendered(tiny_tokenizer):
+    conv = [{"role": "assistant", "content": "Hello there."}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "ok"}]
+    enc = chat.encode_chat(tiny_tokenizer, conv)
+    assert enc.input_ids == list(tiny_tokenizer.apply_chat_template(conv, tokenize=True)["input_ids"])
+    assert assistant_text(tiny_tokenizer, enc) == ["Hello there.<|im_end|>", "ok<|im_end|>"]
+
+
+class RefusesAssistantFirst(SlowTokenizer):
+    is_fast = True
+
+    def apply_chat_template(self, messages, **kw):
+        if messages and messages[0]["role"] != "user":
+            raise ValueError("Conversation roles must alternate user/assistant/user/assistant/...")
+        return self.tok.apply_chat_template(messages, **kw)
+
+
+def test_a_template_that_refuses_assistant_first_gives_a_clear_reason(tiny_tokenizer):
+    with pytest.raises(dataset.Invalid) as e:
+        chat.encode_chat(RefusesAssistantFirst(tiny_tokenizer), [{"role": "assistant", "content": "a"},
+                                                                 {"role": "user", "content": "b"}])
+    assert e.value.reason == "assistant_first" and "starts with an assistant turn" in str(e.value)
+
+
+def test_what_the_tokenizer_refuses_is_a_reject(tiny_tokenizer):
+    with pytest.raises(dataset.Invalid) as e:  # a lone surrogate that got past the dataset reader
+        chat.encode_chat(tiny_tokenizer, [{"role": "user", "content": "a\ud800"}, {"role": "assistant", "content": "b"}])
+    assert e.value.reason == "tokenizer_error"
+
+
+def test_a_model_path_that_is_not_a_directory_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="--model /nonexistent does not exist: give the served model's directory"):
+        chat.load_tokenizer("/nonexistent")
+    (tmp_path / "m").mkdir()
+    with pytest.raises(ValueError, match="cannot load the tokenizer of --model"):
+        chat.load_tokenizer(str(tmp_path / "m"))

@@ -82,3 +82,70 @@ def test_backoff_doubles_with_jitter_and_a_cap():
     for attempt, full in ((1, 1.0), (2, 2.0), (3, 4.0), (4, 5.0), (9, 5.0)):
         d = p.delay(attempt)
         assert full * 0.5 <= d <= full
+
+
+@pytest.fixture
+def hung():
+    """A server that accepts connections and never answers (a hung SGLang)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    yield f"http://127.0.0.1:{srv.getsockname()[1]}"
+    srv.close()
+
+
+def test_server_wait_is_honoured_when_the_server_hangs(hung):
+    import time
+
+    c = SGLangClient(hung, timeout=600.0)  # the /generate timeout must not stretch the wait
+    t0 = time.monotonic()
+    with pytest.raises(ClientError, match=r"not healthy after 2s \(--server-wait\)"):
+        c.wait_healthy(2.0, poll=0.2)
+    assert time.monotonic() - t0 < 4.0
+    t0 = time.monotonic()
+    with pytest.raises(ClientError):
+        c.server_info(timeout=1.0)
+    assert time.monotonic() - t0 < 3.0
+
+
+class Recorder(BaseHTTPRequestHandler):
+    seen: list[tuple[str, str]] = []
+
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):  # noqa: N802
+        Recorder.seen.append((self.path, self.headers.get("Authorization", "")))
+        self.send_response(503)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+
+def test_credentials_in_the_url_are_sent_but_never_shown():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    Recorder.seen = []
+    try:
+        url = f"http://alice:s3cr%40t@127.0.0.1:{srv.server_address[1]}/?token=tok-123"
+        c = SGLangClient(url, policy=RetryPolicy(retries=1, backoff=0.01))
+        with pytest.raises(ClientError) as e:
+            c.server_info()
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    import base64
+
+    assert Recorder.seen[0] == ("/get_server_info?token=tok-123", "Basic " + base64.b64encode(b"alice:s3cr@t").decode())
+    for text in (str(e.value), c.display_url):
+        assert "s3cr" not in text and "tok-123" not in text and "alice" not in text
+    assert c.display_url == f"http://***@127.0.0.1:{srv.server_address[1]}?token=***"
+
+
+def test_secrets_in_request_errors_are_scrubbed():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    c = SGLangClient(f"http://u:hunter2@127.0.0.1:{port}?key=abcdef", policy=RetryPolicy(retries=0))
+    with pytest.raises(ClientError) as e:
+        c.generate([1], {}, "r")
+    assert "abcdef" not in str(e.value) and "hunter2" not in str(e.value) and "key=***" in str(e.value)

@@ -227,9 +227,11 @@ def _events(state: Path) -> list[dict]:
 
 
 class NoCapture(BaseHTTPRequestHandler):
-    """A server that answers like SGLang but writes no samples (capture off or another HS_CAPTURE_DIR)."""
+    """A server that answers like SGLang but writes no samples (capture off or another HS_CAPTURE_DIR);
+    with ``capture_checks`` set it captures the driver's start-up check alone, into that directory."""
 
     radix = False
+    capture_checks: "Path | None" = None
 
     def log_message(self, *a):
         pass
@@ -245,7 +247,12 @@ class NoCapture(BaseHTTPRequestHandler):
         self._json({"version": "0.5.16", "disable_radix_cache": not NoCapture.radix})
 
     def do_POST(self):  # noqa: N802
-        self.rfile.read(int(self.headers["Content-Length"]))
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if NoCapture.capture_checks is not None and "-check-" in body["rid"]:
+            ids = torch.tensor(body["input_ids"], dtype=torch.int64)
+            w = store.write_tensors(NoCapture.capture_checks, store.sample_key(ids), {"input_ids": ids},
+                                    {"format": store.FORMAT})
+            store.Manifest(NoCapture.capture_checks).add(w)
         self._json({"text": "", "output_ids": [1], "meta_info": {"id": "x", "prompt_tokens": 1}})
 
 
@@ -256,12 +263,13 @@ def nocapture():
     yield f"http://127.0.0.1:{srv.server_address[1]}"
     srv.shutdown()
     srv.server_close()
-    NoCapture.radix = False
+    NoCapture.radix, NoCapture.capture_checks = False, None
 
 
 def test_consecutive_failures_stop_the_run_cleanly(nocapture, tiny_model_dir, tmp_path):
     data = tmp_path / "chats.jsonl"
     write_chats(data, 30)
+    NoCapture.capture_checks = tmp_path / "capture"  # the start-up check passes, then nothing is captured
     cfg = config(nocapture, str(tmp_path / "capture"), tiny_model_dir, tmp_path, [data], raw_timeout=0.3,
                  max_consecutive_failures=3, concurrency=1)
     summary = Driver(cfg).run()
@@ -319,7 +327,7 @@ def test_samples_are_written_once_and_adopted_by_rename(standin, tiny_model_dir,
         inodes[entry["key"]] = os.stat(watcher.directory / entry["file"]).st_ino
         return real(watcher, entry, samples_dir, **kw)
 
-    monkeypatch.setattr("hs_patch.host.driver.adopt", spy)
+    monkeypatch.setattr("hs_patch.host.sample_steps.adopt", spy)
     data = tmp_path / "d.jsonl"
     write_chats(data, 6, words=60)  # longer than the stand-in's 48-token chunks: several passes each
     summary = drive(standin, tiny_model_dir, tmp_path, [data])

@@ -23,6 +23,7 @@ from hs_patch.host.shipping import link as ship_link, shipper
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_SHAPE = {"op", "key", "file", "bytes", "sha256", "t"}
+SHIPPED_OPTIONAL = {"sample_id", "from", "kept"}  # from: destination (start-up sync); kept: the destination's copy
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +33,12 @@ def sshd(tmp_path_factory):
     server.stop()
 
 
-def make_samples(directory: Path, n: int, *, start: int = 0, tokens: int = 8, hidden: int = 64) -> list[store.Written]:
-    """n samples written and listed the way the driver does (store.write_sample + manifest add)."""
+def make_samples(directory: Path, n: int, *, start: int = 0, tokens: int = 8, hidden: int = 64,
+                 sample_ids: bool = False, seed_offset: int = 0) -> list[store.Written]:
+    """n samples written and listed the way the driver does (store.write_sample + manifest add);
+    ``seed_offset`` gives the same samples (same tokens and keys) with other bytes."""
     out = []
-    g = torch.Generator().manual_seed(start)
+    g = torch.Generator().manual_seed(start + seed_offset)
     for i in range(start, start + n):
         ids = torch.arange(i * 100_000, i * 100_000 + tokens, dtype=torch.int64)
         key = store.sample_key(ids)
@@ -44,7 +47,7 @@ def make_samples(directory: Path, n: int, *, start: int = 0, tokens: int = 8, hi
                 "hidden_size": str(hidden), "dtype": "bfloat16"}
         w = store.write_sample(directory, key, [store.tensor_bytes("input_ids", ids),
                                                 store.tensor_bytes("layer.2", plane)], meta)
-        store.Manifest(directory).add(w, tokens=tokens)
+        store.Manifest(directory).add(w, tokens=tokens, **({"sample_id": f"data.jsonl:{i + 1}"} if sample_ids else {}))
         out.append(w)
     return out
 
@@ -77,7 +80,7 @@ def shipped_records(state: Path) -> list[dict]:
 def assert_shipped_locally(samples: Path, state: Path, written: list[store.Written]) -> None:
     """Each shipped once in shipped.jsonl, local file deleted, manifest says removed."""
     recs = shipped_records(state)
-    assert all(set(r) == SHIPPED_SHAPE and r["op"] == "shipped" for r in recs)
+    assert all(SHIPPED_SHAPE <= set(r) <= SHIPPED_SHAPE | SHIPPED_OPTIONAL and r["op"] == "shipped" for r in recs)
     assert Counter(r["key"] for r in recs) == Counter(w.key for w in written)
     assert all(not w.path.exists() for w in written)
     live = store.read_manifest(samples)

@@ -228,6 +228,14 @@ def test_config_from_env_explains_bad_values():
             config.from_env(env)
 
 
+@pytest.mark.parametrize("raw,layers", [("1 2", (1, 2)), ("1,2", (1, 2)), (" 2, 30 ,58\t60 ", (2, 30, 58, 60)),
+                                        ("7", (7,))])
+def test_capture_layers_are_separated_by_commas_or_whitespace(raw, layers):
+    assert config.parse_layers(raw) == layers
+    with pytest.raises(config.ConfigError, match="ascending"):
+        config.parse_layers("2 1")
+
+
 def test_server_refusals_name_the_flag():
     ok = {"pp_size": 1, "radix_cache": False, "prefill_graph": "disabled", "moe_a2a_backend": "none"}
     assert server_checks.refusals(ok) == []

@@ -50,8 +50,9 @@ def render(snap: dict[str, Any], host: str, progress: Progress, task: Any) -> Gr
     stats.add_column(style="bold")
     stats.add_column()
     dump, samples = snap.get("dump") or {}, snap.get("samples") or {}
+    ship_state = "STORAGE UNREACHABLE, waiting" if ship.get("outage") else ship.get("state", "-")
     stats.add_row("driver", f"{d.get('state', '-')} [{_state(snap, f'hs-drive-{run}')}]",
-                  "shipper", f"{ship.get('state', '-')} [{_state(snap, f'hs-ship-{run}')}]")
+                  "shipper", f"{ship_state} [{_state(snap, f'hs-ship-{run}')}]")
     stats.add_row("rejected", str(s.get("rejected", 0)), "duplicates", str(s.get("duplicates", 0)))
     stats.add_row("failed", str(s.get("failed", 0)), "in flight", str(s.get("in_flight", 0)))
     stats.add_row("tokens", f"{tok.get('done_now', 0):,}", "tokens/s", f"{tok.get('per_s', 0):,.0f}")
@@ -77,6 +78,11 @@ def render(snap: dict[str, Any], host: str, progress: Progress, task: Any) -> Gr
         gpus.add_row(g["index"], g["name"], f"{g['util'] or 0:.0f}%", mem)
 
     problems = []
+    outage = ship.get("outage") or {}
+    if outage:
+        problems.append(f"shipper: storage unreachable for {outage.get('seconds', 0):.0f}s ({outage.get('failures', 0)} "
+                        f"tries; next in {outage.get('retry_in_s', 0):.0f}s): nothing is lost, shipping resumes by "
+                        "itself"[:200])
     for r in snap.get("rejects") or []:
         problems.append(f"reject {r.get('source', '')}:{r.get('line', '')} {r.get('reason', '')}"[:160])
     if fid.get("last_mismatch"):

@@ -10,14 +10,13 @@ port, dump directory, storage target...). Values that are Jinja templates are ig
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator
 
 import yaml
 
-RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+from hs_patch import names
 
 
 class ConfigError(ValueError):
@@ -125,6 +124,8 @@ def load(host: str, inventory: str | None = None, **overrides: Any) -> Target:
 
 
 def check_run_name(run: str) -> str:
-    if not RUN_NAME.match(run or ""):
-        raise ConfigError(f"run name {run!r}: use letters, digits, '.', '_' or '-' (at most 64), e.g. kimi-2026-12-02")
-    return run
+    """:func:`hs_patch.names.check_run_name` (the one rule, shared with hs-extract), as a ConfigError."""
+    try:
+        return names.check_run_name(run)
+    except names.RunNameError as e:
+        raise ConfigError(str(e)) from None

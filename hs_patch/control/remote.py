@@ -3,8 +3,10 @@
 Every function takes a fabric ``Connection`` (as root, like Ansible) and the host's
 :class:`~hs_patch.control.inventory.Target`. The driver and the shipper run as transient systemd
 units (``hs-drive-<run>``, ``hs-ship-<run>``) under the service user, so the job goes on
-when the SSH session drops; ``Restart=on-abnormal`` restarts a killed one, and both
-resume where they stopped.
+when the SSH session drops; a killed one is restarted (the driver ``Restart=on-abnormal``;
+the shipper ``Restart=on-failure`` except after exit 2, bad configuration: it waits out
+storage outages itself and exits 1 only on what waiting cannot cure), and both resume
+where they stopped.
 """
 
 from __future__ import annotations
@@ -195,15 +197,17 @@ def start_jobs(c: Any, t: Target, run: str, driver_args: list[str]) -> list[str]
     """Start the driver and (if shipping) the shipper units; leave running ones alone."""
     drive, ship = units(run)
     started = []
-    common = (f"--uid={t.service_user} --gid={t.service_user} --property=Restart=on-abnormal "
+    common = (f"--uid={t.service_user} --gid={t.service_user} "
               f"--property=RestartSec=5 --property=TimeoutStopSec=180 --property=KillMode=mixed "
               f"--setenv=PYTHONUNBUFFERED=1 --working-directory={shlex.quote(t.state_dir(run))}")
     # the driver exits 130 when it stops on SIGTERM (fab stop): a clean stop, not a failure
-    jobs = [(drive, ["--property=SuccessExitStatus=130", "--", t.bin("hs-extract"), "drive", "--run", run, "--server", f"http://127.0.0.1:{t.server_port}",
+    jobs = [(drive, ["--property=Restart=on-abnormal", "--property=SuccessExitStatus=130", "--",
+                     t.bin("hs-extract"), "drive", "--run", run, "--server", f"http://127.0.0.1:{t.server_port}",
                      "--capture-dir", t.dump_dir, "--state-dir", t.state_dir(run),
                      "--samples-dir", t.samples_dir(run), *driver_args])]
     if t.ship_enabled:
-        jobs.append((ship, ["--", t.bin("hs-extract"), "ship", "--samples-dir", t.samples_dir(run),
+        jobs.append((ship, ["--property=Restart=on-failure", "--property=RestartPreventExitStatus=2", "--",
+                            t.bin("hs-extract"), "ship", "--samples-dir", t.samples_dir(run),
                             "--state-dir", t.state_dir(run), "--dest", f"{t.storage_alias}:{t.storage_dir}/{run}",
                             "--follow"]))
     for unit, argv in jobs:

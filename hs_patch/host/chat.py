@@ -16,6 +16,13 @@ header in the rendering through it), or failing that the turn's bare content
 turn found neither way is a reject (``mask_alignment``). Characters map to tokens through the tokenizer's offsets (fast
 tokenizers) or, for slow ones (Kimi's tiktoken tokenizer), by encoding the text up to
 each span boundary and checking that it is a prefix of the full encoding.
+
+A conversation that opens with an assistant turn has no history to render a generation
+prompt from (``apply_chat_template([])`` is an error in transformers): its span is the
+turn as rendered alone, after the assistant header the template puts before a generation
+prompt (learnt from a one-turn history), or its bare content. Templates that refuse such
+a conversation altogether give the reject ``assistant_first``. Anything the tokenizer
+raises on a text is a reject too (``tokenizer_error``), never a failed run.
 """
 
 from __future__ import annotations
@@ -39,11 +46,22 @@ def render(tokenizer: Any, messages: list[dict[str, str]], *, generation_prompt:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
                                              **(template_kwargs or {}))
     except Exception as e:  # noqa: BLE001 - jinja raises anything; the sample is rejected with the reason
+        if messages and messages[0]["role"] == "assistant":
+            raise Invalid("assistant_first", "the conversation starts with an assistant turn and the chat template "
+                                             f"refuses it ({type(e).__name__}: {e}); drop that turn or put the "
+                                             "user turn it answers before it") from None
         raise Invalid("template_error", f"the chat template failed: {type(e).__name__}: {e}") from None
 
 
+def tokenize(tokenizer: Any, text: str, **kw: Any) -> Any:
+    try:
+        return tokenizer(text, add_special_tokens=False, **kw)
+    except Exception as e:  # noqa: BLE001 - a text the tokenizer cannot take is a reject, not a failed run
+        raise Invalid("tokenizer_error", f"the tokenizer refused the text: {type(e).__name__}: {e}"[:300]) from None
+
+
 def encode_text(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenize(tokenizer, text)["input_ids"])
 
 
 def assistant_spans(tokenizer: Any, messages: list[dict[str, str]], full: str,
@@ -53,6 +71,10 @@ def assistant_spans(tokenizer: Any, messages: list[dict[str, str]], full: str,
     cursor = 0
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
+            continue
+        if i == 0:  # nothing before it to render a generation prompt from
+            spans.append(_first_turn_span(tokenizer, m, full, template_kwargs))
+            cursor = spans[-1][1]
             continue
         before = render(tokenizer, messages[:i], generation_prompt=True, template_kwargs=template_kwargs)
         through = render(tokenizer, messages[:i + 1], template_kwargs=template_kwargs)
@@ -71,6 +93,25 @@ def assistant_spans(tokenizer: Any, messages: list[dict[str, str]], full: str,
         spans.append(span)
         cursor = span[1]
     return spans
+
+
+def _first_turn_span(tokenizer: Any, turn: dict[str, str], full: str,
+                     template_kwargs: Optional[dict[str, Any]]) -> tuple[int, int]:
+    """An opening assistant turn: after the assistant header, through its end-of-turn token(s)."""
+    through = render(tokenizer, [turn], template_kwargs=template_kwargs)
+    probe = [{"role": "user", "content": ""}]
+    try:
+        plain = render(tokenizer, probe, template_kwargs=template_kwargs)
+        prompt = render(tokenizer, probe, generation_prompt=True, template_kwargs=template_kwargs)
+        header = prompt[len(plain):] if prompt.startswith(plain) else ""
+    except Invalid:
+        header = ""
+    if full.startswith(through) and header and through.startswith(header) and len(header) < len(through):
+        return len(header), len(through)
+    at = full.find(turn["content"]) if turn["content"] else -1
+    if at < 0:
+        raise Invalid("mask_alignment", "the opening assistant turn is not found in the rendered chat template text")
+    return at, at + len(turn["content"])
 
 
 def _rendered_turn(tokenizer: Any, history: list[dict[str, str]], before: str, through: str,
@@ -114,7 +155,7 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, str]],
     full = render(tokenizer, messages, template_kwargs=template_kwargs)
     spans = assistant_spans(tokenizer, messages, full, template_kwargs)
     if getattr(tokenizer, "is_fast", False):
-        enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+        enc = tokenize(tokenizer, full, return_offsets_mapping=True)
         ids = list(enc["input_ids"])
         mask = _mask_from_offsets([tuple(o) for o in enc["offset_mapping"]], spans)
     else:
@@ -129,6 +170,33 @@ def generation_prompt(tokenizer: Any, messages: list[dict[str, str]],
                       template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
     """Token ids that ask the model for the next assistant turn after ``messages``."""
     return encode_text(tokenizer, render(tokenizer, messages, generation_prompt=True, template_kwargs=template_kwargs))
+
+
+def check_model_dir(model_dir: str) -> None:
+    """ValueError unless ``model_dir`` is a directory (checked before anything of the run is written)."""
+    from pathlib import Path
+
+    p = Path(model_dir)
+    if not p.is_dir():
+        raise ValueError(f"--model {model_dir} {'is not a directory' if p.exists() else 'does not exist'}: give the "
+                         "served model's directory (the one SGLang's --model-path names), which holds its "
+                         "tokenizer and chat template")
+
+
+def load_tokenizer(model_dir: str, trust_remote_code: bool = False) -> Any:
+    """The served model's tokenizer; ValueError saying what to give if ``model_dir`` is not one."""
+    from pathlib import Path
+
+    check_model_dir(model_dir)
+    p = Path(model_dir)
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(p), trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds; one clear message
+        hint = "" if trust_remote_code else " (Kimi-K2/K2.5's tokenizer needs --trust-remote-code)"
+        raise ValueError(f"cannot load the tokenizer of --model {model_dir}{hint}: {type(e).__name__}: {e}"[:800]) \
+            from None
 
 
 def vocab_bound(tokenizer: Any, model_dir: Optional[str]) -> int:

@@ -9,7 +9,13 @@ the driver records it. Other HTTP errors (400: the server refuses this input) ra
 Note: on SGLang, ``/health`` and ``/health_generate`` run a one-token prefill of
 ``input_ids=[0]`` when the server is idle (``/health`` too unless
 SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0), and a capturing server writes it as a
-sample: the driver removes that probe sample (:data:`HEALTH_PROBE_IDS`).
+sample: the driver removes that probe sample (:data:`HEALTH_PROBE_IDS`), never while a
+dataset sample of the same tokens is in flight.
+
+Credentials in the server URL (``http://user:pass@host:port``, ``?token=...``) are sent
+(basic auth, query parameters on every request) but never shown: messages and
+:attr:`SGLangClient.display_url` carry :func:`redact_url`'s form. Every request of
+:meth:`SGLangClient.wait_healthy` is bounded by the time left of its wait.
 """
 
 from __future__ import annotations
@@ -19,11 +25,40 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
+from urllib.parse import parse_qsl, quote, unquote, urlsplit, urlunsplit
 
 import requests
 
 HEALTH_PROBE_IDS = [0]   # what SGLang's health checks prefill
 RETRY_STATUS = {429, 500, 502, 503, 504}
+
+
+def _split(url: str) -> tuple[str, Optional[tuple[str, str]], list[tuple[str, str]], list[str]]:
+    """(base URL without credentials or query, basic auth, query parameters, the secrets in them)."""
+    u = urlsplit(url)
+    host = u.hostname or ""
+    netloc = (f"[{host}]" if ":" in host else host) + (f":{u.port}" if u.port else "")
+    auth = (unquote(u.username or ""), unquote(u.password or "")) if u.username or u.password else None
+    params = parse_qsl(u.query, keep_blank_values=True)
+    secrets = [x for x in ((auth or ("", ""))[1], *(v for _, v in params)) if len(x) >= 3]  # shorter: no scrubbing
+    secrets += [quote(x, safe="") for x in secrets]
+    base = urlunsplit((u.scheme, netloc, u.path.rstrip("/"), "", ""))
+    return base, auth, params, sorted(set(secrets), key=len, reverse=True)
+
+
+def redact_url(url: str) -> str:
+    """The URL with its user, password and query values replaced by ``***`` (for ledgers and logs)."""
+    base, auth, params, _ = _split(url)
+    if auth:
+        scheme, rest = base.split("://", 1) if "://" in base else ("", base)
+        base = f"{scheme}://***@{rest}" if scheme else f"***@{rest}"
+    return base + ("?" + "&".join(f"{k}=***" for k, _ in params) if params else "")
+
+
+def redact(text: str, secrets: list[str]) -> str:
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return text
 
 
 class ClientError(RuntimeError):
@@ -54,7 +89,8 @@ class SGLangClient:
                  connect_timeout: float = 10.0,
                  on_retry: Optional[Callable[[dict[str, Any]], None]] = None,
                  should_stop: Callable[[], bool] = lambda: False):
-        self.base_url = base_url.rstrip("/")
+        self.base_url, self._auth, self._params, self._secrets = _split(base_url.rstrip("/"))
+        self.display_url = redact_url(base_url.rstrip("/"))
         self.policy = policy or RetryPolicy()
         self.timeout = (connect_timeout, timeout)
         self.on_retry = on_retry
@@ -68,24 +104,31 @@ class SGLangClient:
         return s
 
     def _request(self, method: str, path: str, *, json: Any = None, retry: bool = True,
-                 context: Optional[dict[str, Any]] = None) -> requests.Response:
+                 context: Optional[dict[str, Any]] = None, timeout: Optional[float] = None) -> requests.Response:
+        """One request with its retries; ``timeout`` bounds them all together (each attempt gets the time left)."""
         url = self.base_url + path
+        deadline = None if timeout is None else time.monotonic() + timeout
         attempt = 0
         while True:
+            left = None if deadline is None else max(0.05, deadline - time.monotonic())
+            limits = self.timeout if left is None else (min(self.timeout[0], left), min(self.timeout[1], left))
             try:
-                r = self._session().request(method, url, json=json, timeout=self.timeout)
+                r = self._session().request(method, url, json=json, params=self._params or None, auth=self._auth,
+                                            timeout=limits)
                 if r.status_code < 400:
                     return r
                 if r.status_code not in RETRY_STATUS:
-                    raise ServerRejected(r.status_code, _error_message(r))
+                    raise ServerRejected(r.status_code, redact(_error_message(r), self._secrets))
                 error = f"HTTP {r.status_code}: {_error_message(r)}"
             except requests.RequestException as e:
                 self._local.session = None  # a broken keep-alive connection: start afresh
                 error = f"{type(e).__name__}: {e}"
+            error = redact(error, self._secrets)
             attempt += 1
-            if not retry or attempt > self.policy.retries or self.should_stop():
-                raise ClientError(f"{method} {url} failed after {attempt} attempt(s): {error}")
             delay = self.policy.delay(attempt)
+            out_of_time = deadline is not None and time.monotonic() + delay >= deadline
+            if not retry or attempt > self.policy.retries or self.should_stop() or out_of_time:
+                raise ClientError(f"{method} {self.display_url}{path} failed after {attempt} attempt(s): {error}")
             if self.on_retry is not None:
                 self.on_retry({"path": path, "attempt": attempt, "error": error, "delay": round(delay, 3),
                                **(context or {})})
@@ -111,10 +154,10 @@ class SGLangClient:
             raise ClientError(f"/generate answered without meta_info: {str(out)[:200]}")
         return out
 
-    def health(self) -> bool:
-        """True if ``/health`` answers 200 now (no retries)."""
+    def health(self, timeout: Optional[float] = None) -> bool:
+        """True if ``/health`` answers 200 now (no retries; at most ``timeout`` seconds)."""
         try:
-            return self._request("GET", "/health", retry=False).status_code == 200
+            return self._request("GET", "/health", retry=False, timeout=timeout).status_code == 200
         except ClientError:
             return False
 
@@ -124,17 +167,19 @@ class SGLangClient:
         except ClientError:
             return False
 
-    def server_info(self) -> dict[str, Any]:
-        return self._request("GET", "/get_server_info").json()
+    def server_info(self, timeout: Optional[float] = None) -> dict[str, Any]:
+        return self._request("GET", "/get_server_info", timeout=timeout).json()
 
     def wait_healthy(self, timeout: float, poll: float = 2.0) -> None:
-        """Block until ``/health`` answers 200; raise ClientError after ``timeout`` seconds."""
+        """Block until ``/health`` answers 200; raise ClientError after ``timeout`` seconds, also when
+        the server accepts connections and never answers (each request gets the time left)."""
         deadline = time.monotonic() + timeout
-        while not self.health():
+        while not self.health(timeout=max(0.05, deadline - time.monotonic())):
             if time.monotonic() >= deadline or self.should_stop():
-                raise ClientError(f"the SGLang server at {self.base_url} is not healthy after {timeout:.0f}s: "
-                                  "is it running (and done loading the model)? Check its log, or --server")
-            time.sleep(poll)
+                raise ClientError(f"the SGLang server at {self.display_url} is not healthy after {timeout:.0f}s "
+                                  "(--server-wait): is it running (and done loading the model)? Check its log, "
+                                  "or --server")
+            time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
 
 
 def _error_message(r: requests.Response) -> str:

@@ -10,11 +10,14 @@ Three formats, detected per line (a file may mix them):
 - pre-tokenized ``input_ids``: ``{"input_ids": [int, ...], "loss_mask": [0|1, ...]}`` (the
   mask is optional; without it every token counts).
 
-A line that is not one of these (not UTF-8, not JSON, not an object, no or several
-format fields, wrong field types, an empty conversation, no assistant turn, an unknown
-role) becomes a :class:`Reject` with its file, line number and reason; it never stops
-the run. A sample's id is ``<file name>:<line>`` (unique and stable for a given file);
-an ``id`` field of the record is kept as ``source_id``.
+A line that is not one of these (not UTF-8, not JSON, nested too deeply to parse, not an
+object, no or several format fields, wrong field types, text with a lone UTF-16 surrogate,
+an empty conversation, no assistant turn, an unknown role, longer than the line limit)
+becomes a :class:`Reject` with its file, line number and reason; it never stops the run.
+Files are read by :mod:`hs_patch.host.datafile` (compressed or not, any line ending, a
+BOM, bounded line length). A sample's id is ``<file name>:<line>`` (unique and stable for
+a given file; blank lines count in the numbering); an ``id`` field of the record is kept
+as ``source_id``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
+
+from hs_patch.host import datafile
 
 ROLE_MAP = {"system": "system", "user": "user", "human": "user", "assistant": "assistant",
             "gpt": "assistant", "chatgpt": "assistant", "tool": "tool", "function": "tool"}
@@ -75,12 +80,36 @@ def source_name(path: Union[str, os.PathLike]) -> str:
     return Path(path).name
 
 
+def line_limit(max_tokens: int, max_line_chars: int = 0) -> int:
+    """Longest line read (characters): ``max_line_chars``, or by default 256 per allowed token
+    (at least 1 Mi): real JSONL spends under 16 characters a token, escapes included, so
+    only lines that cannot fit are skipped unread."""
+    return max_line_chars or max(1 << 20, 256 * max_tokens)
+
+
 def check_sources(paths: list[str]) -> None:
-    """Refuse missing files and two files with the same name (sample ids would collide)."""
+    """Refuse what cannot be a dataset file, and two files with the same name (sample ids would collide)."""
     seen: dict[str, str] = {}
     for p in paths:
-        if not Path(p).is_file():
+        path = Path(p)
+        if path.is_dir():
+            raise ValueError(f"dataset path {p} is a directory: give the JSONL files in it "
+                             f"(e.g. --data {p.rstrip('/')}/*.jsonl)")
+        if not path.exists():
             raise FileNotFoundError(f"dataset file {p} does not exist (give JSONL files with --data)")
+        if not path.is_file():
+            raise ValueError(f"dataset path {p} is not a regular file (a device or pipe cannot be resumed): "
+                             "give JSONL files")
+        try:
+            with open(path, "rb") as f:
+                f.read(1)
+        except OSError as e:
+            raise ValueError(f"dataset file {p} cannot be read: {e.strerror}") from None
+        if path.stat().st_size == 0:
+            raise ValueError(f"dataset file {p} is empty: nothing to extract")
+        if datafile.first_char(path) == "[":
+            raise ValueError(f"dataset file {p} is a JSON array, not JSON lines (one object a line): convert it "
+                             f"with jq -c '.[]' {p} > {path.stem}.jsonl")
         name = source_name(p)
         if name in seen:
             raise ValueError(f"two dataset files are named {name!r} ({seen[name]} and {p}); sample ids are "
@@ -88,40 +117,44 @@ def check_sources(paths: list[str]) -> None:
         seen[name] = p
 
 
-def count_lines(paths: list[str]) -> int:
-    """Non-blank lines of all files (the run's total before validation)."""
-    n = 0
-    for p in paths:
-        with open(p, "rb") as f:
-            n += sum(1 for raw in f if raw.strip())
-    return n
+def count_lines(paths: list[str], max_chars: int = 1 << 20) -> datafile.Counts:
+    """Non-blank lines of all files (the run's total before validation) and blank ones."""
+    return datafile.count(paths, max_chars)
 
 
-def read(paths: list[str]) -> Iterator[Union[Record, Reject]]:
+def read(paths: list[str], max_chars: int = 1 << 20) -> Iterator[Union[Record, Reject]]:
     """Every non-blank line of every file, in order, as a Record or a Reject."""
     for p in paths:
         name = source_name(p)
-        with open(p, "rb") as f:
-            for n, raw in enumerate(f, 1):
-                if not raw.strip():
-                    continue
-                try:
-                    yield parse_line(raw, name, n)
-                except Invalid as e:
-                    yield Reject(name, n, e.reason, str(e))
+        for item in datafile.lines(p, max_chars):
+            if isinstance(item, datafile.TooLong):
+                yield Reject(name, item.number, "too_long", f"the line has {item.chars} characters, over the "
+                             f"line limit of {max_chars} (--max-line-chars); skipped unread")
+                continue
+            if not item.text.strip():
+                continue
+            try:
+                yield parse_line(item.text, name, item.number)
+            except Invalid as e:
+                yield Reject(name, item.number, e.reason, str(e))
 
 
-def parse_line(raw: bytes, source: str, line: int) -> Record:
+def parse_line(raw: Union[bytes, str], source: str, line: int) -> Record:
+    text = raw.decode("utf-8", "surrogateescape") if isinstance(raw, bytes) else raw
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise Invalid("not_utf8", f"byte {e.start} is not UTF-8 ({raw[e.start:e.start + 4]!r})") from None
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # a byte that is not UTF-8 (decoded as a lone surrogate)
+        at = len(text[:e.start].encode("utf-8", "surrogateescape"))
+        bad = text[e.start:e.start + 4].encode("utf-8", "surrogateescape")
+        raise Invalid("not_utf8", f"byte {at} is not UTF-8 ({bad!r})") from None
     try:
         obj = json.loads(text)
+    except RecursionError:
+        raise Invalid("bad_json", "JSON nested too deeply to parse (over ~1000 levels of [ or {)") from None
     except ValueError as e:
-        raise Invalid("bad_json", f"not valid JSON: {e}") from None
+        raise Invalid("bad_json", f"not valid JSON: {e}{_array_hint(text, line)}") from None
     if not isinstance(obj, dict):
-        raise Invalid("bad_json", f"a line must be a JSON object, got {type(obj).__name__}")
+        raise Invalid("bad_json", f"a line must be a JSON object, got {type(obj).__name__}{_array_hint(text, line)}")
     present = [k for k in FORMATS if k in obj]
     if not present:
         raise Invalid("unknown_format", f"no 'messages', 'conversations' or 'input_ids' field "
@@ -130,13 +163,29 @@ def parse_line(raw: bytes, source: str, line: int) -> Record:
         raise Invalid("ambiguous_format", f"several format fields {present}; keep one")
     fmt = present[0]
     source_id = obj.get("id", "")
-    rec = Record(f"{source}:{line}", source, line, fmt,
-                 source_id=str(source_id) if isinstance(source_id, (str, int)) else "")
+    source_id = str(source_id) if isinstance(source_id, (str, int)) and not isinstance(source_id, bool) else ""
+    rec = Record(f"{source}:{line}", source, line, fmt, source_id=_text(source_id, "id"))
     if fmt == "input_ids":
         rec.input_ids, rec.loss_mask = _tokens(obj)
     else:
         rec.messages = _conversation(obj[fmt], fmt)
     return rec
+
+
+def _array_hint(text: str, line: int) -> str:
+    if line == 1 and text.lstrip().startswith("["):
+        return "; the file looks like a JSON array, not JSON lines: convert it with jq -c '.[]' FILE > FILE.jsonl"
+    return ""
+
+
+def _text(value: str, where: str) -> str:
+    """``value`` if it is valid Unicode text: JSON can escape half of a UTF-16 pair (\\ud800) alone."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise Invalid("invalid_text", f"{where}: a lone surrogate U+{ord(value[e.start]):04X} at character "
+                                      f"{e.start} is not text (an escaped half of a UTF-16 pair?)") from None
+    return value
 
 
 def _tokens(obj: dict[str, Any]) -> tuple[list[int], Optional[list[int]]]:
@@ -159,14 +208,14 @@ def _tokens(obj: dict[str, Any]) -> tuple[list[int], Optional[list[int]]]:
 
 def _content(value: Any, where: str) -> str:
     if isinstance(value, str):
-        return value
+        return _text(value, where)
     if isinstance(value, list) and all(isinstance(p, dict) for p in value):
         texts = []
         for part in value:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise Invalid("bad_field", f"{where}: only text content parts are supported, got "
                                            f"type {part.get('type')!r}")
-            texts.append(part["text"])
+            texts.append(_text(part["text"], where))
         return "".join(texts)
     raise Invalid("bad_field", f"{where}: content must be a string or a list of text parts")
 

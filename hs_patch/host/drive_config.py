@@ -12,6 +12,7 @@ from typing import Any
 
 from hs_patch.host import dataset
 from hs_patch import store
+from hs_patch.names import check_run_name
 
 
 @dataclass
@@ -26,6 +27,7 @@ class DriveConfig:
     trust_remote_code: bool = False
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     max_tokens: int = 32768
+    max_line_chars: int = 0             # 0: 256 x max_tokens, at least 1 Mi (dataset.line_limit)
     on_too_long: str = "skip"           # skip | truncate
     regenerate: bool = False
     regen_max_new_tokens: int = 2048
@@ -44,8 +46,14 @@ class DriveConfig:
     status_interval: float = 2.0
     prometheus: str = ""
     limit: int = 0                      # 0: all lines
+    fidelity_check: bool = True         # --no-fidelity-check: off
+    fidelity_fraction: float = 0.01     # share of samples checked at their last positions, not only the last one
+    fidelity_positions: int = 32
+    fidelity_tie_tolerance: float = 0.02
+    fidelity_max_consecutive: int = 5
 
     def __post_init__(self) -> None:
+        check_run_name(self.run)  # it names directories: never '../x', '' or '.'
         self.state_dir = self.state_dir or f"/var/lib/hs-patch/runs/{self.run}"
         self.samples_dir = self.samples_dir or f"/dev/shm/hs-runs/{self.run}/samples"
 

@@ -13,30 +13,27 @@ status.json. A restarted run skips what is done and verified (see ``runstate``).
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import os
 import queue
 import threading
-import time
-import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from hs_patch import __version__, intent, store
-from hs_patch.host import chat, dataset, runstate
+from hs_patch.host import capture_check, chat, dataset, limits, runstate
 from hs_patch.host.backpressure import BackPressure, disk_usage
-from hs_patch.host.capture_dir import CaptureWatcher, RawTimeout
-from hs_patch.host.client import HEALTH_PROBE_IDS, ClientError, RetryPolicy, SGLangClient
+from hs_patch.host.capture_dir import CaptureWatcher
+from hs_patch.host.client import HEALTH_PROBE_IDS, RetryPolicy, SGLangClient, redact_url
 from hs_patch.host.drive_config import DriveConfig
-from hs_patch.host.adopt import AdoptError, adopt, same_filesystem
-from hs_patch.host.runstatus import RunStatus
+from hs_patch.host.adopt import same_filesystem
+from hs_patch.host.runstatus import RunStatus, nothing_extracted
+from hs_patch.host.sample_steps import (CAPTURE_PARAMS, EXIT_ERROR, EXIT_FAILURES, EXIT_INCOMPLETE,  # noqa: F401
+                                        EXIT_OK, EXIT_SIGNAL, SampleSteps)  # (re-exported)
 
-EXIT_OK, EXIT_ERROR, EXIT_INCOMPLETE, EXIT_FAILURES, EXIT_SIGNAL = 0, 1, 3, 4, 130
 CAPTURE_LOCK = ".hs-driver.lock"
 SAMPLES_LOCK = ".hs-samples.lock"
-CAPTURE_PARAMS = {"max_new_tokens": 1, "temperature": 0.0}  # 1 new token: the least that runs a prefill
 
 
 @dataclass
@@ -47,7 +44,7 @@ class Summary:
     status: dict[str, Any]
 
 
-class Driver:
+class Driver(SampleSteps):
     def __init__(self, cfg: DriveConfig, *, usage: Callable[[str], float] = disk_usage, tokenizer: Any = None):
         if cfg.on_too_long not in ("skip", "truncate"):
             raise runstate.RunError("--on-too-long must be skip or truncate")
@@ -76,6 +73,8 @@ class Driver:
 
     def _status_extra(self) -> dict[str, Any]:
         out: dict[str, Any] = {"dump": self.bp.status() if self.bp else {}}
+        if self.monitor is not None:
+            out["fidelity"] = self.monitor.status()
         if self.shipped is not None:
             with self.status.lock:
                 done = set(self.status.c.done_keys)
@@ -96,6 +95,7 @@ class Driver:
                 raise runstate.RunError(f"cannot create {what} {d}: {e.strerror}; choose a writable "
                                         "directory") from None
         dataset.check_sources(cfg.data)
+        chat.check_model_dir(cfg.model)
         if not same_filesystem(self.capture_dir, self.samples_dir):
             raise runstate.RunError(f"--capture-dir {self.capture_dir} and --samples-dir {self.samples_dir} are on "
                                     "different filesystems: samples are moved, not copied, into the samples dir; "
@@ -132,7 +132,7 @@ class Driver:
             self._sweep(set(self.watcher.keys()), "not requested by this run")
             self._sweep_intents()
         except Exception as e:
-            self.status.state, self.status.message = "failed", str(e)
+            self.status.state, self.status.message, self.exit_code = "failed", str(e), EXIT_ERROR
             self.ledger.write("run_failed", error=f"{type(e).__name__}: {e}")
             raise
         finally:
@@ -141,12 +141,16 @@ class Driver:
                 ticker.join()
             if watcher is not None:
                 watcher.close()
+            self._stop_fidelity()
             doc = self.status.snapshot()
             if self.status.state != "failed":
                 s = doc["samples"]
                 if not self.stop_reason and (s["failed"] or s["remaining"]):
                     self.exit_code = EXIT_INCOMPLETE
-                self.status.state = "finished" if not self.stop_reason else "stopped"
+                empty = None if self.stop_reason else nothing_extracted(doc, self.rejects.by_reason)
+                if empty:
+                    self.exit_code, self.stop_reason = EXIT_ERROR, empty
+                self.status.state = "failed" if empty else "finished" if not self.stop_reason else "stopped"
                 self.status.message = self.stop_reason or (
                     "complete" if self.exit_code == EXIT_OK else
                     f"{s['failed']} failed, {s['remaining']} not done: run the same command again to redo them")
@@ -161,25 +165,32 @@ class Driver:
     def _prepare(self, resumed: bool) -> None:
         cfg = self.cfg
         if self.tokenizer is None:
-            from transformers import AutoTokenizer
-
-            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+            self.tokenizer = chat.load_tokenizer(cfg.model, cfg.trust_remote_code)
         self.vocab = chat.vocab_bound(self.tokenizer, cfg.model)
+        self.longest_token = limits.longest_token_chars(self.tokenizer)
+        self.max_chars = dataset.line_limit(cfg.max_tokens, cfg.max_line_chars)
         self.client = SGLangClient(cfg.server, policy=RetryPolicy(cfg.retries, cfg.backoff, cfg.backoff_max),
                                    timeout=cfg.request_timeout, on_retry=self._on_retry,
                                    should_stop=self.stop.is_set)
         self.client.wait_healthy(cfg.server_wait)
-        info = self.client.server_info()
+        info = self.client.server_info(timeout=cfg.server_wait)
         if info.get("disable_radix_cache") is not True:
             raise runstate.RunError("the server runs with the radix cache on: a cached prefix is never computed, so "
                                     "it cannot be captured. Restart SGLang with --disable-radix-cache")
         self.server_version = str(info.get("version", ""))
+        self.limit = limits.effective(cfg.max_tokens, info)
+        checked = capture_check.check(self.client, self.capture_dir, self.tokenizer, f"hs-{cfg.run}-",
+                                      timeout=cfg.raw_timeout, release=self.server_version)
+        self._start_fidelity()
         done = self.done = runstate.load_done(self.samples_dir, self.state_dir / runstate.SHIPPED)
-        self.status.c.total = dataset.count_lines(cfg.data) if not cfg.limit else \
-            min(cfg.limit, dataset.count_lines(cfg.data))
+        counts = dataset.count_lines(cfg.data, self.max_chars)
+        self.status.c.total = counts.lines if not cfg.limit else min(cfg.limit, counts.lines)
+        self.status.c.blank = counts.blank
         self.bp = BackPressure([str(self.capture_dir), str(self.samples_dir)], high=cfg.high_water,
                                low=cfg.low_water, usage=self.usage, on_change=self._on_pressure)
-        self.ledger.write("run_start", resumed=resumed, driver=__version__, params=asdict(cfg),
+        self.ledger.write("run_start", resumed=resumed, driver=__version__,
+                          params=dict(asdict(cfg), server=redact_url(cfg.server)), capture_check=checked,
+                          max_tokens_effective=self.limit.tokens, blank_lines=counts.blank,
                           server={k: info.get(k) for k in ("version", "model_path", "tp_size", "chunked_prefill_size",
                                                            "disable_radix_cache", "standin")},
                           done_verified=done.live, done_shipped=done.shipped, discarded=done.discarded)
@@ -203,8 +214,8 @@ class Driver:
     def _sweep(self, keys: set[str], reason: str) -> None:
         """Remove this run's raw samples (and SGLang's health-check probe) left in the capture dir."""
         probe = store.sample_key(HEALTH_PROBE_IDS)
-        for key in self.watcher.keys():
-            if key == probe or (key in keys and key not in self.inflight):
+        for key in self.watcher.keys():  # a dataset sample of the probe's tokens in flight waits for its own
+            if key not in self.inflight and (key == probe or key in keys):
                 why = "SGLang health-check probe (input_ids [0])" if key == probe else reason
                 if self.watcher.remove(key, reason=why, run=self.cfg.run):
                     self.ledger.write("raw_removed", key=key, reason=why)
@@ -232,7 +243,7 @@ class Driver:
                    for i in range(self.cfg.concurrency)]
         for w in workers:
             w.start()
-        items = dataset.read(self.cfg.data)
+        items = dataset.read(self.cfg.data, self.max_chars)
         if self.cfg.limit:
             items = itertools.islice(items, self.cfg.limit)
         for item in items:
@@ -271,147 +282,3 @@ class Driver:
         with self.status.lock:
             self.status.c.rejected = self.rejects.total
         self.ledger.write("reject", sample_id=rej.sample_id, reason=rej.reason, detail=rej.detail)
-
-    def _failed(self, rec: dataset.Record, key: Optional[str], stage: str, error: str) -> None:
-        if self.stop.is_set():  # interrupted by the stop, not a failure of its own: redone on resume
-            self.ledger.write("abandoned", sample_id=rec.sample_id, key=key, stage=stage, error=error)
-            return
-        self.status.error(f"{rec.sample_id}: {error}")
-        self.status.update(failed=1, consecutive_failures=1)
-        self.ledger.write("failed", sample_id=rec.sample_id, key=key, stage=stage, error=error)
-        n = self.status.c.consecutive_failures
-        if n >= self.cfg.max_consecutive_failures:
-            self.request_stop(f"stopped after {n} consecutive failures (last: {error}); fix the cause, then run "
-                              "the same command again to resume", EXIT_FAILURES)
-
-    def _process(self, rec: dataset.Record) -> None:
-        try:
-            ids, mask, prov = self._tokens(rec)
-        except dataset.Invalid as e:
-            self._reject(dataset.Reject(rec.source, rec.line, e.reason, str(e)))
-            return
-        except ClientError as e:
-            self._failed(rec, None, "regenerate", str(e))
-            return
-        key = store.sample_key(ids)
-        with self.keys_lock:
-            first = self.done.by_key.get(key) or self.inflight.get(key)
-            if first is None:
-                self.inflight[key] = rec.sample_id
-        if first is not None:
-            self.status.update(duplicates=1)
-            self.ledger.write("duplicate", sample_id=rec.sample_id, key=key, duplicate_of=first)
-            return
-        try:
-            self._capture(rec, key, ids, mask, prov)
-        finally:
-            with self.keys_lock:
-                self.inflight.pop(key, None)
-
-    def _tokens(self, rec: dataset.Record) -> tuple[list[int], list[int], dict[str, str]]:
-        cfg = self.cfg
-        prov = {"sample_id": rec.sample_id, "source": rec.source, "line": str(rec.line), "run": cfg.run,
-                "source_id": rec.source_id, "input_format": rec.format, "regenerated": "0", "truncated_from": "",
-                "driver": f"hs-extract {__version__}"}
-        if rec.input_ids is not None:
-            ids, mask = list(rec.input_ids), list(rec.loss_mask or [1] * len(rec.input_ids))
-            prov["loss_mask"] = "given" if rec.loss_mask else "all"
-            bad = next((t for t in ids if t >= self.vocab), None)
-            if bad is not None:
-                raise dataset.Invalid("bad_field", f"token id {bad} is outside the vocabulary (< {self.vocab})")
-        else:
-            messages = rec.messages
-            if cfg.regenerate:
-                messages = self._regenerate(rec)
-                prov["regenerated"] = "1"
-            enc = chat.encode_chat(self.tokenizer, messages, cfg.chat_template_kwargs)
-            ids, mask = enc.input_ids, enc.loss_mask
-            prov["loss_mask"] = "assistant"
-        if len(ids) > cfg.max_tokens:
-            if cfg.on_too_long == "skip":
-                raise dataset.Invalid("too_long", f"{len(ids)} tokens > --max-tokens {cfg.max_tokens}")
-            prov["truncated_from"] = str(len(ids))
-            ids, mask = ids[:cfg.max_tokens], mask[:cfg.max_tokens]
-            if not any(mask):
-                raise dataset.Invalid("too_long", f"{prov['truncated_from']} tokens truncated to {cfg.max_tokens} "
-                                                  "leave no assistant token")
-        return ids, mask, prov
-
-    def _rid(self, prefix: str, rec: dataset.Record) -> str:
-        tag = hashlib.sha256(rec.sample_id.encode()).hexdigest()[:8]
-        return f"{prefix}{self.cfg.run}-{tag}-{next(self.counter)}-{uuid.uuid4().hex[:8]}"
-
-    def _regenerate(self, rec: dataset.Record) -> list[dict[str, str]]:
-        """Replace each assistant turn by the target model's own answer (not captured)."""
-        cfg, out = self.cfg, []
-        params = {"max_new_tokens": cfg.regen_max_new_tokens, "temperature": cfg.regen_temperature,
-                  "top_p": cfg.regen_top_p}
-        for turn, m in enumerate(rec.messages or []):
-            if m["role"] != "assistant":
-                out.append(m)
-                continue
-            prompt = chat.generation_prompt(self.tokenizer, out, cfg.chat_template_kwargs)
-            key, rid = store.sample_key(prompt), self._rid("nocap-", rec)
-            with self.keys_lock:
-                self.regen_keys.add(key)
-            self.ledger.write("regen_turn", sample_id=rec.sample_id, turn=turn, key=key, rid=rid,
-                              prompt_tokens=len(prompt))
-            res = self.client.generate(prompt, params, rid, context={"sample_id": rec.sample_id})
-            meta = res["meta_info"]
-            self.ledger.write("regen_done", sample_id=rec.sample_id, turn=turn, rid=rid,
-                              completion_tokens=meta.get("completion_tokens"), finish_reason=meta.get("finish_reason"))
-            out.append({"role": "assistant", "content": res["text"]})
-        return out
-
-    def _capture(self, rec: dataset.Record, key: str, ids: list[int], mask: list[int], prov: dict[str, str]) -> None:
-        cfg = self.cfg
-        if not self.bp.wait(self.stop):
-            return
-        rid = self._rid("hs-", rec)
-        try:
-            intent.write(self.capture_dir, key, mask, prov)  # the hook writes mask + provenance into the sample
-        except (OSError, intent.IntentError) as e:
-            self._failed(rec, key, "intent", f"cannot write the sample's intent into {self.capture_dir}: {e}")
-            return
-        self.watcher.read_new()  # an earlier write of these tokens must count as before this request
-        after = self.watcher.seq
-        t0 = time.monotonic()
-        self.ledger.write("sent", sample_id=rec.sample_id, key=key, rid=rid, tokens=len(ids),
-                          loss_tokens=sum(mask), truncated_from=prov["truncated_from"] or None)
-        self.status.update(in_flight=1)
-        adopted = False
-        try:
-            try:
-                self.client.generate(ids, CAPTURE_PARAMS, rid, context={"sample_id": rec.sample_id})
-            except ClientError as e:
-                self._failed(rec, key, "generate", str(e))
-                return
-            try:
-                entry = self.watcher.wait(key, after, cfg.raw_timeout)
-            except RawTimeout:
-                self._failed(rec, key, "wait_raw", (
-                    f"the server answered but no sample {key} appeared in {self.capture_dir}/manifest.jsonl within "
-                    f"{cfg.raw_timeout:.0f}s (--raw-timeout). Is the server started with HS_CAPTURE=1 and "
-                    f"HS_CAPTURE_DIR={self.capture_dir} (= --capture-dir)? Is its writer failing (errors.jsonl, "
-                    "hook_status.json)?"))
-                return
-            try:
-                written = adopt(self.watcher, entry, self.samples_dir, sample_id=rec.sample_id, run=cfg.run)
-                adopted = True
-            except (AdoptError, OSError) as e:
-                self._failed(rec, key, "adopt", str(e))
-                return
-        finally:
-            self.status.update(in_flight=-1)
-            if not adopted:
-                intent.remove(self.capture_dir, key)
-        with self.keys_lock:
-            self.done.by_key[key] = rec.sample_id
-            self.done.by_id[rec.sample_id] = key
-        with self.status.lock:
-            self.status.c.done_keys.add(key)
-            self.status.c.consecutive_failures = 0
-        self.status.update(done_now=1, tokens=len(ids), loss_tokens=sum(mask), bytes=written.nbytes)
-        self.ledger.write("done", sample_id=rec.sample_id, key=key, rid=rid, file=written.path.name,
-                          bytes=written.nbytes, sha256=written.sha256, tokens=len(ids),
-                          seconds=round(time.monotonic() - t0, 3))

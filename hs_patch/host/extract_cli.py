@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 from typing import Any, Optional
@@ -45,7 +46,11 @@ resume: run the same command again. Samples whose final file matches its manifes
 are skipped; everything else is redone; truncated or damaged files are discarded first.
 A restart with different parameters (data files, model, limits, regeneration) is refused.
 
-exit codes: 0 every sample done or rejected; 1 refused or error (nothing else runs);
+before the first sample, one probe of the driver's own checks that the server captures its
+requests into --capture-dir (else the run is refused saying what to set).
+
+exit codes: 0 every sample done or rejected; 1 refused, error, or nothing extracted from a
+non-empty input (the reasons are in rejects.jsonl);
 3 incomplete (failed or unsent samples: run again to resume); 4 stopped after
 --max-consecutive-failures; 130 stopped by SIGINT/SIGTERM (a second one kills at once)
 """
@@ -80,7 +85,11 @@ def add_drive_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens", type=int, default=D["max_tokens"], metavar="N", help="longest sample in tokens "
                    "(default: %(default)s)")
     g.add_argument("--on-too-long", choices=("skip", "truncate"), default=D["on_too_long"],
-                   help="a longer sample is rejected (skip) or cut to --max-tokens (truncate) (default: %(default)s)")
+                   help="a longer sample is rejected (skip) or cut to --max-tokens (truncate); the server's own "
+                   "limit (/get_server_info max_req_input_len) applies when smaller (default: %(default)s)")
+    g.add_argument("--max-line-chars", type=int, default=D["max_line_chars"], metavar="N",
+                   help="a longer input line is rejected as too_long without being read whole (0: 256 x "
+                   "--max-tokens, at least 1Mi) (default: %(default)s)")
     g = p.add_argument_group("regeneration (the target model writes the assistant turns first)")
     g.add_argument("--regenerate", action="store_true", help="generate each assistant turn with the served model "
                    "(normal decoding, rid nocap-..., not captured), then capture the whole conversation; "
@@ -108,6 +117,22 @@ def add_drive_arguments(p: argparse.ArgumentParser) -> None:
                    "samples failed in a row (default: %(default)s)")
     g.add_argument("--server-wait", type=float, default=D["server_wait"], metavar="S", help="wait this long at start for "
                    "/health (default: %(default)s)")
+    g = p.add_argument_group("fidelity check (every sample, before it is kept)")
+    g.add_argument("--no-fidelity-check", dest="fidelity_check", action="store_false",
+                   help="do not check the dumped states (by default argmax of the model's lm_head over each sample's "
+                        "final state at its last position must equal the token the server generated in that pass)")
+    g.add_argument("--fidelity-fraction", type=float, default=D["fidelity_fraction"], metavar="F",
+                   help="share of samples (chosen by key) also checked at their last --fidelity-positions positions "
+                        "against the server's own top-1 of the same pass (return_logprob) (default: %(default)s)")
+    g.add_argument("--fidelity-positions", type=int, default=D["fidelity_positions"], metavar="N",
+                   help="positions checked per sampled sample (default: %(default)s)")
+    g.add_argument("--fidelity-tie-tolerance", type=float, default=D["fidelity_tie_tolerance"], metavar="STD",
+                   help="a disagreement whose logit margin is below this many standard deviations of the row's "
+                        "logits is a near-tie, not a mismatch (measured on an H200: all same-pass disagreements "
+                        "were below 0.013) (default: %(default)s)")
+    g.add_argument("--fidelity-max-consecutive", type=int, default=D["fidelity_max_consecutive"], metavar="K",
+                   help="stop the run after K mismatching samples in a row, saying what is likely wrong "
+                        "(default: %(default)s)")
     g = p.add_argument_group("back-pressure and progress")
     g.add_argument("--high-water", type=float, default=D["high_water"], metavar="PCT", help="pause sending when the "
                    "filesystem of --capture-dir or --samples-dir is this full (default: %(default)s)")
@@ -133,6 +158,14 @@ def drive_config(a: argparse.Namespace) -> Any:
     for name in ("concurrency", "max_tokens", "max_consecutive_failures"):
         if getattr(a, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if a.max_line_chars < 0:
+        raise SystemExit("--max-line-chars must be >= 0 (0: the default bound)")
+    from hs_patch.names import RunNameError, check_run_name
+
+    try:
+        check_run_name(a.run)
+    except RunNameError as e:
+        raise SystemExit(f"--run: {e}") from None
     return DriveConfig(**{f.name: getattr(a, f.name) for f in fields(DriveConfig) if f.name != "chat_template_kwargs"},
                        chat_template_kwargs=kwargs)
 
@@ -206,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    os.umask(0o077)  # hidden states of a proprietary model: every file and dir we create is owner-only
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     a = build_parser().parse_args(argv)
     return a.func(a)

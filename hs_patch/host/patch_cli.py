@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -14,7 +15,7 @@ from hs_patch.host import patcher
 from hs_patch.releases import DEFAULT_RELEASE, RELEASES
 from hs_patch.flags import REQUIRED_FLAGS, args_violations
 
-EXIT_OK, EXIT_ERROR, EXIT_REFUSED, EXIT_VERIFY = 0, 1, 2, 3
+EXIT_OK, EXIT_ERROR, EXIT_REFUSED, EXIT_VERIFY, EXIT_NOT_FOUND, EXIT_NOTHING = 0, 1, 2, 3, 4, 5
 
 DESCRIPTION = f"""\
 Patch an installed SGLang so that its DeepseekV2/V3 model (Kimi-K2.5, DeepSeek-V3) dumps
@@ -23,7 +24,22 @@ the hidden states it computes during prefill, for EAGLE-3 drafter training.
 Supported SGLang releases: {", ".join(RELEASES)} (default pin {DEFAULT_RELEASE}); each is
 recognised by the sha256 of its deepseek_v2.py. Anything else is refused unchanged.
 
-exit codes: 0 ok, 1 error, 2 refused (nothing written), 3 verify failed
+exit codes: 0 ok, 1 error, 2 refused (nothing written), 3 verify failed (a sample damaged,
+missing or unlisted, a manifest line unusable), 4 not found (inspect: no such path),
+5 nothing to check (inspect: a directory without manifest.jsonl)
+"""
+
+INSPECT_HELP = """\
+Validate a sample file, or a directory against its manifest.jsonl: the driver's samples
+directory, the capture dir, or a shipped run at the destination (DEST, with samples/ and
+manifest.jsonl). Every listed file must exist and match its entry; files the manifest
+does not list and manifest lines without key/file/bytes/sha256 are reported (file:line).
+
+--deep (the default) reads every file: size + sha256 against the manifest, then the
+tensors (format, planes, shapes, dtypes, the ids hash to the key); --workers files at a
+time, with a progress bar. --quick reads only each file's size and safetensors header
+(format, key, where the tensors end): a flipped byte inside the tensor data is NOT found
+by --quick, only by --deep.
 """
 
 CAPTURE_HELP = "capture is configured by environment variables of the SGLang server (read once at start):\n" + \
@@ -85,19 +101,51 @@ def _serving(layers: Any, release: str | None, model: str | None) -> dict[str, A
     return {"release": release, "eagle_aux_hidden_state_layer_ids": ids, "checked_with_model": n is not None}
 
 
-def _inspect(path: str, deep: bool) -> dict[str, Any]:
+class _NotFound(Exception):
+    pass
+
+
+class _Nothing(Exception):
+    pass
+
+
+def _progress_bar(total_bytes: int, files: int) -> Any:
+    """A rich progress bar on stderr (a plain line every few percent without rich or a terminal)."""
+    try:
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.console import Console
+    except ImportError:  # the host extra does not require rich
+        return None
+    return Progress(TextColumn(f"checking {files} samples"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                    console=Console(stderr=True), transient=True)
+
+
+def _inspect(path: str, deep: bool, workers: int = 1, show_progress: bool = False) -> dict[str, Any]:
     try:
         from hs_patch import reader, store
     except ImportError as e:  # pragma: no cover - store imports only the standard library
         raise SystemExit(f"hs-patch inspect needs the host extra: pip install 'hs-patch[host]' ({e})")
     p = Path(path)
+    if not p.exists():
+        raise _NotFound(f"{p} does not exist")
     if p.is_dir():
-        rep = reader.check_dir(p, deep=deep)
-        return {"action": "inspect", "directory": str(p), "ok": len(rep.ok), "bad": rep.bad,
-                "missing": rep.missing, "unlisted": rep.unlisted, "tokens": rep.tokens, "bytes": rep.nbytes,
-                "clean": rep.clean,
+        entries, _ = reader.manifest_entries(p)
+        if entries is None:
+            raise _Nothing(f"{p} has no {store.MANIFEST}: nothing to check against (not a samples directory, "
+                           "or nothing was written there yet)")
+        bar = _progress_bar(sum(e["bytes"] for e in entries.values()), len(entries)) if show_progress else None
+        if bar is not None:
+            with bar:
+                task = bar.add_task("check", total=sum(e["bytes"] for e in entries.values()))
+                rep = reader.check_dir(p, deep=deep, workers=workers, progress=lambda n: bar.advance(task, n))
+        else:
+            rep = reader.check_dir(p, deep=deep, workers=workers)
+        return {"action": "inspect", "directory": str(p), "mode": "deep" if deep else "quick", "ok": len(rep.ok),
+                "bad": rep.bad, "missing": rep.missing, "unlisted": rep.unlisted, "manifest_problems": rep.problems,
+                "tokens": rep.tokens, "bytes": rep.nbytes, "clean": rep.clean,
                 "message": f"{len(rep.ok)} ok, {len(rep.bad)} bad, {len(rep.missing)} missing, "
-                           f"{len(rep.unlisted)} not in the manifest"}
+                           f"{len(rep.unlisted)} not in the manifest, {len(rep.problems)} unusable manifest lines "
+                           f"({'sha256 + tensors' if deep else 'sizes + headers only'})"}
     entry = store.read_manifest(p.parent).get(p.name[: -len(store.SUFFIX)])
     s = reader.read_sample(p, entry=entry)
     shapes = {k: [list(v.shape), str(v.dtype).replace("torch.", "")] for k, v in s.tensors.items()}
@@ -124,7 +172,7 @@ def _print(res: dict[str, Any], as_json: bool) -> None:
         if res["required_server_flags"]:
             print(f"  server flags needed with capture on: {' '.join(res['required_server_flags'])}")
     if res["action"] == "inspect":
-        for k in ("bad", "missing", "unlisted"):
+        for k in ("manifest_problems", "bad", "missing", "unlisted"):
             for item in (res.get(k) or {}):
                 print(f"  {k}: {item}{': ' + res[k][item] if isinstance(res[k], dict) else ''}")
         if "tensors" in res:
@@ -142,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         "verify": lambda a: patcher.verify(a.site),
         "revert": lambda a: patcher.revert(a.site),
         "status": lambda a: _status(a.site, a.model),
-        "inspect": lambda a: _inspect(a.path, not a.quick),
+        "inspect": lambda a: _inspect(a.path, not a.quick, a.workers, a.progress and not a.json),
         "check-args": lambda a: _check_args(a.site, a.release, a.args),
     }
     helps = {
@@ -150,18 +198,26 @@ def main(argv: list[str] | None = None) -> int:
         "verify": "exit 0 only if the patch is present, intact, compiles and sits where it must",
         "revert": "restore the byte-identical original (idempotent)",
         "status": "release, pristine/patched/unknown, capture configuration, required server flags",
-        "inspect": "validate a sample file or a dump directory against its manifest",
+        "inspect": "validate a sample file, or a samples directory or shipped run against its manifest",
         "check-args": "check SGLang server arguments against what capture needs and refuses (exit 2: refused)",
     }
     for name, text in helps.items():
-        p = sub.add_parser(name, help=text, description=text)
+        p = sub.add_parser(name, help=text, description=INSPECT_HELP if name == "inspect" else text,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         if name == "check-args":
             _site_arg(p)
             p.add_argument("--release", help="the SGLang release the server runs (default: the installed one)")
             p.add_argument("args", nargs=argparse.REMAINDER, help="the server's arguments, after --")
         elif name == "inspect":
             p.add_argument("path", help="a sample .safetensors file or a directory with manifest.jsonl")
-            p.add_argument("--quick", action="store_true", help="directories: compare sizes only, skip sha256")
+            depth = p.add_mutually_exclusive_group()
+            depth.add_argument("--deep", action="store_true", help="read every file: sha256 + tensors (the default)")
+            depth.add_argument("--quick", action="store_true", help="sizes and headers only; misses a flipped byte "
+                               "in the tensor data")
+            p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), metavar="N",
+                           help="files checked at a time (default: %(default)s)")
+            p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=sys.stderr.isatty(),
+                           help="a progress bar on stderr (default: when stderr is a terminal)")
             p.add_argument("--json", action="store_true", help="print one JSON object")
         else:
             _site_arg(p)
@@ -171,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "check-args" and args.args[:1] == ["--"]:
         args.args = args.args[1:]
+    if args.command == "inspect" and args.workers < 1:
+        parser.error("--workers must be >= 1")
+    os.umask(0o077)  # what we create is owner-only; the patched module keeps the original's mode (patcher)
     as_json = args.json
     try:
         res = actions[args.command](args)
@@ -178,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(args.command, str(e), EXIT_REFUSED, as_json)
     except patcher.VerifyFailed as e:
         return _fail(args.command, str(e), EXIT_VERIFY, as_json)
+    except _NotFound as e:
+        return _fail(args.command, str(e), EXIT_NOT_FOUND, as_json)
+    except _Nothing as e:
+        return _fail(args.command, str(e), EXIT_NOTHING, as_json)
     except Exception as e:  # noqa: BLE001 - one line for the user, not a traceback
         kind = type(e).__name__
         return _fail(args.command, f"{kind}: {e}", EXIT_ERROR if kind != "SampleError" else EXIT_VERIFY, as_json)

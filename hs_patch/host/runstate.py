@@ -71,7 +71,7 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 def take_lock(path: str | os.PathLike, what: str) -> int:
     """An exclusive flock on ``path`` (kept until the process exits or the fd is closed)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -84,7 +84,8 @@ def take_lock(path: str | os.PathLike, what: str) -> int:
 
 
 def check_params(state_dir: Path, params: Mapping[str, Any]) -> bool:
-    """Write run.json for a new run; for an existing one refuse different parameters.
+    """Write run.json for a new run; for an existing one refuse different parameters, unless it
+    never sent a sample (then nothing depends on them and they are replaced).
 
     Returns True if the run already existed (a resume).
     """
@@ -92,14 +93,29 @@ def check_params(state_dir: Path, params: Mapping[str, Any]) -> bool:
     if path.exists():
         old = json.loads(path.read_text())["params"]
         diff = {k: (old.get(k), params.get(k)) for k in sorted(set(old) | set(params)) if old.get(k) != params.get(k)}
-        if diff:
+        if not diff:
+            return True
+        if sent_anything(state_dir, Path(str(old.get("samples_dir") or state_dir))):
             lines = "\n".join(f"  {k}: was {a!r}, now {b!r}" for k, (a, b) in diff.items())
             raise RunError(f"run {params['run']!r} already exists in {state_dir} with other parameters:\n{lines}\n"
                            "Resume it with the same parameters, or start a new run with another --run NAME.")
-        return True
     write_text_atomic(path, json.dumps({"params": dict(params), "created": time.time()}, indent=2, sort_keys=True),
                       fsync=True)
     return False
+
+
+_SENT_OR_DONE = re.compile(rb'"event": ?"(?:sent|done)"')
+
+
+def sent_anything(state_dir: Path, samples_dir: Path) -> bool:
+    """Whether a run ever sent a sample to the server or has one (done, listed, or shipped)."""
+    if any(r.get("op") == "add" for r in store.manifest_records(samples_dir)) or read_shipped(state_dir / SHIPPED):
+        return True
+    ledger = state_dir / LEDGER
+    if not ledger.exists():
+        return False
+    with open(ledger, "rb") as f:
+        return any(_SENT_OR_DONE.search(raw) for raw in f)
 
 
 @dataclass
@@ -111,9 +127,9 @@ class DoneState:
     discarded: list[str] = field(default_factory=list)     # what was thrown away, and why
 
 
-def read_shipped(path: str | os.PathLike) -> dict[str, str]:
-    """key -> sha256 of the samples the shipper verified at the destination."""
-    return {r["key"]: r.get("sha256", "") for r in read_jsonl(path) if r.get("op") == "shipped" and "key" in r}
+def read_shipped(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """key -> record of the samples the shipper verified at the destination (the last one of a key)."""
+    return {r["key"]: r for r in read_jsonl(path) if r.get("op") == "shipped" and isinstance(r.get("key"), str)}
 
 
 def load_done(samples_dir: Path, shipped_path: Path, *, workers: int = 4) -> DoneState:
@@ -152,10 +168,17 @@ def load_done(samples_dir: Path, shipped_path: Path, *, workers: int = 4) -> Don
     for rec in records:
         key = rec.get("key")
         if rec.get("op") == "add" and rec.get("sample_id") and key not in live and key in shipped \
-                and shipped[key] in ("", rec["sha256"]):
+                and shipped[key].get("sha256", "") in ("", rec["sha256"]):
             if rec["sample_id"] not in st.by_id:
                 st.shipped += 1
             st.by_id[rec["sample_id"]] = key
+    # shipped samples the local manifest no longer knows (a reboot emptied /dev/shm): the shipper
+    # recorded their sample ids (and, at its start, every sample the destination's manifest holds)
+    for key, rec in shipped.items():
+        sid = rec.get("sample_id")
+        if isinstance(sid, str) and sid and sid not in st.by_id and key not in live:
+            st.by_id[sid] = key
+            st.shipped += 1
     st.by_key = {k: sid for sid, k in st.by_id.items()}
     return st
 

@@ -5,14 +5,15 @@
     {"run", "state": starting|running|paused|stopping|finished|stopped|failed, "pid",
      "started", "updated", "elapsed_s",
      "samples": {"total", "done", "done_before", "done_now", "rejected", "duplicates",
-                 "failed", "in_flight", "remaining"},
+                 "failed", "in_flight", "remaining", "blank"},
      "tokens": {"done_now", "loss", "per_s"}, "bytes_written",
      "dump": {"paused", "pauses", "high_water", "low_water", "used_pct": {dir: pct}},
      "shipping": {"shipped", "pending"},
      "errors": {"count", "retries", "consecutive_failures", "last"}, "message"}
 
-``total`` is the number of non-blank input lines; ``remaining`` = total - done - rejected
-- duplicates - failed. The Prometheus file (for node_exporter's textfile collector)
+``total`` is the number of non-blank input lines (``blank`` counts the others);
+``remaining`` = total - done - rejected - duplicates - failed. A run that ends with nothing
+done from a non-empty input is a failure (:func:`nothing_extracted` says why). The Prometheus file (for node_exporter's textfile collector)
 carries the same numbers as ``hs_extract_*`` gauges labelled with the run.
 """
 
@@ -32,6 +33,7 @@ from hs_patch import store
 @dataclass
 class Counters:
     total: int = 0
+    blank: int = 0
     done_before: int = 0
     done_now: int = 0
     rejected: int = 0
@@ -83,7 +85,7 @@ class RunStatus:
                 "updated": round(now, 3), "elapsed_s": round(elapsed, 1),
                 "samples": {"total": c.total, "done": done, "done_before": c.done_before, "done_now": c.done_now,
                             "rejected": c.rejected, "duplicates": c.duplicates, "failed": c.failed,
-                            "in_flight": c.in_flight,
+                            "in_flight": c.in_flight, "blank": c.blank,
                             "remaining": max(0, c.total - done - c.rejected - c.duplicates - c.failed)},
                 "tokens": {"done_now": c.tokens, "loss": c.loss_tokens, "per_s": round(c.tokens / elapsed, 1)},
                 "bytes_written": c.bytes,
@@ -100,6 +102,17 @@ class RunStatus:
         if self.prometheus is not None:
             store.write_text_atomic(self.prometheus, prometheus_text(doc))
         return doc
+
+
+def nothing_extracted(doc: dict[str, Any], reject_reasons: dict[str, int]) -> Optional[str]:
+    """Why a finished run that holds no sample at all is a failure (None if it holds one)."""
+    s = doc["samples"]
+    if s["done"]:
+        return None
+    reasons = ", ".join(f"{n} {r}" for r, n in sorted(reject_reasons.items(), key=lambda x: -x[1])[:4])
+    return (f"nothing was extracted: {s['total']} non-blank lines ({s['blank']} blank), {s['rejected']} rejected"
+            f"{' (' + reasons + ')' if reasons else ''}, {s['duplicates']} duplicates, {s['failed']} failed; see "
+            "rejects.jsonl for each line's reason (the input must be JSON lines: one object a line)")
 
 
 def prometheus_text(doc: dict[str, Any]) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
@@ -87,9 +88,10 @@ def _int(env: Mapping[str, str], name: str, default: int, low: int) -> int:
 
 
 def parse_layers(raw: str) -> tuple[int, ...]:
-    """``"2,30,58,60"`` -> (2, 30, 58, 60); sorted, no duplicates, non-negative."""
+    """``"2,30,58,60"``, ``"2 30 58 60"`` or ``"2, 30"`` -> (2, 30, ...); sorted, no duplicates, non-negative.
+    Commas and whitespace both separate (``"1 2"`` is two layers, never 12)."""
     try:
-        layers = tuple(int(x) for x in raw.replace(" ", "").split(",") if x)
+        layers = tuple(int(x) for x in re.split(r"[,\s]+", raw.strip()) if x)
     except ValueError:
         raise ConfigError(f"HS_CAPTURE_LAYERS={raw!r}: expected comma-separated layer numbers, e.g. 2,30,58,60") from None
     if not layers:

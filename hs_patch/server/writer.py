@@ -118,6 +118,7 @@ class Writer:
         self._status_at = 0.0
         self._stats_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="hs_patch-writer", daemon=True)
+        self._write_status(force=True)  # at once: the driver checks where this server writes before it sends
         self._thread.start()
 
     # ------------------------------------------------------------------ API

@@ -14,8 +14,15 @@ fsync, rename: a reader never sees a partial manifest) with one ``op: add`` line
 sample, ``file`` relative to ROOT. A lock file serialises shippers sharing one ROOT.
 
 Answer: ``{"results": [{"file", "status", "bytes", "sha256"}], "manifest": N}`` where
-status is ``ok`` (in samples/, durable, in the manifest), ``mismatch`` (the copy that
-arrived was wrong and is deleted) or ``missing`` (nothing arrived).
+status is ``ok`` (in samples/, durable, in the manifest), ``kept`` (the destination already
+holds this sample, verified, with other bytes: a redo after the GPU host lost its local
+state; the destination's copy stays, its ``sha256``/``bytes`` are answered, the arrival is
+deleted), ``mismatch`` (the copy that arrived was wrong and is deleted) or ``missing``
+(nothing arrived).
+
+With ``"list": true`` the answer also has ``"entries"``: key, file, bytes, sha256 and
+sample_id of every sample in the destination's manifest (the shipper's start-up sync, so
+that samples already shipped count as done even when the GPU host forgot them).
 """
 import fcntl
 import hashlib
@@ -66,6 +73,8 @@ def read_entries(path):
         for raw in f:
             if raw.strip():
                 rec = json.loads(raw)
+                if not isinstance(rec, dict) or not isinstance(rec.get("key"), str):
+                    continue  # not a line of ours (hs-patch inspect reports it)
                 if rec.get("op") == "add":
                     entries[rec["key"]] = rec
                 elif rec.get("op") == "remove":
@@ -84,13 +93,20 @@ def write_entries(root, entries):
     fsync_dir(root)
 
 
-def verify(root, f):
-    """Check one file where rsync or an interrupted run left it; move it into samples/."""
+def verify(root, f, entries):
+    """Check one file where rsync or an interrupted run left it; move it into samples/ unless
+    the destination already holds a verified other version of the same sample."""
     name = f["file"]
     if os.path.basename(name) != name or name.startswith("."):
         raise ValueError("refusing file name %r: not a plain sample file name" % name)
     staged, final = os.path.join(root, INCOMING, name), os.path.join(root, SAMPLES, name)
     want = (f["bytes"], f["sha256"])
+    old = entries.get(f["entry"]["key"])
+    if old is not None and old.get("sha256") != f["sha256"] and old.get("file") == SAMPLES + "/" + name \
+            and os.path.isfile(final) and sha256_and_sync(final) == (old.get("bytes"), old.get("sha256")):
+        if os.path.isfile(staged):
+            os.unlink(staged)
+        return "kept"
     status = "missing"
     if os.path.isfile(staged):
         if sha256_and_sync(staged) == want:
@@ -104,15 +120,19 @@ def verify(root, f):
 
 
 def commit(root, files):
+    entries = read_entries(os.path.join(root, MANIFEST))
     # files are hashed in parallel (hashlib and file reads release the GIL)
     with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
-        statuses = list(pool.map(lambda f: verify(root, f), files))
+        statuses = list(pool.map(lambda f: verify(root, f, entries), files))
     results, arrived = [], []
     for f, status in zip(files, statuses):
-        results.append({"file": f["file"], "status": status, "bytes": f["bytes"], "sha256": f["sha256"]})
+        res = {"file": f["file"], "status": status, "bytes": f["bytes"], "sha256": f["sha256"]}
+        if status == "kept":
+            old = entries[f["entry"]["key"]]
+            res.update(bytes=old["bytes"], sha256=old["sha256"])
+        results.append(res)
         if status == "ok":
             arrived.append(f)
-    entries = read_entries(os.path.join(root, MANIFEST))
     changed = False
     for f in arrived:
         rec = dict(f["entry"], op="add", file=SAMPLES + "/" + f["file"])
@@ -128,6 +148,7 @@ def commit(root, files):
 
 
 def main():
+    os.umask(0o077)  # samples and manifest at the destination are readable by the shipping account only
     req = json.load(sys.stdin)
     root = os.path.expanduser(req["root"])
     for d in (os.path.join(root, INCOMING), os.path.join(root, SAMPLES)):
@@ -135,6 +156,9 @@ def main():
     with open(os.path.join(root, LOCK), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         answer = commit(root, req["files"])
+        if req.get("list"):
+            fields = ("key", "file", "bytes", "sha256", "sample_id")
+            answer["entries"] = [{k: e.get(k) for k in fields} for e in read_entries(os.path.join(root, MANIFEST)).values()]
     json.dump(answer, sys.stdout)
 
 

@@ -4,12 +4,25 @@ Batches are pipelined: while the destination verifies batch N (sha256 of every f
 :mod:`hs_patch.host.shipping.at_destination`), rsync already sends batch N+1, so hashing costs no link
 time. A batch's files are recorded as shipped, and deleted here, only once its
 verification has answered.
+
+Outages: a destination that cannot be reached (refused, timed out, reset, a failing
+command there) is waited for, however long, with capped exponential backoff and jitter
+(``--backoff-max``); the status says ``waiting_for_destination`` with the outage's start,
+failures and last error, and the SSH connection is reopened. Only refusals that waiting
+cannot cure (host key, authentication, unknown host: :attr:`LinkError.permanent`) end
+the shipper (exit 1): they are configuration errors, and nothing unverified is deleted.
+
+At start the shipper reads the destination's manifest and records every sample there
+that ``shipped.jsonl`` lacks (``"from": "destination"``, with its ``sample_id``), so a GPU
+host that lost its samples directory and its records (a reboot empties /dev/shm) never
+redoes or replaces what training storage already holds.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,7 +37,7 @@ from hs_patch.host.runstate import SHIPPED as SHIPPED_LOG  # noqa: E402
 
 STATUS_FILE = "shipper_status.json"
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNVERIFIED = 0, 1, 2, 3
-MAX_LINK_FAILURES = 5  # consecutive failed batches (rsync or ssh) before giving up
+WAITING = "waiting_for_destination"
 
 
 @dataclass
@@ -40,6 +53,7 @@ class ShipConfig:
     batch_bytes: int = 512 << 20
     retries: int = 3                # transfers of one file before it is given up as unverifiable
     bwlimit_kbps: int = 0
+    backoff_max: float = 60.0       # longest wait between two tries of an unreachable destination
 
     @property
     def done_marker(self) -> Path:
@@ -79,6 +93,8 @@ class Shipper:
         self.run_files = self.run_bytes = 0
         self.busy_seconds = 0.0
         self.last_error: str | None = None
+        self.outage: dict[str, Any] | None = None   # since, failures, last_error, retry_in_s
+        self.from_destination = 0                   # samples recorded from the destination's manifest
         self.stop_requested = False
 
     # ------------------------------------------------------------------ local side
@@ -117,10 +133,15 @@ class Shipper:
             pass
         self.local_manifest.remove(key, reason="shipped")
 
-    def record_shipped(self, p: Pending) -> None:
-        e = p.entry
+    def record_shipped(self, p: Pending, kept: dict[str, Any] | None = None) -> None:
+        """``kept``: the destination's own copy of the sample (bytes, sha256) that stays there."""
+        e = dict(p.entry, **({"bytes": kept["bytes"], "sha256": kept["sha256"]} if kept else {}))
         rec = {"op": "shipped", "key": p.key, "file": e["file"], "bytes": e["bytes"],
                "sha256": e["sha256"], "t": round(time.time(), 3)}
+        if e.get("sample_id"):
+            rec["sample_id"] = e["sample_id"]
+        if kept:
+            rec["kept"] = "destination"
         self.shipped_log.append(rec)
         self.shipped[p.key] = rec
         self.failed.pop(p.key, None)
@@ -153,6 +174,11 @@ class Shipper:
     def finish_batch(self, done: InFlight) -> None:
         """Wait for a batch's verification; record what matched, count what did not."""
         for p, res in zip(done.batch, done.commit.wait(), strict=True):
+            if res["status"] == "kept":
+                print(f"hs-ship: {p.entry['file']}: the destination already holds this sample (shipped before this "
+                      "host lost its local state): its copy is kept, the local redo is dropped", file=sys.stderr)
+                self.record_shipped(p, kept=res)
+                continue
             if res["status"] == "ok":
                 self.record_shipped(p)
                 self.run_files += 1
@@ -187,6 +213,7 @@ class Shipper:
             "verifying": len(self.inflight.batch) if self.inflight else 0,
             "throughput_bytes_per_s": round(self.run_bytes / self.busy_seconds) if self.busy_seconds else None,
             "failed": self.failed, "missing_local": self.missing_local, "last_error": self.last_error,
+            "outage": self.outage, "from_destination": self.from_destination,
         }
         store.write_text_atomic(self.cfg.state_dir / STATUS_FILE, json.dumps(doc, indent=1, sort_keys=True))
 
@@ -197,9 +224,59 @@ class Shipper:
         while not self.stop_requested and time.monotonic() < deadline:
             time.sleep(min(0.2, seconds))
 
+    def ride_out(self, e: LinkError, link: Link) -> None:
+        """Wait out an outage of the destination (any length); raise ``e`` if waiting cannot help."""
+        if e.permanent:
+            raise e
+        now = time.time()
+        o = self.outage = self.outage or {"since": round(now, 3), "failures": 0}
+        o["failures"] += 1
+        delay = min(self.cfg.backoff_max, 2.0 ** min(o["failures"], 30)) * random.uniform(0.5, 1.0)
+        o.update(last_error=str(e)[-600:], retry_in_s=round(delay, 1), seconds=round(now - o["since"], 1))
+        self.last_error = str(e)
+        print(f"hs-ship: the destination is unreachable or failing (for {o['seconds']:.0f}s, failure "
+              f"{o['failures']}): {e}; nothing is lost, retrying in {delay:.0f}s", file=sys.stderr)
+        self.write_status(WAITING)
+        self.pause(delay)
+        if not link.alive() and not self.stop_requested:
+            try:
+                link.reopen()
+            except LinkError as again:
+                if again.permanent:
+                    raise
+                self.last_error = o["last_error"] = str(again)[-600:]
+
+    def connect(self, link: Link) -> bool:
+        """Open the link, check the destination (reachable, writable, python3) and record what it
+        holds; ride out outages. False if stopped by a signal first."""
+        while not self.stop_requested:
+            try:
+                if not link.alive():
+                    link.reopen()
+                self.sync_destination(link.destination_entries())
+                self.outage = None
+                return True
+            except LinkError as e:
+                self.ride_out(e, link)
+        return False
+
+    def sync_destination(self, entries: list[dict[str, Any]]) -> None:
+        """Record in shipped.jsonl each sample the destination holds that it does not list (as is)."""
+        for e in entries:
+            key, name = e.get("key"), Path(str(e.get("file") or "")).name
+            if not isinstance(key, str) or not name or self.shipped.get(key, {}).get("sha256") == e.get("sha256"):
+                continue
+            rec = {"op": "shipped", "key": key, "file": name, "bytes": e.get("bytes"), "sha256": e.get("sha256"),
+                   "t": round(time.time(), 3), "from": "destination"}
+            if e.get("sample_id"):
+                rec["sample_id"] = e["sample_id"]
+            self.shipped_log.append(rec)
+            self.shipped[key] = rec
+            self.from_destination += 1
+
     def run(self, link: Link) -> int:
-        link.commit([])  # the destination answers, is writable and has python3
-        link_failures = 0
+        if not self.connect(link):
+            return EXIT_OK
         try:
             while True:
                 finished = not self.cfg.follow or self.cfg.done_marker.exists()  # before the scan
@@ -217,14 +294,12 @@ class Shipper:
                 try:
                     self.step(link)
                     self.busy_seconds += time.monotonic() - t0
-                    link_failures = 0
+                    if self.outage is not None:
+                        print(f"hs-ship: the destination is back after {time.time() - self.outage['since']:.0f}s",
+                              file=sys.stderr)
+                    self.outage = None
                 except LinkError as e:
-                    link_failures += 1
-                    self.last_error = str(e)
-                    print(f"hs-ship: {e} (failure {link_failures} of {MAX_LINK_FAILURES})", file=sys.stderr)
-                    if link_failures >= MAX_LINK_FAILURES:
-                        raise
-                    self.pause(min(2 ** link_failures, 30))
+                    self.ride_out(e, link)
         finally:
             if self.inflight is not None:  # given up or interrupted: a restart verifies it again
                 self.inflight.commit.kill()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import re
 import shlex
 import shutil
 import signal
@@ -38,6 +39,19 @@ class ConfigError(ValueError):
 
 class LinkError(RuntimeError):
     """The destination could not be reached, or refused an operation."""
+
+    @property
+    def permanent(self) -> bool:
+        """A refusal that waiting does not cure (host key, authentication, unknown host, bad option);
+        everything else (refused, timed out, reset, no route, a failing command) is an outage."""
+        return PERMANENT.search(str(self)) is not None
+
+
+# what ssh says when waiting cannot help (its own messages, not those of a command it runs)
+PERMANENT = re.compile(r"Host key verification failed|REMOTE HOST IDENTIFICATION HAS CHANGED|"
+                       r"Permission denied \((publickey|password|keyboard|gssapi|hostbased)|"
+                       r"Could not resolve hostname|Bad configuration option|no such identity|"
+                       r"Too many authentication failures|Bad owner or permissions")
 
 
 @dataclass(frozen=True)
@@ -141,6 +155,17 @@ class Link:
             self._ssh += ["-o", "ControlMaster=no"]
         return self
 
+    def alive(self) -> bool:
+        """Whether the SSH master connection still runs (always true for a local destination)."""
+        if not self.dest.host:
+            return True
+        return self._master is not None and self._master.poll() is None
+
+    def reopen(self) -> None:
+        """A new SSH master connection after the old one died (an outage); LinkError if it cannot open."""
+        self.__exit__(None, None, None)
+        self.__enter__()
+
     def __exit__(self, *exc: Any) -> None:
         if self._master is not None:
             self._master.terminate()
@@ -174,7 +199,7 @@ class Link:
                            stderr=subprocess.PIPE, preexec_fn=_child_setup, start_new_session=True)
         return p.returncode, _tail(p.stderr)
 
-    def start_commit(self, files: list[dict[str, Any]]) -> Commit:
+    def start_commit(self, files: list[dict[str, Any]], *, list_entries: bool = False) -> Commit:
         """Start verifying ``files`` on the destination and committing those that match (see
         ship_remote); the shipper sends the next batch meanwhile. With no files it only
         checks that the destination is reachable and writable."""
@@ -182,12 +207,16 @@ class Link:
             argv = self._ssh + [self.dest.host, "python3 -c " + shlex.quote(REMOTE_SOURCE)]
         else:
             argv = [sys.executable, "-c", REMOTE_SOURCE]
-        return Commit(argv, {"root": self.dest.path, "files": files}, str(self.dest),
+        return Commit(argv, {"root": self.dest.path, "files": files, "list": list_entries}, str(self.dest),
                       # bounded: hashing at >= 20 MB/s plus the connection's own limits
                       timeout=300 + sum(f["bytes"] for f in files) / 20e6)
 
     def commit(self, files: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return self.start_commit(files).wait()
+
+    def destination_entries(self) -> list[dict[str, Any]]:
+        """Every sample the destination's manifest lists (key, file, bytes, sha256, sample_id)."""
+        return self.start_commit([], list_entries=True).wait(answer="entries")
 
 
 class Commit:
@@ -204,8 +233,8 @@ class Commit:
                                           preexec_fn=_child_setup, start_new_session=True)
         self._deadline = time.monotonic() + timeout
 
-    def wait(self) -> list[dict[str, Any]]:
-        """The per-file results; raises LinkError if the destination did not answer."""
+    def wait(self, answer: str = "results") -> list[dict[str, Any]]:
+        """The per-file results (or another list of the answer); LinkError if the destination did not answer."""
         try:
             rc = self._proc.wait(max(0.0, self._deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -215,7 +244,7 @@ class Commit:
         if rc != 0:
             raise LinkError(f"verification on {self.where} failed (exit {rc}): {_tail(err)}")
         try:
-            return json.loads(out)["results"]
+            return json.loads(out)[answer]
         except (ValueError, KeyError):
             raise LinkError(f"verification on {self.where} gave no answer: {_tail(out)} {_tail(err)}") from None
 

@@ -59,8 +59,11 @@ def ship(cfg: ShipConfig) -> int:
         state = "failed"
         try:
             shipper.write_status("starting")
-            with Link(cfg.dest, cfg.ssh, bwlimit_kbps=cfg.bwlimit_kbps) as link:
+            link = Link(cfg.dest, cfg.ssh, bwlimit_kbps=cfg.bwlimit_kbps)  # opened (and reopened) by the shipper
+            try:
                 code = shipper.run(link)
+            finally:
+                link.__exit__(None, None, None)
             state = "stopped" if shipper.stop_requested else {EXIT_OK: "done"}.get(code, "failed")
             return code
         except KeyboardInterrupt:
@@ -77,6 +80,8 @@ def ship(cfg: ShipConfig) -> int:
 
 def check_config(cfg: ShipConfig) -> None:
     """Raise ConfigError saying what to fix."""
+    if cfg.follow and not cfg.samples_dir.exists():  # the driver, started alongside, has not made it yet
+        cfg.samples_dir.mkdir(parents=True, exist_ok=True)
     if not cfg.samples_dir.is_dir():
         raise ConfigError(f"--samples-dir {cfg.samples_dir} is not a directory (the driver's samples "
                           "directory, e.g. /dev/shm/hs-runs/RUN/samples)")
@@ -93,8 +98,8 @@ def check_config(cfg: ShipConfig) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
     if cfg.until_file and not cfg.follow:
         raise ConfigError("--until-file only means something with --follow")
-    if cfg.poll_seconds <= 0 or cfg.bwlimit_kbps < 0:
-        raise ConfigError("--poll must be > 0 and --bwlimit >= 0")
+    if cfg.poll_seconds <= 0 or cfg.bwlimit_kbps < 0 or cfg.backoff_max <= 0:
+        raise ConfigError("--poll and --backoff-max must be > 0 and --bwlimit >= 0")
 
 
 # ---------------------------------------------------------------------------- CLI
@@ -113,7 +118,14 @@ Sends   with rsync over ssh (one multiplexed connection) into DEST/.incoming/, t
 Records every verified file in STATE_DIR/shipped.jsonl
         ({"op": "shipped", "key", "file", "bytes", "sha256", "t"}), then deletes the local
         file and appends op: remove, reason: shipped, to SAMPLES_DIR/manifest.jsonl.
-Status  STATE_DIR/shipper_status.json (shipped, pending, throughput, failed, last error).
+Status  STATE_DIR/shipper_status.json (shipped, pending, throughput, failed, last error,
+        outage: since when the destination is unreachable, failures, next try).
+Outages of the destination, of any length, are waited out (capped exponential backoff,
+        --backoff-max); nothing is deleted meanwhile and shipping resumes by itself.
+Start   reads DEST/manifest.jsonl: samples already there count as shipped (recorded in
+        shipped.jsonl with their sample ids), so a host whose /dev/shm was emptied by a
+        reboot neither redoes nor replaces them; a redo that reaches the destination with
+        other bytes is dropped, the destination's verified copy is kept.
 
 Without --follow it ships what the manifest lists and exits. With --follow it polls the
 manifest every --poll seconds until the driver's marker (--until-file, default
@@ -135,7 +147,8 @@ ssh:
 
 exit codes:
   0  everything listed is shipped and verified (or stopped by a signal after its batch)
-  1  error (destination unreachable or failing, a listed file gone): fix and run again
+  1  error that waiting cannot cure (host key, authentication, unknown host, a listed file
+     gone): fix and run again (an unreachable destination is waited for, not an error)
   2  bad arguments or configuration: the message says what to fix
   3  some files still fail verification after --retries transfers: they are kept here
      and named in the status file; run again to retry them
@@ -175,6 +188,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retries", type=int, default=3, metavar="N",
                    help="transfers of a file that fails verification before giving up on it (default 3)")
     p.add_argument("--bwlimit", type=int, default=0, metavar="KBPS", help="rsync bandwidth limit, KiB/s (0: none)")
+    p.add_argument("--backoff-max", type=float, default=60.0, metavar="SECONDS",
+                   help="longest wait between two tries of an unreachable destination (default 60)")
     p.add_argument("--ssh-key", metavar="FILE", help="identity file (default: ssh's, or ~/.ssh/config)")
     p.add_argument("--ssh-port", type=int, metavar="PORT", help="SSH port (default 22 or ~/.ssh/config)")
     p.add_argument("--known-hosts", metavar="FILE", help="known_hosts file holding the storage host's key")
@@ -189,7 +204,7 @@ def run_args(args: argparse.Namespace) -> int:
             ssh=SshOptions(args.ssh_key, args.ssh_port, args.known_hosts, args.ssh_option),
             follow=args.follow, until_file=args.until_file, poll_seconds=args.poll,
             batch_files=args.batch_files, batch_bytes=args.batch_bytes, retries=args.retries,
-            bwlimit_kbps=args.bwlimit)
+            bwlimit_kbps=args.bwlimit, backoff_max=args.backoff_max)
         code = ship(cfg)
     except ConfigError as e:
         print(f"hs-ship: {e}", file=sys.stderr)
@@ -209,6 +224,7 @@ def run_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    os.umask(0o077)  # as hs-extract: owner-only files
     parser = argparse.ArgumentParser(prog="hs-extract",
                                      description="Ship hidden-state samples to training storage.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -1,0 +1,229 @@
+"""What the driver does for one sample: tokens and loss mask, regeneration, intent, request,
+the fidelity check of the sample the hook wrote, adoption, and the bookkeeping of each outcome.
+
+A mixin of :class:`hs_patch.host.driver.Driver` (which owns the run: locks, preparation,
+feeding, sweeps, status); split out so each module says one thing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+from typing import Optional
+
+from hs_patch import __version__, intent, reader, store
+from hs_patch.host import chat, dataset, fidelity, limits, runstate
+from hs_patch.host.adopt import AdoptError, adopt
+from hs_patch.host.capture_dir import RawTimeout
+from hs_patch.host.client import ClientError
+from hs_patch.host.fidelity_policy import FidelityMonitor
+from hs_patch.host.model_files import ModelFileError
+
+EXIT_OK, EXIT_ERROR, EXIT_INCOMPLETE, EXIT_FAILURES, EXIT_SIGNAL = 0, 1, 3, 4, 130  # hs-extract drive's exit codes
+CAPTURE_PARAMS = {"max_new_tokens": 1, "temperature": 0.0}  # 1 new token: the least that runs a prefill
+
+
+class SampleSteps:
+    """The per-sample half of the driver (its attributes are set up by ``Driver``)."""
+
+    checker: Optional[fidelity.FidelityChecker] = None
+    monitor: Optional[FidelityMonitor] = None
+
+    def _start_fidelity(self) -> None:
+        """The production fidelity check: the LM head read by name from the model dir (--no-fidelity-check: off)."""
+        cfg = self.cfg
+        if not cfg.fidelity_check:
+            return
+        try:
+            head = fidelity.LMHead.from_model_dir(cfg.model)
+        except (ModelFileError, OSError, KeyError, ValueError) as e:
+            raise runstate.RunError(f"the fidelity check cannot read the LM head and final norm from {cfg.model}: "
+                                    f"{e}. Point --model at the served model's directory, or run with "
+                                    "--no-fidelity-check (then nothing checks the dumped states)") from None
+        self.checker = fidelity.FidelityChecker(head, self.state_dir, tie_tolerance=cfg.fidelity_tie_tolerance,
+                                                positions=cfg.fidelity_positions, batch=cfg.concurrency)
+        self.monitor = FidelityMonitor(cfg.fidelity_max_consecutive)
+
+    def _stop_fidelity(self) -> None:
+        if self.checker is not None:
+            self.checker.close()
+
+    def _check_fidelity(self, rec: dataset.Record, key: str, entry: dict, response: dict) -> bool:
+        """True if the sample the hook wrote gives the server's own tokens of the same pass (or no check runs);
+        else it is removed, logged to fidelity.jsonl, failed, and K such in a row stop the run."""
+        if self.checker is None:
+            return True
+        path = self.capture_dir / entry["file"]
+        try:
+            chk = self.checker.check(key, path, response, sample_id=rec.sample_id, run=self.cfg.run)
+            meta = reader.read_header(path).metadata
+        except (store.SampleError, ClientError, OSError, RuntimeError, ValueError, KeyError) as e:
+            self._failed(rec, key, "fidelity", f"the fidelity check could not run: {e}")
+            return False
+        reason = self.monitor.observe(chk, meta)
+        if chk.ok:
+            return True
+        self.watcher.remove(key, reason="fidelity mismatch", run=self.cfg.run, sample_id=rec.sample_id)
+        self._failed(rec, key, "fidelity", f"the dumped final state gives other tokens than the server's at "
+                                           f"{chk.mismatches} of {chk.checked} {chk.kind} position(s) "
+                                           f"(see {self.state_dir}/{fidelity.FIDELITY_LOG}); sample not kept")
+        if reason:
+            self.request_stop(reason + "; fix the cause, then run the same command again", EXIT_FAILURES)
+        return False
+
+    def _failed(self, rec: dataset.Record, key: Optional[str], stage: str, error: str) -> None:
+        if self.stop.is_set():  # interrupted by the stop, not a failure of its own: redone on resume
+            self.ledger.write("abandoned", sample_id=rec.sample_id, key=key, stage=stage, error=error)
+            return
+        self.status.error(f"{rec.sample_id}: {error}")
+        self.status.update(failed=1, consecutive_failures=1)
+        self.ledger.write("failed", sample_id=rec.sample_id, key=key, stage=stage, error=error)
+        n = self.status.c.consecutive_failures
+        if n >= self.cfg.max_consecutive_failures:
+            self.request_stop(f"stopped after {n} consecutive failures (last: {error}); fix the cause, then run "
+                              "the same command again to resume", EXIT_FAILURES)
+
+    def _process(self, rec: dataset.Record) -> None:
+        try:
+            ids, mask, prov = self._tokens(rec)
+        except dataset.Invalid as e:
+            self._reject(dataset.Reject(rec.source, rec.line, e.reason, str(e)))
+            return
+        except ClientError as e:
+            self._failed(rec, None, "regenerate", str(e))
+            return
+        key = store.sample_key(ids)
+        if key in self.shipped.keys and key not in self.done.by_key:  # at the destination (its manifest, via the shipper)
+            self.status.update(done_before=1)
+            self.status.c.done_keys.add(key)
+            self.ledger.write("done_at_destination", sample_id=rec.sample_id, key=key)
+            return
+        with self.keys_lock:
+            first = self.done.by_key.get(key) or self.inflight.get(key)
+            if first is None:
+                self.inflight[key] = rec.sample_id
+        if first is not None:
+            self.status.update(duplicates=1)
+            self.ledger.write("duplicate", sample_id=rec.sample_id, key=key, duplicate_of=first)
+            return
+        try:
+            self._capture(rec, key, ids, mask, prov)
+        finally:
+            with self.keys_lock:
+                self.inflight.pop(key, None)
+
+    def _tokens(self, rec: dataset.Record) -> tuple[list[int], list[int], dict[str, str]]:
+        cfg = self.cfg
+        prov = {"sample_id": rec.sample_id, "source": rec.source, "line": str(rec.line), "run": cfg.run,
+                "source_id": rec.source_id, "input_format": rec.format, "regenerated": "0", "truncated_from": "",
+                "driver": f"hs-extract {__version__}"}
+        if rec.input_ids is not None:
+            ids, mask = list(rec.input_ids), list(rec.loss_mask or [1] * len(rec.input_ids))
+            prov["loss_mask"] = "given" if rec.loss_mask else "all"
+            bad = next((t for t in ids if t >= self.vocab), None)
+            if bad is not None:
+                raise dataset.Invalid("bad_field", f"token id {bad} is outside the vocabulary (< {self.vocab})")
+        else:
+            messages = rec.messages
+            if cfg.regenerate:
+                messages = self._regenerate(rec)
+                prov["regenerated"] = "1"
+            if cfg.on_too_long == "skip":
+                limits.check_chars(messages, self.limit, self.longest_token)
+            enc = chat.encode_chat(self.tokenizer, messages, cfg.chat_template_kwargs)
+            ids, mask = enc.input_ids, enc.loss_mask
+            prov["loss_mask"] = "assistant"
+        limit = self.limit.tokens
+        if len(ids) > limit:
+            if cfg.on_too_long == "skip":
+                raise dataset.Invalid("too_long", f"{len(ids)} tokens > {self.limit.why}")
+            prov["truncated_from"] = str(len(ids))
+            ids, mask = ids[:limit], mask[:limit]
+            if not any(mask):
+                raise dataset.Invalid("too_long", f"{prov['truncated_from']} tokens truncated to {limit} "
+                                                  "leave no assistant token")
+        return ids, mask, prov
+
+    def _rid(self, prefix: str, rec: dataset.Record) -> str:
+        tag = hashlib.sha256(rec.sample_id.encode()).hexdigest()[:8]
+        return f"{prefix}{self.cfg.run}-{tag}-{next(self.counter)}-{uuid.uuid4().hex[:8]}"
+
+    def _regenerate(self, rec: dataset.Record) -> list[dict[str, str]]:
+        """Replace each assistant turn by the target model's own answer (not captured)."""
+        cfg, out = self.cfg, []
+        params = {"max_new_tokens": cfg.regen_max_new_tokens, "temperature": cfg.regen_temperature,
+                  "top_p": cfg.regen_top_p}
+        for turn, m in enumerate(rec.messages or []):
+            if m["role"] != "assistant":
+                out.append(m)
+                continue
+            prompt = chat.generation_prompt(self.tokenizer, out, cfg.chat_template_kwargs)
+            key, rid = store.sample_key(prompt), self._rid("nocap-", rec)
+            with self.keys_lock:
+                self.regen_keys.add(key)
+            self.ledger.write("regen_turn", sample_id=rec.sample_id, turn=turn, key=key, rid=rid,
+                              prompt_tokens=len(prompt))
+            res = self.client.generate(prompt, params, rid, context={"sample_id": rec.sample_id})
+            meta = res["meta_info"]
+            self.ledger.write("regen_done", sample_id=rec.sample_id, turn=turn, rid=rid,
+                              completion_tokens=meta.get("completion_tokens"), finish_reason=meta.get("finish_reason"))
+            out.append({"role": "assistant", "content": res["text"]})
+        return out
+
+    def _capture(self, rec: dataset.Record, key: str, ids: list[int], mask: list[int], prov: dict[str, str]) -> None:
+        cfg = self.cfg
+        if not self.bp.wait(self.stop):
+            return
+        rid = self._rid("hs-", rec)
+        try:
+            intent.write(self.capture_dir, key, mask, prov)  # the hook writes mask + provenance into the sample
+        except (OSError, intent.IntentError) as e:
+            self._failed(rec, key, "intent", f"cannot write the sample's intent into {self.capture_dir}: {e}")
+            return
+        self.watcher.read_new()  # an earlier write of these tokens must count as before this request
+        after = self.watcher.seq
+        t0 = time.monotonic()
+        self.ledger.write("sent", sample_id=rec.sample_id, key=key, rid=rid, tokens=len(ids),
+                          loss_tokens=sum(mask), truncated_from=prov["truncated_from"] or None)
+        self.status.update(in_flight=1)
+        adopted = False
+        try:
+            extra = fidelity.request_fields(key, len(ids), fraction=cfg.fidelity_fraction,
+                                            positions=cfg.fidelity_positions) if self.checker else {}
+            try:
+                out = self.client.generate(ids, CAPTURE_PARAMS, rid, context={"sample_id": rec.sample_id}, **extra)
+            except ClientError as e:
+                self._failed(rec, key, "generate", str(e))
+                return
+            try:
+                entry = self.watcher.wait(key, after, cfg.raw_timeout)
+            except RawTimeout:
+                self._failed(rec, key, "wait_raw", (
+                    f"the server answered but no sample {key} appeared in {self.capture_dir}/manifest.jsonl within "
+                    f"{cfg.raw_timeout:.0f}s (--raw-timeout). Is the server started with HS_CAPTURE=1 and "
+                    f"HS_CAPTURE_DIR={self.capture_dir} (= --capture-dir)? Does its HS_CAPTURE_SKIP_RID_PREFIX "
+                    f"match this request id {rid}? Is its writer failing (errors.jsonl, hook_status.json)?"))
+                return
+            if not self._check_fidelity(rec, key, entry, out):  # before the shipper can see it
+                return
+            try:
+                written = adopt(self.watcher, entry, self.samples_dir, sample_id=rec.sample_id, run=cfg.run)
+                adopted = True
+            except (AdoptError, OSError) as e:
+                self._failed(rec, key, "adopt", str(e))
+                return
+        finally:
+            self.status.update(in_flight=-1)
+            if not adopted:
+                intent.remove(self.capture_dir, key)
+        with self.keys_lock:
+            self.done.by_key[key] = rec.sample_id
+            self.done.by_id[rec.sample_id] = key
+        with self.status.lock:
+            self.status.c.done_keys.add(key)
+            self.status.c.consecutive_failures = 0
+        self.status.update(done_now=1, tokens=len(ids), loss_tokens=sum(mask), bytes=written.nbytes)
+        self.ledger.write("done", sample_id=rec.sample_id, key=key, rid=rid, file=written.path.name,
+                          bytes=written.nbytes, sha256=written.sha256, tokens=len(ids),
+                          seconds=round(time.monotonic() - t0, 3))
