@@ -38,6 +38,11 @@ class Release:
     pristine_sha256: str
     patched_sha256: str
     edits: tuple[Edit, ...]
+    # The software stack the release runs on (read from its wheel and torch's metadata):
+    # torch's CUDA build (the JIT kernels need a CUDA toolkit of that major version), and
+    # packages installed over the resolved set with --no-deps (pip cannot override a pin).
+    cuda: str = ""
+    pip_overrides: tuple[str, ...] = ()
 
 
 def _init_block(version: str) -> Edit:
@@ -103,6 +108,10 @@ def _finish(ret_tail: str) -> Edit:
 V0_5_9 = Release(
     version="0.5.9",
     torch="2.9.1",
+    cuda="12.8",
+    # server_args.check_torch_2_9_1_cudnn_compatibility refuses a multimodal model (Kimi-K2.5)
+    # on torch 2.9.1 with cuDNN < 9.15; torch 2.9.1 pins nvidia-cudnn-cu12==9.10.2.21.
+    pip_overrides=("nvidia-cudnn-cu12==9.16.0.29",),
     pristine_sha256="4071b9a6a6ac71e1143204708df42f2ba5bd163a5d7a020579242df56e490a35",
     patched_sha256="00a92c19ee8381fce8b2a2b2504cffe39936fc759f1fbfec30f6fc4893170a66",
     edits=(
@@ -165,6 +174,7 @@ V0_5_9 = Release(
 V0_5_16 = Release(
     version="0.5.16",
     torch="2.11.0",
+    cuda="13.0",
     pristine_sha256="47709951b15d7ac494c25f079a242c17375a8ee01007c829ea0c9ab604794689",
     patched_sha256="ad4c847201ed5b1bcb6026c75825735be3cffecac32f12211fbd0d8ed464d214",
     edits=(
@@ -191,6 +201,7 @@ V0_5_16 = Release(
 V0_5_23 = Release(
     version="0.5.23",
     torch="2.14.1",
+    cuda="13.0",
     pristine_sha256="f61f93019bf1e7680f45a1fe227244433e1b22021cb955e53d25b9cf900473f9",
     patched_sha256="e163069eec8504e4f4140bb266ae8723a3a4b0c031dbed0d9a3e96bcbafcb7a8",
     edits=(

@@ -40,6 +40,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT)]
 
+import wheelhouse_dir  # noqa: E402
 from testhosts import CACHE_DIR, Lab  # noqa: E402
 
 GPU, STORAGE = ("gpu", "198.51.100.40"), ("storage", "198.51.100.41")
@@ -56,6 +57,8 @@ EXAMPLE = ROOT / "examples" / "data" / "tiny_chat.jsonl"
 GPU_VARS = {
     "hs_storage_host": STORAGE[0], "hs_dump_budget_gib": 2, "hs_shm_headroom_gib": 1,
     "gpu_host_nvidia_driver_install": False, "gpu_host_apt_cache_valid_time": 0,
+    "gpu_host_cuda_toolkit_install": False, "gpu_host_kernel_module_check": False,
+    "gpu_host_nvidia_persistenced_service": False, "sglang_check_torch": False, "sglang_service_gpu_checks": False,
     "gpu_host_nvidia_smi": "/usr/local/bin/nvidia-smi", "gpu_host_nvidia_version_file": "/etc/hs-test/nvidia-version",
     "hs_sglang_install_source": "wheelhouse", "hs_sglang_wheelhouse": str(CACHE_DIR / "wheelhouse"),
     "sglang_pip_no_deps": True, "hs_model_path": MODEL, "hs_model_architecture": "DeepseekV3ForCausalLM",
@@ -117,9 +120,7 @@ class Demo:
     # ------------------------------------------------------------------ provisioning
     def provision(self) -> None:
         say("wheels for the test hosts (cached)")
-        wheelhouse = CACHE_DIR / "wheelhouse"
-        if not list(wheelhouse.glob(f"sglang-{SGLANG}-*.whl")):
-            run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheelhouse), f"sglang=={SGLANG}"])
+        wheelhouse_dir.build(CACHE_DIR / "wheelhouse", SGLANG)  # the builder's layout: <pin>/ with its lock
         standin = CACHE_DIR / "standin-wheels"
         if not (standin / ".complete").exists():
             run([sys.executable, "-m", "pip", "download", "-q", "-d", str(standin), *STANDIN_NEEDS])

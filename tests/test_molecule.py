@@ -132,8 +132,11 @@ def test_preflight_accepts_the_defaults(local_inventory, tmp_path):
     ({"hs_capture_final": "after"}, "hs_capture_final one of pre, post, both, none"),
     ({"hs_dump_budget_gib": 100000}, "fit in 80% of"),
     ({"hs_server_port": 80}, "hs_server_port must be an integer 1024-65535"),
-    ({"hs_nvidia_driver_branch": "550"}, "570 or newer for Blackwell"),
+    ({"hs_nvidia_driver_branch": "570"}, "580 or newer (NVIDIA supports the RTX PRO 6000 from R580"),
     ({"hs_service_user": "root"}, "not root"),
+    ({"hs_nccl_env": {"P2P_DISABLE": "1"}}, "hs_nccl_env must map NCCL_* names to values"),
+    ({"hs_nccl_env": "NCCL_P2P_DISABLE=1"}, "hs_nccl_env must map NCCL_* names to values"),
+    ({"hs_venv_releases_dir": "venvs"}, "hs_venv_releases_dir an absolute path"),
     ({"hs_storage_host": ""}, "set hs_storage_host"),
     ({"hs_storage_managed": False}, "hs_storage_host_key to its SSH host key"),
 ])

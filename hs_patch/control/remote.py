@@ -22,6 +22,10 @@ from typing import Any, Callable
 from hs_patch.control.inventory import Target
 from hs_patch.flags import args_violations
 
+# Installed by the services role (sglang_service_check_dir): hs_patch/host/gpu_ready.py with the
+# server unit's user and environment, the same check the role and the unit's ExecStartPre run.
+GPU_READY = "/usr/local/lib/hs-patch/gpu-ready"
+
 
 
 class RemoteError(RuntimeError):
@@ -74,6 +78,7 @@ def preflight(c: Any, t: Target, *, estimated_bytes: int | None, bytes_per_token
                             f"{len(names)} GPU(s): {', '.join(sorted(set(names))) or r.stderr.strip() or 'none'}",
                             f"expected {t.gpu_count} x {t.gpu_model}: check the driver (nvidia-smi) or hs_gpu_count/"
                             "hs_gpu_model in the inventory"))
+        checks.append(_gpu_ready(c, t))
     checks.append(_server_flags(c, t))
     r = sh(c, f"cd / && sudo -u {t.service_user} find {shlex.quote(t.model_path)} -maxdepth 1 ! -readable")
     unreadable = r.stdout.split()
@@ -97,6 +102,20 @@ def preflight(c: Any, t: Target, *, estimated_bytes: int | None, bytes_per_token
                             f"{_gb(estimated_bytes)} estimated for this run" if r.ok else (r.stderr.strip() or r.stdout.strip())[-300:],
                             "fix the storage target (ansible-playbook site.yml configures it) or free space there"))
     return checks
+
+
+def _gpu_ready(c: Any, t: Target) -> Check:
+    """The JIT toolchain and the all-GPU NCCL all-reduce (skipped while the server holds the GPUs)."""
+    if sh(c, f"systemctl is-active --quiet {t.service}.service").ok:
+        return Check("gpu ready", True, f"{t.service} is running (its own start checked the GPUs)")
+    r = sh(c, f"{GPU_READY} jit nccl --json", timeout=900)
+    found = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    if not found:
+        return Check("gpu ready", False, (r.stderr or r.stdout).strip()[-300:] or f"{GPU_READY} gave nothing",
+                     "run ansible-playbook site.yml (the services role installs the check)")
+    bad = [x for x in found if not x["ok"] and not x.get("warn")]
+    return Check("gpu ready", not bad, "; ".join(f"{x['name']}: {x['detail']}" for x in (bad or found))[-900:],
+                 bad[0]["fix"] if bad else "")
 
 
 def _server_flags(c: Any, t: Target) -> Check:

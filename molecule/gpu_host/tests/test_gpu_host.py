@@ -46,12 +46,15 @@ def test_dump_dir(host):
     host.run_test("systemd-tmpfiles --create /etc/tmpfiles.d/hs-patch.conf")
 
 
-def test_venv(host):
-    py = host.file("/opt/hs-patch/venv/bin/python")
-    assert py.exists
-    assert host.file("/opt/hs-patch/venv").user == "root"
-    out = host.check_output("/opt/hs-patch/venv/bin/python -c 'import sys; print(sys.prefix)'")
-    assert out == "/opt/hs-patch/venv"
+def test_persistence_mode_survives_a_restart_of_the_daemon(host):
+    """Ubuntu's unit runs nvidia-persistenced --no-persistence-mode; the drop-in replaces ExecStart."""
+    exec_start = host.check_output("systemctl show -p ExecStart --value nvidia-persistenced")
+    assert "--persistence-mode" in exec_start and "--no-persistence-mode" not in exec_start
+    assert host.service("nvidia-persistenced").is_enabled
+    # what a reboot does: persistence off, the daemon started again by systemd
+    host.run_test("echo Disabled > /var/lib/hs-test/persistence && systemctl restart nvidia-persistenced")
+    rows = host.check_output("nvidia-smi --query-gpu=persistence_mode --format=csv,noheader").splitlines()
+    assert rows == ["Enabled"] * 8
 
 
 def test_persistence_mode_turned_on(host):

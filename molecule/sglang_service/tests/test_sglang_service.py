@@ -29,6 +29,34 @@ def test_unit_content(host):
         assert line in text.splitlines()
 
 
+def test_unit_has_the_jit_toolchain_and_metrics(host):
+    text = host.file(UNIT).content_string.splitlines()
+    execstart = next(line for line in text if line.startswith("ExecStart="))
+    assert "--enable-metrics" in execstart.split()
+    for line in ('Environment="CUDA_HOME=/usr/local/cuda-12.8"',
+                 'Environment="PATH=/opt/hs-patch/venv/bin:/usr/local/cuda-12.8/bin:/usr/local/sbin:/usr/local/bin:'
+                 '/usr/sbin:/usr/bin:/sbin:/bin"',
+                 'Environment="TVM_FFI_CACHE_DIR=/var/cache/sglang/tvm-ffi"',
+                 'Environment="FLASHINFER_WORKSPACE_BASE=/var/cache/sglang"',
+                 'Environment="TORCH_EXTENSIONS_DIR=/var/cache/sglang/torch_extensions"',
+                 'Environment="TRITON_CACHE_DIR=/var/cache/sglang/triton"'):
+        assert line in text
+    # the GPU checks are off on this host (no GPU): no ExecStartPre, and the wrapper says so
+    assert not any(line.startswith("ExecStartPre=") for line in text)
+    out = json.loads(host.check_output("/usr/local/lib/hs-patch/gpu-ready nccl --json"))
+    assert out["ok"] and "not checked" in out["detail"]
+    cache = host.file("/var/cache/sglang")
+    assert cache.is_directory and cache.user == "sglang"
+
+
+def test_model_check_installed_and_passing_as_the_service_user(host):
+    out = host.check_output("runuser -u sglang -- python3 /usr/local/lib/hs-patch/model_check.py /models/test-model "
+                            "--architecture KimiK25ForConditionalGeneration --json")
+    checks = {c["name"]: c for c in map(json.loads, out.splitlines())}
+    assert all(c["ok"] for c in checks.values())
+    assert checks["index"]["detail"] == "1 tensors in 1 shard(s)"
+
+
 def test_running_but_not_enabled(host):
     svc = host.service("sglang")
     assert svc.is_running

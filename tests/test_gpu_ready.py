@@ -1,0 +1,107 @@
+"""The host readiness check (hs_patch/host/gpu_ready.py) the services role, the unit and fab run.
+
+The NCCL all-reduce orchestration runs for real here with torch's gloo backend on CPU
+(the same processes, rendezvous, sum check and timeout; a stalled rank stands in for the
+P2P hang), the PCIe/IOMMU/ACS readers on recorded tool output, and the JIT toolchain
+lookup on a CUDA_HOME without nvcc and with one of the wrong CUDA major. On GPU hosts
+the same script runs with NCCL and a real nvcc (docs/verification.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hs_patch.host import gpu_ready as gr
+
+SCRIPT = Path(gr.__file__)
+
+TOPO = """\
+\tGPU0\tGPU1\tGPU2\tGPU3\tCPU Affinity\tNUMA Affinity
+GPU0\t X \tPIX\tNODE\tSYS\t0-31\t0
+GPU1\tPIX\t X \tNODE\tSYS\t0-31\t0
+GPU2\tNODE\tNODE\t X \tSYS\t0-31\t0
+GPU3\tSYS\tSYS\tSYS\t X \t32-63\t1
+"""
+
+LSPCI = """\
+00:01.1 PCI bridge: Advanced Micro Devices, Inc. [AMD] Starship/Matisse GPP Bridge
+\t\tACSCap:\tSrcValid+ TransBlk+ ReqRedir+ CmpltRedir+ UpstreamFwd+ EgressCtrl- DirectTrans-
+\t\tACSCtl:\tSrcValid+ TransBlk- ReqRedir+ CmpltRedir+ UpstreamFwd+ EgressCtrl- DirectTrans-
+41:00.0 PCI bridge: Broadcom / LSI PEX890xx PCIe Gen 5 Switch
+\t\tACSCtl:\tSrcValid- TransBlk- ReqRedir- CmpltRedir- UpstreamFwd- EgressCtrl- DirectTrans-
+c1:00.0 VGA compatible controller: NVIDIA Corporation Device 2bb5
+"""
+
+
+def test_readers_of_topology_acs_and_iommu(tmp_path):
+    assert gr.topo_links(TOPO) == {"PIX": 1, "NODE": 2, "SYS": 3}
+    assert gr.acs_redirecting(LSPCI) == ["00:01.1"]
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc/cmdline").write_text("BOOT_IMAGE=/vmlinuz root=/dev/sda1 quiet\n")
+    assert gr.iommu_state(str(tmp_path))[0] == "off"
+    (tmp_path / "sys/class/iommu/dmar0").mkdir(parents=True)
+    assert gr.iommu_state(str(tmp_path))[0] == "translated"
+    (tmp_path / "proc/cmdline").write_text("BOOT_IMAGE=/vmlinuz intel_iommu=on iommu=pt\n")
+    assert gr.iommu_state(str(tmp_path))[0] == "passthrough"
+
+
+def test_all_reduce_over_processes_checks_the_sum():
+    c = gr.nccl_check(2, 120, backend="gloo", device="cpu", mib=4)
+    assert c.ok, c.detail
+    assert "4 MiB over 2 CPUs" in c.detail and "sum correct" in c.detail
+
+
+def test_a_hung_all_reduce_is_reported_as_a_hang_with_the_likely_cause(monkeypatch):
+    monkeypatch.setenv("HS_GPU_READY_STALL_RANK", "1")
+    monkeypatch.setenv("NCCL_P2P_LEVEL", "SYS")
+    risk = gr.Check("acs", False, "ACS redirects peer traffic on 1 bridge(s): 00:01.1", warn=True)
+    started = time.monotonic()
+    c = gr.nccl_check(2, 8, backend="gloo", device="cpu", mib=1, pcie=[risk])
+    took = time.monotonic() - started
+    assert not c.ok
+    assert c.detail.startswith("HANG: the all-reduce over 2 CPUs did not finish in 8s")
+    assert "'NCCL_P2P_LEVEL': 'SYS'" in c.detail and "00:01.1" in c.detail
+    assert "nccl#1999" in c.fix and "NCCL_P2P_DISABLE" in c.fix and "iommu=pt" in c.fix
+    assert 8 <= took < 30, took  # bounded by the timeout, the stalled ranks killed
+
+
+def test_the_cli_prints_json_and_exits_non_zero_on_a_hang():
+    env = {**os.environ, "HS_GPU_READY_STALL_RANK": "0"}
+    p = subprocess.run([sys.executable, str(SCRIPT), "nccl", "--gpus", "2", "--timeout", "6", "--backend", "gloo",
+                        "--device", "cpu", "--nvidia-smi", "/nonexistent/nvidia-smi", "--json"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 1, p.stderr
+    (check,) = [json.loads(line) for line in p.stdout.splitlines()]
+    assert check["name"] == "nccl all-reduce" and check["ok"] is False and "HANG" in check["detail"]
+
+
+def test_jit_check_names_a_missing_nvcc_and_a_cuda_major_torch_was_not_built_for(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda"))
+    (c,) = gr.jit_checks()
+    assert not c.ok and c.name == "nvcc" and "CUDA_HOME" in c.fix
+    nvcc = tmp_path / "cuda/bin/nvcc"
+    nvcc.parent.mkdir(parents=True)
+    nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 12.0, V12.0.140'\n")
+    nvcc.chmod(0o755)
+    monkeypatch.setenv("PATH", "/nonexistent")  # no ninja either
+    checks = {c.name: c for c in gr.jit_checks()}
+    assert checks["nvcc"].ok and "CUDA 12.0" in checks["nvcc"].detail and "via $CUDA_HOME" in checks["nvcc"].detail
+    assert not checks["ninja"].ok and "venv's bin/ first" in checks["ninja"].fix
+    # this machine's torch is the CPU build: no CUDA major matches
+    assert not checks["cuda major"].ok
+    assert "jit compile" not in checks
+
+
+@pytest.mark.parametrize("var", ["CUDA_HOME", "CUDA_PATH"])
+def test_cuda_home_lookup_follows_tvm_ffi_and_flashinfer(var, monkeypatch):
+    for v in ("CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv(var, "/opt/cuda-x")
+    assert gr.find_cuda_home() == ("/opt/cuda-x", f"${var}")
