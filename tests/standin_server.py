@@ -39,6 +39,7 @@ Dependencies: torch, transformers, safetensors and the standard library.
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
 import logging
 import os
@@ -302,9 +303,28 @@ class Engine:
         return Request(str(rid), list(ids), max_new)
 
 
+def read_config_api_key(path: Optional[str]) -> Optional[str]:
+    """The ``api-key`` of SGLang's ``--config`` YAML file (the services role writes it as JSON, a YAML subset)."""
+    if not path:
+        return None
+    with open(path, encoding="utf-8") as f:
+        return (json.load(f) or {}).get("api-key")
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     engine: Engine
+    api_key: Optional[str] = None
+
+    def _authorized(self) -> bool:
+        """As SGLang's --api-key (sglang.srt.utils.auth): every path but /health* and /metrics needs
+        ``Authorization: Bearer KEY``; a refusal is 401."""
+        if not self.api_key or self.path.startswith(("/health", "/metrics")):
+            return True
+        if hmac.compare_digest(self.headers.get("Authorization", ""), f"Bearer {self.api_key}"):
+            return True
+        self._send(401, {"error": "Unauthorized"})
+        return False
 
     def log_message(self, fmt: str, *args: Any) -> None:
         log.debug("%s " + fmt, self.address_string(), *args)
@@ -318,6 +338,8 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self) -> None:  # noqa: N802
+        if not self._authorized():
+            return
         if self.path in ("/get_server_info", "/server_info"):
             self._send(200, self.engine.info())
         elif self.path in ("/health", "/health_generate"):
@@ -335,6 +357,8 @@ class Handler(BaseHTTPRequestHandler):
             self._send(404, {"detail": "Not Found"})
 
     def do_POST(self) -> None:  # noqa: N802
+        if not self._authorized():
+            return
         if self.path != "/generate":
             self._send(404, {"detail": "Not Found"})
             return
@@ -353,9 +377,9 @@ class Handler(BaseHTTPRequestHandler):
 class StandinServer:
     """The stand-in, started in this process (tests) or by :func:`main`."""
 
-    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, api_key: Optional[str] = None):
         self.engine = engine
-        handler = type("BoundHandler", (Handler,), {"engine": engine})
+        handler = type("BoundHandler", (Handler,), {"engine": engine, "api_key": api_key})
         handler_server = type("StandinHTTPServer", (ThreadingHTTPServer,), {"request_queue_size": 128})
         self.httpd = handler_server((host, port), handler)
         self.httpd.daemon_threads = True
@@ -395,6 +419,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                     "prefilled together (default: %(default)s)")
     ap.add_argument("--context-length", type=int, help="default: the model's max_position_embeddings")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: %(default)s)")
+    ap.add_argument("--api-key", help="require this key (Authorization: Bearer), as SGLang's --api-key")
+    ap.add_argument("--config", help="SGLang's --config file: its api-key is used like --api-key")
     a, ignored = ap.parse_known_args(argv)
     if ignored and not a.installed_sglang:
         ap.error(f"unrecognized arguments: {' '.join(ignored)}")
@@ -405,7 +431,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     engine = Engine(a.model, a.capture_dir, release=a.release, wheel=a.sglang_wheel,
                     chunked_prefill_size=a.chunked_prefill_size, batch_window_ms=a.batch_window_ms,
                     context_length=a.context_length, installed=a.installed_sglang)
-    server = StandinServer(engine, a.host, a.port)
+    server = StandinServer(engine, a.host, a.port, api_key=a.api_key or read_config_api_key(a.config))
     if ignored:
         log.info("stand-in: SGLang server flags accepted and ignored: %s", " ".join(ignored))
     log.warning("STAND-IN server, NOT SGLang: patched forward of SGLang %s on a tiny transformers model, "

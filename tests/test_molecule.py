@@ -136,12 +136,20 @@ def test_preflight_accepts_the_defaults(local_inventory, tmp_path):
     ({"hs_service_user": "root"}, "not root"),
     ({"hs_storage_host": ""}, "set hs_storage_host"),
     ({"hs_storage_managed": False}, "hs_storage_host_key to its SSH host key"),
+    ({"sglang_service_host": "0.0.0.0"}, "set sglang_service_allow_non_loopback: true"),
+    ({"sglang_service_host": "198.51.100.10"}, "the SGLang server would answer every host"),
 ])
 def test_preflight_refuses_bad_inventory(local_inventory, tmp_path, extra, message):
     proc = _preflight(local_inventory, tmp_path, extra)
     assert proc.returncode != 0, f"{extra} was accepted"
     flat = " ".join((proc.stdout + proc.stderr).split())
     assert message in flat, _tail(proc)
+
+
+def test_preflight_lets_an_exposed_server_through_only_when_allowed(local_inventory, tmp_path):
+    proc = _preflight(local_inventory, tmp_path, {"sglang_service_host": "0.0.0.0",
+                                                  "sglang_service_allow_non_loopback": True})
+    assert proc.returncode == 0, _tail(proc)
 
 
 def test_preflight_skips_storage_when_shipping_is_off(local_inventory, tmp_path):

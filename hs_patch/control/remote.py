@@ -233,6 +233,7 @@ def unit_state(c: Shell, unit: str) -> str:
 # write only their run's directories. Not set: RemoveIPC (it would delete the service
 # user's files in /dev/shm: the capture and samples dirs).
 SANDBOX = ("NoNewPrivileges=yes", "ProtectSystem=strict", "ProtectHome=read-only", "PrivateTmp=yes",
+           "PrivateMounts=yes", "PrivateUsers=yes",
            "PrivateDevices=yes", "PrivateIPC=yes", "ProtectKernelTunables=yes", "ProtectKernelModules=yes",
            "ProtectKernelLogs=yes", "ProtectControlGroups=yes", "ProtectClock=yes", "ProtectHostname=yes",
            "ProtectProc=invisible", "ProcSubset=pid", "RestrictNamespaces=yes", "RestrictRealtime=yes",

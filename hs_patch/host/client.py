@@ -14,6 +14,7 @@ sample: the driver removes that probe sample (:data:`HEALTH_PROBE_IDS`).
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -23,6 +24,23 @@ from typing import Any, Callable, Optional
 import requests
 
 HEALTH_PROBE_IDS = [0]   # what SGLang's health checks prefill
+API_KEY_ENV = "SGLANG_API_KEY"
+
+
+def read_api_key(path: str | None) -> Optional[str]:
+    """The server's API key: the first line of ``path`` (hs-extract drive --api-key-file), else
+    ``$SGLANG_API_KEY``, else None. Never taken from a command line, never logged."""
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except OSError as e:
+            raise ClientError(f"cannot read the server's API key from --api-key-file {path}: {e.strerror} "
+                              "(the services role writes it, readable by the service user only)") from None
+        if not key:
+            raise ClientError(f"--api-key-file {path} is empty: re-run the services role to write the key")
+        return key
+    return os.environ.get(API_KEY_ENV) or None
 RETRY_STATUS = {429, 500, 502, 503, 504}
 
 
@@ -53,8 +71,9 @@ class SGLangClient:
     def __init__(self, base_url: str, *, policy: Optional[RetryPolicy] = None, timeout: float = 600.0,
                  connect_timeout: float = 10.0,
                  on_retry: Optional[Callable[[dict[str, Any]], None]] = None,
-                 should_stop: Callable[[], bool] = lambda: False):
+                 should_stop: Callable[[], bool] = lambda: False, api_key: Optional[str] = None):
         self.base_url = base_url.rstrip("/")
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.policy = policy or RetryPolicy()
         self.timeout = (connect_timeout, timeout)
         self.on_retry = on_retry
@@ -65,6 +84,7 @@ class SGLangClient:
         s = getattr(self._local, "session", None)
         if s is None:
             s = self._local.session = requests.Session()
+            s.headers.update(self._auth)  # SGLang --api-key: every endpoint but /health* and /metrics
         return s
 
     def _request(self, method: str, path: str, *, json: Any = None, retry: bool = True,
@@ -76,6 +96,11 @@ class SGLangClient:
                 r = self._session().request(method, url, json=json, timeout=self.timeout)
                 if r.status_code < 400:
                     return r
+                if r.status_code in (401, 403):
+                    raise ServerRejected(r.status_code, f"{path}: the server refused the API key ("
+                                         f"{'none sent' if not self._auth else 'wrong key'}): give the server's key "
+                                         f"with --api-key-file FILE (fab passes hs_server_api_key_file) or "
+                                         f"${API_KEY_ENV}")
                 if r.status_code not in RETRY_STATUS:
                     raise ServerRejected(r.status_code, _error_message(r))
                 error = f"HTTP {r.status_code}: {_error_message(r)}"

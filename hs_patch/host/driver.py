@@ -27,7 +27,7 @@ from hs_patch import __version__, store
 from hs_patch.host import chat, dataset, runstate
 from hs_patch.host.backpressure import BackPressure, disk_usage
 from hs_patch.host.capture_dir import CaptureWatcher, RawTimeout
-from hs_patch.host.client import HEALTH_PROBE_IDS, ClientError, RetryPolicy, SGLangClient
+from hs_patch.host.client import HEALTH_PROBE_IDS, ClientError, RetryPolicy, SGLangClient, read_api_key
 from hs_patch.host.drive_config import DriveConfig
 from hs_patch.host.finalize import FinalizeError, finalize
 from hs_patch.host.runstatus import RunStatus
@@ -158,7 +158,7 @@ class Driver:
         self.vocab = chat.vocab_bound(self.tokenizer, cfg.model)
         self.client = SGLangClient(cfg.server, policy=RetryPolicy(cfg.retries, cfg.backoff, cfg.backoff_max),
                                    timeout=cfg.request_timeout, on_retry=self._on_retry,
-                                   should_stop=self.stop.is_set)
+                                   should_stop=self.stop.is_set, api_key=read_api_key(cfg.api_key_file))
         self.client.wait_healthy(cfg.server_wait)
         info = self.client.server_info()
         if info.get("disable_radix_cache") is not True:
