@@ -6,51 +6,67 @@
     fab ship    --host 10.1.230.174 [--run NAME]
     fab verify  --host 10.1.230.174
 
-The host and its settings come from the Ansible inventory (``inventory/``, or
-``--inventory DIR`` / ``HS_INVENTORY``). SSH host keys are checked strictly against
-``~/.ssh/known_hosts`` (or ``--known-hosts FILE``). ``fab --help TASK`` lists each
-task's options.
+The host and its settings come from the Ansible inventory, read by Ansible itself
+(hs_patch/control/inventory.py): ``-i/--inventory FILE|DIR`` (default: $HS_INVENTORY,
+ansible.cfg's, else inventory/), ``-e/--extra-vars`` as ansible-playbook takes them, vault
+with ``--vault-password-file``/``--ask-vault-pass``. A non-root ``ansible_user`` becomes
+root with sudo. SSH host keys are checked strictly against ``~/.ssh/known_hosts`` (or
+``--known-hosts FILE``, or the inventory's UserKnownHostsFile). ``fab --help TASK`` lists
+each task's options.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import paramiko
 from fabric import Connection, task
 
 from hs_patch.control import dashboard, remote
 from hs_patch.control.inventory import ConfigError, Target, check_run_name, load
+from hs_patch.control.shell import RemoteError, Shell
+
+COMMON = {
+    "host": "GPU host: its name or address in the inventory (required)",
+    "inventory": "Ansible inventory: a hosts file or the directory holding it (default: $HS_INVENTORY, "
+                 "ansible.cfg's inventory, else inventory/)",
+    "extra-vars": "extra variables as ansible-playbook -e takes them (k=v, JSON, @file); repeatable",
+    "vault-password-file": "vault password file for the inventory's encrypted values; repeatable",
+    "ask-vault-pass": "ask for the vault password",
+    "known-hosts": "known_hosts file for the host key check (default: the inventory's UserKnownHostsFile, "
+                   "else ~/.ssh/known_hosts)",
+    "run": "run name (default for status/stop/ship: the newest run on the host)",
+}
+ITERABLE = ["extra_vars", "vault_password_file"]
 
 
-def _errors(body):
-    """Report a failed remote step as one clear line instead of a traceback."""
-    import functools
+def _errors(body: Callable[..., Any]) -> Callable[..., Any]:
+    """Report a failed step or a missing option as one clear line instead of a traceback."""
 
     @functools.wraps(body)
-    def wrapper(*args, **kwargs):
+    def wrapper(c: Any, *args: Any, **kwargs: Any) -> Any:
+        if not kwargs.get("host"):
+            sys.exit(f"fab {body.__name__}: give --host NAME (the GPU host's name or address in the inventory; "
+                     f"fab --help {body.__name__} lists every option)")
         try:
-            return body(*args, **kwargs)
-        except (remote.RemoteError, ConfigError) as e:
+            return body(c, *args, **kwargs)
+        except (RemoteError, ConfigError) as e:
             sys.exit(f"fab: {e}")
 
     return wrapper
 
-COMMON = {
-    "host": "GPU host: its name or address in the inventory",
-    "inventory": "Ansible inventory directory (default: inventory/ or $HS_INVENTORY)",
-    "known-hosts": "known_hosts file for the host key check (default: ~/.ssh/known_hosts)",
-    "run": "run name (default for status/stop/ship: the newest run on the host)",
-}
+
+def _target(host: str, inventory: str | None, extra_vars: list[str] | None, vault_password_file: list[str] | None,
+            ask_vault_pass: bool, known_hosts: str | None) -> Target:
+    return load(host, inventory, extra_vars=extra_vars or (), vault_password_files=vault_password_file or (),
+                ask_vault_pass=bool(ask_vault_pass), known_hosts=known_hosts)
 
 
-def _connect(host: str, inventory: str | None, known_hosts: str | None) -> tuple[Connection, Target]:
-    try:
-        t = load(host, inventory, known_hosts=known_hosts)
-    except ConfigError as e:
-        sys.exit(f"fab: {e}")
+def _connect(t: Target) -> Shell:
     kwargs = {"key_filename": t.key_file} if t.key_file else {}
     c = Connection(t.host, user=t.user, port=t.port, connect_kwargs=kwargs)
     c.client.set_missing_host_key_policy(paramiko.RejectPolicy())  # never trust an unknown host key
@@ -64,10 +80,10 @@ def _connect(host: str, inventory: str | None, known_hosts: str | None) -> tuple
                  f"(ssh-keyscan -p {t.port} {t.host} >> {known} after checking it)")
     except OSError as e:
         sys.exit(f"fab: cannot reach {t.host}:{t.port}: {e}")
-    return c, t
+    return Shell(c, t)
 
 
-def _pick_run(c: Connection, t: Target, run: str | None) -> str:
+def _pick_run(c: Shell, t: Target, run: str | None) -> str:
     run = run or remote.latest_run(c, t)
     if not run:
         sys.exit(f"fab: no run on {t.host} under {t.state_root}; start one with fab extract")
@@ -78,23 +94,32 @@ def _say(msg: str) -> None:
     print(f"[fab] {msg}", flush=True)
 
 
-@task(help={**COMMON, "dataset": "JSONL dataset on this machine (copied to the host), or on the host with "
-                                  "--remote-dataset", "remote-dataset": "--dataset is a path on the GPU host",
-            "limit": "only the first N lines (0: all)", "regenerate": "let the served model write the assistant "
-            "turns first (not captured), then capture the whole conversation",
-            "server-timeout": "seconds to wait for the server to become healthy (default 1800)",
-            "interval": "dashboard refresh in seconds", "detach": "start and return without the dashboard"})
+@task(iterable=ITERABLE, help={
+    **COMMON, "dataset": "JSONL dataset on this machine (copied to the host), or an absolute path on the host "
+                         "with --remote-dataset (required)",
+    "remote-dataset": "--dataset is a path on the GPU host", "limit": "only the first N lines (0: all)",
+    "regenerate": "let the served model write the assistant turns first (not captured), then capture the whole "
+                  "conversation",
+    "server-timeout": "seconds to wait for the server to become healthy (default 1800)",
+    "interval": "dashboard refresh in seconds", "detach": "start and return without the dashboard"})
 @_errors
-def extract(c, host, dataset, run=None, limit=0, regenerate=False, remote_dataset=False, inventory=None,
-            known_hosts=None, server_timeout=1800, interval=2, detach=False):
+def extract(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_password_file=None,
+            ask_vault_pass=False, dataset=None, run=None, limit=0, regenerate=False, remote_dataset=False,
+            server_timeout=1800, interval=2, detach=False):
     """Preflight, start the server, run the driver and the shipper as systemd units, watch them live."""
-    conn, t = _connect(host, inventory, known_hosts)
+    if not dataset:
+        sys.exit("fab extract: give --dataset FILE (a JSONL file here, or on the host with --remote-dataset)")
     local = Path(dataset)
-    if not remote_dataset and not local.is_file():
-        sys.exit(f"fab: dataset {dataset} not found here (use --remote-dataset for a path on the host)")
+    if remote_dataset:
+        if not dataset.startswith("/"):
+            sys.exit(f"fab extract: --remote-dataset {dataset!r} must be an absolute path on the host")
+    elif not local.is_file():
+        why = "is a directory" if local.is_dir() else "not found here"
+        sys.exit(f"fab extract: dataset {dataset} {why} (give a JSONL file; --remote-dataset for a path on the host)")
     run = check_run_name(run or f"{local.stem}-{time.strftime('%Y%m%d-%H%M%S')}")
-    data_bytes = local.stat().st_size if not remote_dataset else \
-        int(remote.sh(conn, f"stat -c %s {dataset}", check=True).stdout)
+    t = _target(host, inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
+    conn = _connect(t)
+    data_bytes = remote.remote_size(conn, dataset) if remote_dataset else local.stat().st_size
     _say(f"preflight on {t.host} (run {run})")
     estimated, per_token = remote.estimate_bytes(conn, t, data_bytes)
     checks = remote.preflight(conn, t, estimated_bytes=estimated, bytes_per_token=per_token)
@@ -121,42 +146,50 @@ def extract(c, host, dataset, run=None, limit=0, regenerate=False, remote_datase
     sys.exit(dashboard.watch(lambda: remote.snapshot(conn, t, run), host, run, interval=float(interval)))
 
 
-@task(help={**COMMON, "once": "print one snapshot and exit", "interval": "refresh in seconds"})
+@task(iterable=ITERABLE, help={**COMMON, "once": "print one snapshot and exit", "interval": "refresh in seconds"})
 @_errors
-def status(c, host, run=None, once=False, inventory=None, known_hosts=None, interval=2):
+def status(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_password_file=None,
+           ask_vault_pass=False, run=None, once=False, interval=2):
     """Reattach to a run's live dashboard (or print it once)."""
-    conn, t = _connect(host, inventory, known_hosts)
+    t = _target(host, inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
+    conn = _connect(t)
     run = _pick_run(conn, t, run)
     sys.exit(dashboard.watch(lambda: remote.snapshot(conn, t, run), host, run, interval=float(interval),
                              once=bool(once)))
 
 
-@task(help={**COMMON, "server": "stop the SGLang server unit too"})
+@task(iterable=ITERABLE, help={**COMMON, "server": "stop the SGLang server unit too"})
 @_errors
-def stop(c, host, run=None, server=False, inventory=None, known_hosts=None):
+def stop(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_password_file=None,
+         ask_vault_pass=False, run=None, server=False):
     """Stop a run cleanly: the driver, then the shipper finish what is in flight (resume with fab extract)."""
-    conn, t = _connect(host, inventory, known_hosts)
+    t = _target(host, inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
+    conn = _connect(t)
     run = _pick_run(conn, t, run)
     states = remote.stop(conn, t, run, server=bool(server))
     _say(f"stopped: {states}; resume with the same fab extract --run {run}, drain with fab ship")
 
 
-@task(help=COMMON)
+@task(iterable=ITERABLE, help=COMMON)
 @_errors
-def ship(c, host, run=None, inventory=None, known_hosts=None):
+def ship(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_password_file=None,
+         ask_vault_pass=False, run=None):
     """Ship every finished sample of a run now, verified at the destination, and wait for it."""
-    conn, t = _connect(host, inventory, known_hosts)
+    t = _target(host, inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
+    conn = _connect(t)
     run = _pick_run(conn, t, run)
     code, out = remote.ship_now(conn, t, run)
     print(out)
     sys.exit(code)
 
 
-@task(help={k: v for k, v in COMMON.items() if k != "run"})
+@task(iterable=ITERABLE, help={k: v for k, v in COMMON.items() if k != "run"})
 @_errors
-def verify(c, host, inventory=None, known_hosts=None):
+def verify(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_password_file=None,
+           ask_vault_pass=False):
     """Run hs-patch verify on the host: exit 0 only if the patch is present and intact."""
-    conn, t = _connect(host, inventory, known_hosts)
-    r = remote.sh(conn, f"{t.bin('hs-patch')} verify")
+    t = _target(host, inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
+    conn = _connect(t)
+    r = conn.run([t.bin("hs-patch"), "verify"])
     print((r.stdout + r.stderr).strip())
     sys.exit(r.exited)

@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import yaml
@@ -41,7 +42,7 @@ ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT)]
 
 import wheelhouse_dir  # noqa: E402
-from testhosts import CACHE_DIR, Lab  # noqa: E402
+from testhosts import CACHE_DIR, STOP_TIMEOUT_S, Lab  # noqa: E402
 
 GPU, STORAGE = ("gpu", "198.51.100.40"), ("storage", "198.51.100.41")
 SGLANG = "0.5.9"
@@ -92,8 +93,17 @@ class Demo:
         self.lab.up([GPU, STORAGE])
         self._write_inventory()
 
-    def down(self) -> None:
+    def down(self) -> bool:
+        """Stop and remove the hosts and the generated inventory; False if nothing was there."""
+        had = bool(self.lab.load()) or self.inventory.exists()
         self.lab.down()
+        shutil.rmtree(self.inventory, ignore_errors=True)
+        for d in (self.dir / "lab", self.dir):
+            try:
+                d.rmdir()  # only if nothing else is left in it
+            except OSError:
+                pass
+        return had
 
     def _write_inventory(self) -> None:
         lab = self.lab.ansible_inventory()["all"]["hosts"]
@@ -177,17 +187,22 @@ def check_destination(dest: Path, expected_ids: set[str] | None = None) -> dict:
     return {"samples": len(ids), "bytes": rep.nbytes, "tokens": rep.tokens}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--state-dir", default="/tmp/hs-demo", help="where the lab and the inventory live")
     ap.add_argument("--keep", action="store_true", help="leave the test hosts running at the end")
     ap.add_argument("--down", action="store_true", help="only tear down a kept demo")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if os.geteuid() != 0:
         sys.exit("demo: run as root (network namespaces and systemd-nspawn)")
     demo = Demo(a.state_dir)
     if a.down:
-        demo.down()
+        t0 = time.monotonic()
+        if demo.down():
+            print(f"demo: torn down in {time.monotonic() - t0:.0f}s: test hosts stopped, their network, mounts and "
+                  f"the inventory removed from {a.state_dir}")
+        else:
+            print(f"demo: nothing to tear down in {a.state_dir}")
         return 0
     ok = False
     try:
@@ -208,8 +223,12 @@ def main() -> int:
             print(f"demo: hosts kept; fab --help status, then: python3 tests/demo.py --down "
                   f"(inventory: {demo.inventory}, known_hosts: {demo.lab.describe().get('known_hosts')})")
         else:
-            say("tearing down")
+            say(f"tearing down (the test hosts shut down, up to {STOP_TIMEOUT_S}s)")
+            t0 = time.monotonic()
             demo.down()
+            print(f"demo: torn down in {time.monotonic() - t0:.0f}s", flush=True)
+        print(f"\n=== demo: {'done: every sample verified at the destination' if ok else 'FAILED (see above)'}",
+              flush=True)
     return 0 if ok else 1
 
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hmac
 import json
 import logging
 import os
@@ -386,9 +387,28 @@ class Engine:
         return Request(str(rid), list(ids), max_new, bool(body.get("return_logprob")), start, k)
 
 
+def read_config_api_key(path: Optional[str]) -> Optional[str]:
+    """The ``api-key`` of SGLang's ``--config`` YAML file (the services role writes it as JSON, a YAML subset)."""
+    if not path:
+        return None
+    with open(path, encoding="utf-8") as f:
+        return (json.load(f) or {}).get("api-key")
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     engine: Engine
+    api_key: Optional[str] = None
+
+    def _authorized(self) -> bool:
+        """As SGLang's --api-key (sglang.srt.utils.auth): every path but /health* and /metrics needs
+        ``Authorization: Bearer KEY``; a refusal is 401."""
+        if not self.api_key or self.path.startswith(("/health", "/metrics")):
+            return True
+        if hmac.compare_digest(self.headers.get("Authorization", ""), f"Bearer {self.api_key}"):
+            return True
+        self._send(401, {"error": "Unauthorized"})
+        return False
 
     def log_message(self, fmt: str, *args: Any) -> None:
         log.debug("%s " + fmt, self.address_string(), *args)
@@ -402,6 +422,8 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self) -> None:  # noqa: N802
+        if not self._authorized():
+            return
         self.path = self.path.split("?", 1)[0]  # query parameters (a token) are ignored, as by SGLang's router
         if self.path in ("/get_server_info", "/server_info"):
             self._send(200, self.engine.info())
@@ -420,6 +442,8 @@ class Handler(BaseHTTPRequestHandler):
             self._send(404, {"detail": "Not Found"})
 
     def do_POST(self) -> None:  # noqa: N802
+        if not self._authorized():
+            return
         self.path = self.path.split("?", 1)[0]
         if self.path != "/generate":
             self._send(404, {"detail": "Not Found"})
@@ -439,9 +463,9 @@ class Handler(BaseHTTPRequestHandler):
 class StandinServer:
     """The stand-in, started in this process (tests) or by :func:`main`."""
 
-    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, api_key: Optional[str] = None):
         self.engine = engine
-        handler = type("BoundHandler", (Handler,), {"engine": engine})
+        handler = type("BoundHandler", (Handler,), {"engine": engine, "api_key": api_key})
         handler_server = type("StandinHTTPServer", (ThreadingHTTPServer,), {"request_queue_size": 128})
         self.httpd = handler_server((host, port), handler)
         self.httpd.daemon_threads = True
@@ -484,6 +508,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--accept-sglang-flags", action="store_true", help="accept and ignore SGLang's own server "
                     "flags (the GPU proof scripts' command line), and serve without capture when HS_CAPTURE is "
                     "not 1 (a pristine stand-in)")
+    ap.add_argument("--api-key", help="require this key (Authorization: Bearer), as SGLang's --api-key")
+    ap.add_argument("--config", help="SGLang's --config file: its api-key is used like --api-key")
     a, ignored = ap.parse_known_args(argv)
     if ignored and not (a.installed_sglang or a.accept_sglang_flags):
         ap.error(f"unrecognized arguments: {' '.join(ignored)}")
@@ -496,7 +522,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     engine = Engine(a.model, a.capture_dir, release=a.release, wheel=a.sglang_wheel,
                     chunked_prefill_size=a.chunked_prefill_size, batch_window_ms=a.batch_window_ms,
                     context_length=a.context_length, installed=a.installed_sglang)
-    server = StandinServer(engine, a.host, a.port)
+    server = StandinServer(engine, a.host, a.port, api_key=a.api_key or read_config_api_key(a.config))
     if ignored:
         log.info("stand-in: SGLang server flags accepted and ignored: %s", " ".join(ignored))
     log.warning("STAND-IN server, NOT SGLang: patched forward of SGLang %s on a tiny transformers model, "

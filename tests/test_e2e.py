@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -175,6 +176,12 @@ def test_stop_then_resume(demo, tmp_path):
                     capture_output=True, text=True).returncode == 0
     done = lambda: (remote_json(demo, f"{state}/status.json") or {}).get("samples", {}).get("done", 0)  # noqa: E731
     wait("some samples", lambda: done() >= 50)
+    # the job units run sandboxed (docs/security.md records the scores)
+    for u in (f"hs-drive-{run}", f"hs-ship-{run}", "sglang"):
+        out = demo.ssh(GPU[0], f"systemd-analyze security {u}.service").stdout
+        score = float(re.search(r"Overall exposure level for \S+: ([0-9.]+)", out).group(1))
+        print(f"systemd-analyze security {u}: {score}")
+        assert score <= (2.5 if u == "sglang" else 1.5), out[-3000:]
     out = demo.fab("stop", "--run", run, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     assert unit(demo, f"hs-drive-{run}")["ActiveState"] == "inactive"

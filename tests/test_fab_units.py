@@ -1,9 +1,11 @@
-"""fab's pieces that need no host: inventory reading, run names, snapshot, dashboard."""
+"""fab's pieces that need no host: its command line, run names, snapshot, dashboard."""
 
 from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -11,39 +13,51 @@ from rich.console import Console
 
 from hs_patch.control import dashboard
 from hs_patch.host import snapshot
-from hs_patch.control.inventory import ConfigError, check_run_name, load
+from hs_patch.control.inventory import ConfigError, check_run_name
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def write_inventory(d: Path) -> Path:
-    (d / "group_vars").mkdir(parents=True)
-    (d / "host_vars").mkdir()
-    (d / "hosts.yml").write_text(
-        "all:\n  children:\n    gpu_hosts:\n      hosts:\n        gpu1:\n          ansible_host: 198.51.100.10\n"
-        "          ansible_user: root\n          ansible_port: 2222\n")
-    (d / "group_vars" / "gpu_hosts.yml").write_text(
-        "hs_venv: /opt/v\nhs_server_port: 31000\nhs_dump_dir: /dev/shm/x\n"
-        "hs_sglang_wheelhouse: '{{ playbook_dir }}/../wheelhouse'\nhs_capture_layers: [1, 2]\n")
-    (d / "host_vars" / "gpu1.yml").write_text("hs_server_port: 32000\n")
-    return d
+def _fab(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["fab", *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
-def test_inventory_gives_connection_and_knobs(tmp_path):
-    t = load("gpu1", str(write_inventory(tmp_path)))
-    assert (t.host, t.user, t.port, t.venv, t.dump_dir) == ("198.51.100.10", "root", 2222, "/opt/v", "/dev/shm/x")
-    assert t.server_port == 32000, "host_vars override group_vars"
-    assert t.capture_layers == [1, 2] and t.bin("hs-extract") == "/opt/v/bin/hs-extract"
-    assert t.state_dir("r1") == "/var/lib/hs-patch/runs/r1" and t.samples_dir("r1") == "/dev/shm/hs-runs/r1/samples"
-    with pytest.raises(ConfigError, match="not in"):
-        load("gpu2", str(tmp_path))
-    with pytest.raises(ConfigError, match="no inventory"):
-        load("gpu1", str(tmp_path / "nowhere"))
+def test_fab_says_which_option_is_missing():
+    out = _fab("extract")
+    assert out.returncode == 1 and "give --host NAME" in out.stderr, out.stderr
+    assert "positional" not in out.stdout + out.stderr
+    out = _fab("extract", "--host", "gpu1")
+    assert out.returncode == 1 and "give --dataset FILE" in out.stderr, out.stderr
+    out = _fab("status")
+    assert "fab status: give --host NAME" in out.stderr
 
 
-def test_production_inventory_has_the_seed_host():
-    t = load("10.1.230.174", str(ROOT / "inventory"))
-    assert t.user == "root" and t.venv.startswith("/")
+def test_a_missing_local_dataset_is_found_before_connecting(tmp_path, monkeypatch):
+    import fabfile
+    from invoke import Context
+
+    def no(*a, **k):
+        raise AssertionError("fab read the inventory or connected before checking the dataset")
+
+    monkeypatch.setattr(fabfile, "_target", no)
+    monkeypatch.setattr(fabfile, "_connect", no)
+    for dataset, why in ((tmp_path / "missing.jsonl", "not found here"), (tmp_path, "is a directory")):
+        with pytest.raises(SystemExit, match=why):
+            fabfile.extract(Context(), host="gpu1", dataset=str(dataset))
+    with pytest.raises(SystemExit, match="must be an absolute path on the host"):
+        fabfile.extract(Context(), host="gpu1", dataset="data/x.jsonl", remote_dataset=True)
+
+
+def test_inventory_option_takes_a_file(tmp_path):
+    inv = tmp_path / "hosts.yml"
+    inv.write_text("all:\n  hosts:\n    gpu1:\n      ansible_host: 127.0.0.1\n      ansible_port: 1\n")
+    data = tmp_path / "d.jsonl"
+    data.write_text("{}\n")
+    out = _fab("extract", "-h", "gpu1", "-i", str(inv), "-d", str(data))
+    assert "no inventory" not in out.stderr and "cannot reach 127.0.0.1:1" in out.stderr, out.stderr
+    out = _fab("extract", "-h", "gpu1", "-i", str(tmp_path / "nope.yml"), "-d", str(data))
+    assert f"no inventory at {tmp_path / 'nope.yml'}:" in out.stderr, out.stderr
 
 
 def test_run_names():

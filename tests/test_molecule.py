@@ -57,6 +57,7 @@ def _lab_prereqs() -> str | None:
 
 def test_every_role_has_a_scenario_and_argument_specs():
     assert set(ROLES) == {"gpu_host", "sglang", "hs_patch", "sglang_service", "sample_shipping"}
+    assert "default" in SCENARIOS, "molecule test (no -s) needs molecule/default"
     for role in ROLES:
         assert role in SCENARIOS, f"no molecule scenario for role {role}"
         specs = yaml.safe_load((ROOT / "roles" / role / "meta/argument_specs.yml").read_text())
@@ -139,12 +140,20 @@ def test_preflight_accepts_the_defaults(local_inventory, tmp_path):
     ({"hs_venv_releases_dir": "venvs"}, "hs_venv_releases_dir an absolute path"),
     ({"hs_storage_host": ""}, "set hs_storage_host"),
     ({"hs_storage_managed": False}, "hs_storage_host_key to its SSH host key"),
+    ({"sglang_service_host": "0.0.0.0"}, "set sglang_service_allow_non_loopback: true"),
+    ({"sglang_service_host": "198.51.100.10"}, "the SGLang server would answer every host"),
 ])
 def test_preflight_refuses_bad_inventory(local_inventory, tmp_path, extra, message):
     proc = _preflight(local_inventory, tmp_path, extra)
     assert proc.returncode != 0, f"{extra} was accepted"
     flat = " ".join((proc.stdout + proc.stderr).split())
     assert message in flat, _tail(proc)
+
+
+def test_preflight_lets_an_exposed_server_through_only_when_allowed(local_inventory, tmp_path):
+    proc = _preflight(local_inventory, tmp_path, {"sglang_service_host": "0.0.0.0",
+                                                  "sglang_service_allow_non_loopback": True})
+    assert proc.returncode == 0, _tail(proc)
 
 
 def test_preflight_skips_storage_when_shipping_is_off(local_inventory, tmp_path):
@@ -209,11 +218,15 @@ def test_molecule_scenario(scenario):
     if reason := _lab_prereqs():
         pytest.skip(reason)
     started = time.monotonic()
-    proc = _run([_tool("molecule"), "test", "--scenario-name", scenario], timeout=900,
-                env={"PATH": f"{BIN}:{os.environ.get('PATH', '')}"})
+    # the default scenario exactly as typed at the repository root: `molecule test`
+    args = [] if scenario == "default" else ["--scenario-name", scenario]
+    proc = _run([_tool("molecule"), "test", *args], timeout=900, env={"PATH": f"{BIN}:{os.environ.get('PATH', '')}"})
     took = time.monotonic() - started
     print(f"molecule {scenario}: {took:.0f}s")
     assert proc.returncode == 0, _tail(proc, 150)
     out = proc.stdout + proc.stderr
-    for step in ("check", "converge", "idempotence", "side_effect", "verify"):
-        assert f"{step}: Executed: Successful" in out, f"{scenario}: step {step} did not run successfully"
+    # default: site.yml whole, fast; check mode and negative cases are the role scenarios' job
+    steps = ("converge", "idempotence", "verify") if scenario == "default" else \
+        ("check", "converge", "idempotence", "side_effect", "verify")
+    for step in steps:
+        assert f"{scenario} > {step}: Executed: Successful" in out, f"{scenario}: step {step} did not run successfully"

@@ -300,9 +300,16 @@ class Lab:
         if not state:
             return
         errors = []
+        # every host powers off at once (nspawn turns SIGTERM into an orderly shutdown), then each is waited for
+        started = time.monotonic()
+        for host in state.get("hosts", []):
+            if host.get("pid") and _alive(host["pid"], host.get("pid_start")):
+                _log(f"{host['name']}: shutting down (systemd-nspawn pid {host['pid']}, up to {STOP_TIMEOUT_S}s)")
+                os.kill(host["pid"], signal.SIGTERM)
         for host in reversed(state.get("hosts", [])):
             try:
                 self._stop_host(host)
+                _log(f"{host['name']}: stopped and removed ({time.monotonic() - started:.1f}s)")
             except Exception as exc:  # keep cleaning the rest
                 errors.append(f"{host['name']}: {exc}")
         if state.get("bridge_created"):
@@ -319,7 +326,7 @@ class Lab:
     def _stop_host(self, host: dict) -> None:
         pid = host.get("pid")
         if pid and _alive(pid, host.get("pid_start")):
-            # nspawn turns SIGTERM into an orderly poweroff of the container.
+            # nspawn turns SIGTERM into an orderly poweroff of the container (down() sent it already).
             os.kill(pid, signal.SIGTERM)
             if not _wait_gone(pid, host.get("pid_start"), STOP_TIMEOUT_S):
                 _log(f"{host['name']}: no clean shutdown in {STOP_TIMEOUT_S}s, killing pid {pid}")

@@ -20,6 +20,7 @@ Credentials in the server URL (``http://user:pass@host:port``, ``?token=...``) a
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -30,6 +31,23 @@ from urllib.parse import parse_qsl, quote, unquote, urlsplit, urlunsplit
 import requests
 
 HEALTH_PROBE_IDS = [0]   # what SGLang's health checks prefill
+API_KEY_ENV = "SGLANG_API_KEY"
+
+
+def read_api_key(path: str | None) -> Optional[str]:
+    """The server's API key: the first line of ``path`` (hs-extract drive --api-key-file), else
+    ``$SGLANG_API_KEY``, else None. Never taken from a command line, never logged."""
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except OSError as e:
+            raise ClientError(f"cannot read the server's API key from --api-key-file {path}: {e.strerror} "
+                              "(the services role writes it, readable by the service user only)") from None
+        if not key:
+            raise ClientError(f"--api-key-file {path} is empty: re-run the services role to write the key")
+        return key
+    return os.environ.get(API_KEY_ENV) or None
 RETRY_STATUS = {429, 500, 502, 503, 504}
 
 
@@ -88,9 +106,12 @@ class SGLangClient:
     def __init__(self, base_url: str, *, policy: Optional[RetryPolicy] = None, timeout: float = 600.0,
                  connect_timeout: float = 10.0,
                  on_retry: Optional[Callable[[dict[str, Any]], None]] = None,
-                 should_stop: Callable[[], bool] = lambda: False):
+                 should_stop: Callable[[], bool] = lambda: False, api_key: Optional[str] = None):
         self.base_url, self._auth, self._params, self._secrets = _split(base_url.rstrip("/"))
         self.display_url = redact_url(base_url.rstrip("/"))
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        if api_key:
+            self._secrets = [*self._secrets, api_key]  # never shown in an error message
         self.policy = policy or RetryPolicy()
         self.timeout = (connect_timeout, timeout)
         self.on_retry = on_retry
@@ -101,6 +122,7 @@ class SGLangClient:
         s = getattr(self._local, "session", None)
         if s is None:
             s = self._local.session = requests.Session()
+            s.headers.update(self._headers)  # SGLang --api-key: every endpoint but /health* and /metrics
         return s
 
     def _request(self, method: str, path: str, *, json: Any = None, retry: bool = True,
@@ -117,6 +139,11 @@ class SGLangClient:
                                             timeout=limits)
                 if r.status_code < 400:
                     return r
+                if r.status_code in (401, 403):
+                    raise ServerRejected(r.status_code, f"{path}: the server refused the API key ("
+                                         f"{'none sent' if not self._headers else 'wrong key'}): give the server's key "
+                                         f"with --api-key-file FILE (fab passes hs_server_api_key_file) or "
+                                         f"${API_KEY_ENV}")
                 if r.status_code not in RETRY_STATUS:
                     raise ServerRejected(r.status_code, redact(_error_message(r), self._secrets))
                 error = f"HTTP {r.status_code}: {_error_message(r)}"

@@ -21,6 +21,7 @@ class DriveConfig:
     data: list[str]
     model: str
     server: str = "http://127.0.0.1:30000"
+    api_key_file: str = ""              # the server's API key (else $SGLANG_API_KEY); the key is never logged
     capture_dir: str = "/dev/shm/hs_capture"
     state_dir: str = ""       # default /var/lib/hs-patch/runs/<run>
     samples_dir: str = ""     # default /dev/shm/hs-runs/<run>/samples

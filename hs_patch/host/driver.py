@@ -25,7 +25,7 @@ from hs_patch import __version__, intent, store
 from hs_patch.host import capture_check, chat, dataset, limits, runstate
 from hs_patch.host.backpressure import BackPressure, disk_usage
 from hs_patch.host.capture_dir import CaptureWatcher
-from hs_patch.host.client import HEALTH_PROBE_IDS, RetryPolicy, SGLangClient, redact_url
+from hs_patch.host.client import HEALTH_PROBE_IDS, RetryPolicy, SGLangClient, read_api_key, redact_url
 from hs_patch.host.drive_config import DriveConfig
 from hs_patch.host.adopt import same_filesystem
 from hs_patch.host.runstatus import RunStatus, nothing_extracted
@@ -171,7 +171,7 @@ class Driver(SampleSteps):
         self.max_chars = dataset.line_limit(cfg.max_tokens, cfg.max_line_chars)
         self.client = SGLangClient(cfg.server, policy=RetryPolicy(cfg.retries, cfg.backoff, cfg.backoff_max),
                                    timeout=cfg.request_timeout, on_retry=self._on_retry,
-                                   should_stop=self.stop.is_set)
+                                   should_stop=self.stop.is_set, api_key=read_api_key(cfg.api_key_file))
         self.client.wait_healthy(cfg.server_wait)
         info = self.client.server_info(timeout=cfg.server_wait)
         if info.get("disable_radix_cache") is not True:

@@ -76,6 +76,8 @@ def add_drive_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("where")
     g.add_argument("--server", default=D["server"], metavar="URL", help="SGLang server "
                    "(default: %(default)s)")
+    g.add_argument("--api-key-file", default=D["api_key_file"], metavar="FILE", help="file holding the server's "
+                   "API key (SGLang --api-key; the services role writes it); default: $SGLANG_API_KEY, else none")
     g.add_argument("--capture-dir", default=D["capture_dir"], metavar="DIR",
                    help="the server's HS_CAPTURE_DIR, must be the same (default: %(default)s)")
     g.add_argument("--state-dir", default=D["state_dir"], metavar="DIR", help="run state (default: /var/lib/hs-patch/runs/NAME)")

@@ -79,12 +79,43 @@ def parse_dest(text: str) -> Dest:
     return Dest(None, text)
 
 
+# ssh -o values that let a connection go on without a verified host key (ssh_config(5):
+# StrictHostKeyChecking takes yes/no/off/false/ask/accept-new; "none" and /dev/null
+# empty the known hosts; KnownHostsCommand and DNS answers replace them).
+_UNVERIFIED = {"stricthostkeychecking": {"no", "off", "false", "accept-new", "0"},
+               "userknownhostsfile": {"/dev/null", "none"}, "globalknownhostsfile": {"/dev/null", "none"},
+               "verifyhostkeydns": {"yes", "true"}, "knownhostscommand": None}
+
+
+def unverified_host_key_options(options: list[str]) -> list[str]:
+    """The ``-o`` values among ``options`` that would accept a host key nobody checked."""
+    bad = []
+    for opt in options:
+        name, _, value = opt.strip().replace("=", " ", 1).partition(" ")
+        refused = _UNVERIFIED.get(name.lower(), set())
+        words = value.strip().strip('"').lower().split()
+        if refused is None or any(w in refused for w in words):
+            bad.append(opt)
+    return bad
+
+
 @dataclass
 class SshOptions:
     key: str | None = None
     port: int | None = None
     known_hosts: str | None = None
     options: list[str] = field(default_factory=list)  # "Name=value", passed as ssh -o
+    # DANGER: ship to a host whose key nobody checked (see --allow-unverified-host-key)
+    allow_unverified_host_key: bool = False
+
+    def __post_init__(self) -> None:
+        bad = unverified_host_key_options(self.options)
+        if bad and not self.allow_unverified_host_key:
+            raise ConfigError(
+                f"--ssh-option {', '.join(bad)} would ship to a host whose key is not verified (a changed or "
+                "spoofed storage host would receive the samples without a word). Put the storage host's key in "
+                "known_hosts (--known-hosts FILE) instead; only for a throw-away test setup, add "
+                "--allow-unverified-host-key")
 
     def argv(self) -> list[str]:
         """The ssh command; ssh keeps the first value given for an option, so the user's

@@ -142,7 +142,9 @@ resume:
 ssh:
   StrictHostKeyChecking=yes and BatchMode=yes by default: the storage host's key must be in
   known_hosts (yours, or --known-hosts). ~/.ssh/config applies (an alias as host works);
-  --ssh-option values take precedence over the defaults. Under systemd use KillMode=mixed
+  --ssh-option values take precedence over the defaults, except that options skipping the
+  host key check are refused unless --allow-unverified-host-key (never in production: a
+  changed host key then ships samples to whoever answers). Under systemd use KillMode=mixed
   so that SIGTERM reaches the shipper alone and the batch can finish.
 
 exit codes:
@@ -194,14 +196,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssh-port", type=int, metavar="PORT", help="SSH port (default 22 or ~/.ssh/config)")
     p.add_argument("--known-hosts", metavar="FILE", help="known_hosts file holding the storage host's key")
     p.add_argument("--ssh-option", action="append", default=[], metavar="NAME=VALUE",
-                   help="extra ssh -o option, repeatable (e.g. Ciphers=aes128-gcm@openssh.com)")
+                   help="extra ssh -o option, repeatable (e.g. Ciphers=aes128-gcm@openssh.com); options that "
+                   "skip the host key check (StrictHostKeyChecking=no/off/accept-new, UserKnownHostsFile=/dev/null, "
+                   "KnownHostsCommand, ...) are refused")
+    p.add_argument("--allow-unverified-host-key", action="store_true",
+                   help="DANGER: accept those options, i.e. ship to a storage host whose SSH key nobody checked "
+                   "(samples of a proprietary model may go to whoever answers at that address); test setups only")
 
 
 def run_args(args: argparse.Namespace) -> int:
     try:
         cfg = ShipConfig(
             samples_dir=args.samples_dir, state_dir=args.state_dir, dest=parse_dest(args.dest),
-            ssh=SshOptions(args.ssh_key, args.ssh_port, args.known_hosts, args.ssh_option),
+            ssh=SshOptions(args.ssh_key, args.ssh_port, args.known_hosts, args.ssh_option,
+                           allow_unverified_host_key=args.allow_unverified_host_key),
             follow=args.follow, until_file=args.until_file, poll_seconds=args.poll,
             batch_files=args.batch_files, batch_bytes=args.batch_bytes, retries=args.retries,
             bwlimit_kbps=args.bwlimit, backoff_max=args.backoff_max)

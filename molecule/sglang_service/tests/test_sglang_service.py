@@ -1,15 +1,27 @@
 """The SGLang unit on the test host, running the stand-in server."""
 
 import json
+import re
 
 testinfra_hosts = ["ansible://gpu_hosts"]
 
 UNIT = "/etc/systemd/system/sglang.service"
+KEY_FILE = "/var/lib/sglang/api-key"
+GET = ("python3 -c \"import sys, urllib.request as u, urllib.error as e; h = {{'Authorization': 'Bearer ' + sys.argv[1]}} "
+       "if sys.argv[1] else {{}}; r = u.Request('http://127.0.0.1:30000{path}', headers=h)\n"
+       "try: print(u.urlopen(r).read().decode())\nexcept e.HTTPError as x: print(x.code)\" {key}")
+
+
+def _key(host):
+    return host.file(KEY_FILE).content_string.strip()
+
+
+def _get(host, path, key=""):
+    return host.check_output(GET.format(path=path, key=key or "''"))
 
 
 def _debug(host):
-    return json.loads(host.check_output("python3 -c \"import urllib.request as u; "
-                                        "print(u.urlopen('http://127.0.0.1:30000/debug').read().decode())\""))
+    return json.loads(_get(host, "/debug", _key(host)))
 
 
 def test_unit_passes_systemd_analyze_verify(host):
@@ -92,3 +104,40 @@ def test_restarted_after_the_kill(host):
     status = host.check_output("python3 -c \"import urllib.request as u; "
                                "print(u.urlopen('http://127.0.0.1:30000/health_generate').status)\"")
     assert status == "200"
+
+
+def test_api_key_owner_only_and_never_on_a_command_line(host):
+    key = _key(host)
+    assert len(key) >= 40
+    for path in (KEY_FILE, "/var/lib/sglang/server-config.yaml"):
+        f = host.file(path)
+        assert (f.user, f.group, f.mode) == ("sglang", "sglang", 0o600), path
+    assert json.loads(host.file("/var/lib/sglang/server-config.yaml").content_string) == {"api-key": key}
+    assert key not in host.file(UNIT).content_string
+    pid = host.check_output("systemctl show --property=MainPID --value sglang")
+    assert key not in host.check_output(f"tr '\\0' ' ' < /proc/{pid}/cmdline")
+    assert "--config /var/lib/sglang/server-config.yaml" in host.check_output(f"tr '\\0' ' ' < /proc/{pid}/cmdline")
+    assert key not in host.check_output("journalctl -u sglang --no-pager")
+
+
+def test_api_key_required_but_not_for_health(host):
+    assert _get(host, "/debug") == "401"
+    assert _get(host, "/debug", "wrong-key") == "401"
+    assert json.loads(_get(host, "/debug", _key(host)))["api_key"] is True
+    assert json.loads(_get(host, "/health_generate")) == {}
+
+
+def test_sandbox_score_and_what_the_process_gets(host):
+    out = host.check_output("systemd-analyze security sglang.service")
+    score = float(re.search(r"Overall exposure level for sglang.service: ([0-9.]+)", out).group(1))
+    print(f"systemd-analyze security sglang.service: {score}")
+    assert score <= 3.0, out
+    pid = host.check_output("systemctl show --property=MainPID --value sglang")
+    status = host.file(f"/proc/{pid}/status").content_string
+    assert re.search(r"^NoNewPrivs:\s+1$", status, re.M) and re.search(r"^CapBnd:\s+0+$", status, re.M)
+    host.run_test("touch /tmp/hs-host-tmp-marker")
+    d = _debug(host)
+    assert "hs-host-tmp-marker" not in d["tmp"], "PrivateTmp: the server has its own /tmp"
+    # the writable paths exist and are the working dir and the capture dir (ProtectSystem=strict elsewhere)
+    show = lambda prop: host.check_output(f"systemctl show --property={prop} --value sglang")  # noqa: E731
+    assert show("ReadWritePaths") == "/var/lib/sglang -/dev/shm/hs_capture" and show("ProtectSystem") == "strict"

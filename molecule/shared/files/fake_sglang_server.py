@@ -3,12 +3,15 @@
 
 Takes the same command line, binds --host:--port, and answers like SGLang:
 /health at once, /health_generate only after a short "model load" (503
-before), so the role's retries are exercised. /debug reports its argv,
+before), so the role's retries are exercised. Like SGLang's --api-key (read
+from --config FILE, which the role writes as JSON, a YAML subset), every path
+but /health* answers 401 without "Authorization: Bearer KEY". /debug reports its argv,
 capture environment, user and memlock limit, so tests can check the unit's
 wiring. Every start is appended to starts.log in the working directory (the
 restart test counts them)."""
 
 import argparse
+import hmac
 import json
 import os
 import resource
@@ -25,7 +28,12 @@ def main():
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--model-path", required=True)
     p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--config")
     args, rest = p.parse_known_args()
+    api_key = None
+    if args.config:
+        with open(args.config, encoding="utf-8") as f:
+            api_key = json.load(f).get("api-key")
     with open("starts.log", "a") as f:
         f.write(f"{os.getpid()} {time.time():.3f}\n")
 
@@ -39,7 +47,10 @@ def main():
             self.wfile.write(data)
 
         def do_GET(self):  # noqa: N802 (http.server API)
-            if self.path == "/health":
+            if api_key and not self.path.startswith("/health") and not hmac.compare_digest(
+                    self.headers.get("Authorization", ""), f"Bearer {api_key}"):
+                self._send(401, {"error": "Unauthorized"})
+            elif self.path == "/health":
                 self._send(200, {})
             elif self.path == "/health_generate":
                 if time.monotonic() - STARTED < LOAD_SECONDS:
@@ -51,7 +62,8 @@ def main():
                 self._send(200, {
                     "argv": vars(args) | {"rest": rest},
                     "env": {k: v for k, v in os.environ.items() if k.startswith("HS_")},
-                    "uid": os.getuid(), "cwd": os.getcwd(),
+                    "uid": os.getuid(), "cwd": os.getcwd(), "api_key": bool(api_key),
+                    "tmp": sorted(os.listdir("/tmp")),
                     "memlock": "unlimited" if soft == resource.RLIM_INFINITY else soft,
                     "pid": os.getpid(),
                 })

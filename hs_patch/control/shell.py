@@ -1,0 +1,82 @@
+"""Commands on the GPU host, as root, every argument quoted.
+
+fab needs root there (systemctl, the run directories), like the playbooks (``become:
+true``). :class:`Shell` wraps a fabric ``Connection``: when the inventory's SSH user is
+not root, each command runs as ``sudo -- sh -c '<command>'`` (``sudo -n`` without a
+password; with ``ansible_become_password`` sudo reads it from stdin, never from the
+command line). Commands are argument lists (:func:`cmd` quotes each with
+``shlex.quote``); the few shell constructs (``||``, ``2>/dev/null``) are joined
+around already quoted pieces, so a host name, path or run name can never become shell
+syntax on the host.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import shlex
+from pathlib import Path
+from typing import Any, Sequence
+
+from hs_patch.control.inventory import Target
+
+
+class RemoteError(RuntimeError):
+    """A remote step failed; the message says what to do."""
+
+
+def cmd(*argv: Any) -> str:
+    """One shell-safe command line: every argument quoted."""
+    return shlex.join(str(a) for a in argv)
+
+
+class Shell:
+    """Run commands on ``target`` through ``conn`` (a fabric Connection, or a stand-in with
+    ``.host``, ``.run(command, **kw)`` and ``.put(local, remote)``)."""
+
+    def __init__(self, conn: Any, target: Target):
+        self.conn = conn
+        self.target = target
+        self.host = target.host
+        self._prompt = f"[hs-fab sudo {secrets.token_hex(4)}] "
+
+    def wrap(self, command: str) -> str:
+        """The command as the host's shell receives it (sudo to root when the user is not root)."""
+        if not self.target.become:
+            return command
+        if self.target.become_password:
+            return cmd("sudo", "-S", "-p", self._prompt, "-H", "--", "sh", "-c", command)
+        return cmd("sudo", "-n", "-H", "--", "sh", "-c", command)
+
+    def run(self, command: str | Sequence[Any], *, check: bool = False, timeout: int | None = 120,
+            as_root: bool = True) -> Any:
+        """Run ``command`` (an argument list, or a line built with :func:`cmd`); output hidden.
+        ``check`` raises RemoteError on failure. ``as_root=False`` runs as the SSH user."""
+        line = command if isinstance(command, str) else cmd(*command)
+        kw: dict[str, Any] = {}
+        if as_root and self.target.become and self.target.become_password:
+            from invoke import FailingResponder
+
+            kw["watchers"] = [FailingResponder(pattern=re.escape(self._prompt),
+                                               response=self.target.become_password + "\n",
+                                               sentinel="Sorry, try again.")]
+        r = self.conn.run(self.wrap(line) if as_root else line, hide=True, warn=True, in_stream=False,
+                          timeout=timeout, **kw)
+        if as_root and self.target.become and r.failed and "a password is required" in (r.stderr or ""):
+            raise RemoteError(f"on {self.host}: sudo asks {self.target.user} for a password: set "
+                              "ansible_become_password in the inventory (vault it), or allow NOPASSWD sudo")
+        if check and r.failed:
+            raise RemoteError(f"on {self.host}: `{line}` failed ({r.exited}): {(r.stderr or r.stdout).strip()[-800:]}")
+        return r
+
+    def put(self, local: Path, remote: str, *, owner: str, mode: str = "0640") -> None:
+        """Copy a local file to ``remote`` owned by ``owner`` (SFTP runs as the SSH user, so
+        it lands in a private temp file first and root installs it)."""
+        tmp = self.run(["mktemp"], check=True, as_root=False).stdout.strip()
+        if not tmp.startswith("/"):
+            raise RemoteError(f"on {self.host}: mktemp gave {tmp!r}")
+        try:
+            self.conn.put(str(local), tmp)
+            self.run(["install", "-o", owner, "-g", owner, "-m", mode, tmp, remote], check=True)
+        finally:
+            self.run(["rm", "-f", tmp], as_root=False)

@@ -1,0 +1,1 @@
+../../../hs_patch/host/shipping/at_destination.py

@@ -1,0 +1,1 @@
+../../../hs_patch/host/shipping/gate.py
