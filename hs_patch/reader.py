@@ -45,6 +45,14 @@ class Sample:
         return self.tensors[name]
 
 
+def check_entry(path: Path, entry: Mapping[str, Any]) -> None:
+    """The file's size and sha256 against its manifest entry (one streaming read); SampleError if they differ."""
+    size, digest = file_sha256(path)
+    if size != entry["bytes"] or digest != entry["sha256"]:
+        raise SampleError(f"{path}: size/sha256 {size}/{digest[:12]} differ from the manifest "
+                          f"({entry['bytes']}/{entry['sha256'][:12]}): the file is damaged")
+
+
 def read_sample(path: str | os.PathLike, *, entry: Mapping[str, Any] | None = None) -> Sample:
     """Load and validate one sample; raise :class:`SampleError` saying what is wrong.
 
@@ -57,10 +65,7 @@ def read_sample(path: str | os.PathLike, *, entry: Mapping[str, Any] | None = No
 
     path = Path(path)
     if entry is not None:
-        size, digest = file_sha256(path)
-        if size != entry["bytes"] or digest != entry["sha256"]:
-            raise SampleError(f"{path}: size/sha256 {size}/{digest[:12]} differ from the manifest "
-                              f"({entry['bytes']}/{entry['sha256'][:12]}): the file is damaged")
+        check_entry(path, entry)
     try:
         from safetensors import safe_open
 
@@ -340,10 +345,7 @@ def open_sample(path: str | os.PathLike, *, entry: Mapping[str, Any] | None = No
 
     path = Path(path)
     if entry is not None:
-        size, digest = file_sha256(path)
-        if size != entry["bytes"] or digest != entry["sha256"]:
-            raise SampleError(f"{path}: size/sha256 {size}/{digest[:12]} differ from the manifest "
-                              f"({entry['bytes']}/{entry['sha256'][:12]}): the file is damaged")
+        check_entry(path, entry)
     try:
         f = safe_open(str(path), "pt")
         f.__enter__()
