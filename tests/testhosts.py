@@ -65,6 +65,51 @@ class LabError(RuntimeError):
     """Raised with a message that says what to do."""
 
 
+# Labs on one machine share the root namespace, so two labs on one gateway
+# (another checkout's CI, a helper's molecule run) would collide. ``up`` waits
+# for the other lab to go, at most this long, then fails saying whose it is.
+# OWNERS_DIR maps each lab's bridge to its state dir for that message.
+GATEWAY_WAIT_S = int(os.environ.get("HS_TESTHOSTS_WAIT_S", "1200"))
+OWNERS_DIR = Path("/run/hs-testhosts")
+
+
+def _gateway_user(gw: ipaddress.IPv4Interface) -> str:
+    """'' when no interface holds ``gw``'s address, else 'IFACE (lab in DIR)'."""
+    busy = _run(["ip", "-o", "addr", "show", "to", str(gw.ip)]).stdout.split()
+    if not busy:
+        return ""
+    owner = OWNERS_DIR / busy[1]
+    return f"{busy[1]} (lab in {owner.read_text().strip()})" if owner.exists() else busy[1]
+
+
+@contextlib.contextmanager
+def _gateway_claimed(gw: ipaddress.IPv4Interface):
+    """Hold the machine-wide lab lock once ``gw`` is free, waiting at most GATEWAY_WAIT_S for it."""
+    OWNERS_DIR.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + GATEWAY_WAIT_S
+    next_note = 0.0
+    with open(OWNERS_DIR / ".lock", "w") as lock:
+        while True:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            user = _gateway_user(gw)
+            if not user:
+                try:
+                    yield
+                finally:
+                    fcntl.flock(lock, fcntl.LOCK_UN)
+                return
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            now = time.monotonic()
+            if now > deadline:
+                raise LabError(f"gateway {gw.ip} is still configured here by {user} after {GATEWAY_WAIT_S}s:"
+                               " another lab is up; run 'testhosts.py down --state-dir DIR' on its state dir"
+                               " (or set HS_TESTHOSTS_WAIT_S to wait longer)")
+            if now >= next_note:
+                _log(f"gateway {gw.ip} is in use by {user}; waiting up to {int(deadline - now)}s for it to go")
+                next_note = now + 60
+            time.sleep(2)
+
+
 def _run(cmd: list[str], check: bool = True, **kw) -> subprocess.CompletedProcess:
     kw.setdefault("stdout", subprocess.PIPE)
     kw.setdefault("stderr", subprocess.PIPE)
@@ -157,13 +202,12 @@ class Lab:
             if not (gw.network.subnet_of(ipaddress.ip_network("198.51.100.0/24"))
                     or gw.network.subnet_of(ipaddress.ip_network("203.0.113.0/24"))):
                 raise LabError("test hosts use documentation ranges only (198.51.100.0/24, 203.0.113.0/24)")
-        busy = _run(["ip", "-o", "addr", "show", "to", str(gw.ip)]).stdout.strip()
-        if busy:
-            raise LabError(f"gateway {gw.ip} is already configured here ({busy.split()[1]}): another lab is up;"
-                           " run 'testhosts.py down' on its state dir")
-
         rootfs = ensure_rootfs()
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        with _gateway_claimed(gw):
+            return self._up_claimed(hosts, gw, rootfs)
+
+    def _up_claimed(self, hosts: list[tuple[str, str]], gw: ipaddress.IPv4Interface, rootfs: Path) -> dict:
         lab_id = secrets.token_hex(2)
         state = {
             "id": lab_id,
@@ -185,6 +229,7 @@ class Lab:
             state["bridge_created"] = True
             self._save(state)
             _run(["ip", "addr", "add", str(gw), "dev", state["bridge"]])
+            (OWNERS_DIR / state["bridge"]).write_text(str(self.state_dir) + "\n")
             _run(["ip", "link", "set", state["bridge"], "up"])
             known = []
             for idx, (name, addr) in enumerate(hosts):
@@ -315,6 +360,7 @@ class Lab:
         if state.get("bridge_created"):
             if _run(["ip", "link", "show", state["bridge"]], check=False).returncode == 0:
                 _run(["ip", "link", "del", state["bridge"]], check=False)
+            (OWNERS_DIR / state["bridge"]).unlink(missing_ok=True)
         if errors:
             self._save(state)
             raise LabError("down left things behind: " + "; ".join(errors))
