@@ -149,9 +149,13 @@ class Engine:
         if not cap.slot_tokens:
             cap = dataclasses.replace(cap, slot_tokens=self.chunk)
         meta = {"sglang_release": f"{release} (stand-in)", "model_type": str(cfg.model_type),
-                "model": self.model_dir, "architecture": ",".join(cfg.architectures or []), "tp_size": "1"}
+                "model": self.model_dir, "architecture": ",".join(cfg.architectures or []), "tp_size": "1",
+                "tp_rank": "0"}
         self.hook = capture_hook.CaptureHook(cap, hidden_size=int(cfg.hidden_size), metadata=meta) \
             if capture_dir else None  # no capture dir: a pristine-behaving server (the patched forward, no hook)
+        if self.hook:  # the line hook.attach logs on the writing rank (tests/gpu/tp_compare.py counts them)
+            logging.getLogger("hs_patch").info("hs_patch: capturing layers %s + final=%s into %s (rank 0 of 1)",
+                                               list(cap.layers), cap.final, cap.directory)
         self.capture = cap
         self.refs: dict[str, Any] = {}
         self.rows: dict[str, list[torch.Tensor]] = {}   # request -> the pass outputs (post-norm) so far

@@ -216,7 +216,7 @@ def settings(**over):
     return {**base, **over}
 
 
-def test_attach_refuses_unsupported_settings_and_gates_ranks(tiny_model, tmp_path, monkeypatch):
+def test_attach_refuses_unsupported_settings_and_gates_ranks(tiny_model, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("HS_CAPTURE", "1")
     monkeypatch.setenv("HS_CAPTURE_DIR", str(tmp_path / "dump"))
     monkeypatch.setenv("HS_CAPTURE_LAYERS", "1,2")
@@ -228,10 +228,15 @@ def test_attach_refuses_unsupported_settings_and_gates_ranks(tiny_model, tmp_pat
     assert "--disable-radix-cache" in str(e.value) and "--pp-size 1" in str(e.value)
     assert "--disable-prefill-cuda-graph" in str(e.value)
     current.update(settings(tp_rank=3))
-    assert hook.attach(None, tiny_model.config, "0.5.16") is None, "only the writing rank captures"
+    with caplog.at_level("INFO", logger="hs_patch"):
+        assert hook.attach(None, tiny_model.config, "0.5.16") is None, "only the writing rank captures"
+    # the TP proof counts these lines in the server log: N-1 silent ranks, one writer
+    assert "hs_patch: rank 3 of 8 does not write (HS_CAPTURE_RANK=0 writes)" in caplog.text
+    assert not (tmp_path / "dump").exists(), "a rank that does not write creates nothing"
     current.update(settings(tp_rank=0))
     h = hook.attach(None, tiny_model.config, "0.5.16")
     assert h.planes == ["layer.1", "layer.2", "final.pre_norm", "final.post_norm"]  # default HS_CAPTURE_FINAL=both
+    assert (h.writer.metadata["tp_rank"], h.writer.metadata["tp_size"]) == ("0", "8"), "every sample says who wrote it"
     h.close()
     monkeypatch.setenv("HS_CAPTURE_LAYERS", "1,4")
     with pytest.raises(config.ConfigError, match="layers 0..3"):

@@ -63,3 +63,35 @@ def test_extraction_phase_runs_end_to_end_on_standins(release_sources, tiny_mode
     assert set(res["ratios"]) == {"capture/pristine", "driver/pristine"}
     assert res["hook_status"]["errors"] == 0 and res["hook_status"]["with_intent"] > 0
     extract.summarize_extraction("extract_cpu", res)
+
+
+@pytest.mark.slow
+def test_tp_phase_runs_end_to_end_and_catches_a_server_that_is_not_tp(release_sources, tiny_model_dir, tmp_path,
+                                                                       monkeypatch):
+    """The TP phase's mechanics on CPU stand-ins. The stand-in ignores --tp-size, so its "TP=2" server is
+    TP=1: planes, files and top-1 agree, and the rank and metadata checks must say it was not TP=2."""
+    import tp_compare
+
+    site = tmp_path / "site"
+    shutil.copytree(release_sources["0.5.16"], site)
+    monkeypatch.setattr(common.Server, "LAUNCHER", [sys.executable, str(ROOT / "tests/standin_server.py"),
+                                                   "--accept-sglang-flags", "--release", "0.5.16", "--threads", "1"])
+    common.REC.out, common.REC.logs = tmp_path / "out", tmp_path / "logs"
+    common.REC.out.mkdir()
+    common.REC.logs.mkdir()
+    a = argparse.Namespace(site=str(site), work=str(tmp_path / "work"), dump_root=str(tmp_path / "dumps"),
+                           port=free_port_block(1), mem_fraction=0.3, tp_size=2, tp_chunk=64,
+                           tp_lengths="40,150,7,90", layers=3, envelope_factor=4.0)
+    res = tp_compare.tp_compare(a, str(tiny_model_dir), "cpu")
+    assert res["planes_ok"] and all(t["rel_tpN_vs_tp1_max"] == 0.0 for t in res["planes"]), res["planes"]
+    assert [t["plane"] for t in res["planes"]] == ["layer.0", "layer.1", "layer.2", "final.pre_norm",
+                                                   "final.post_norm"]
+    # the envelope is measured, not assumed; layer.0 is the embedding, exact in both dtypes (bf16 weights)
+    assert [t["bf16_envelope_max"] > 0 for t in res["planes"]] == [False, True, True, True, True], res["planes"]
+    assert res["top1"]["ok"] and res["top1"]["positions"] == 40 + 150 + 7 + 90
+    f = res["files"]
+    assert (f["prompts_in_manifest"], f["inspect_clean"]) == (4, True) and f["sample_files"] == f["manifest_entries"]
+    assert f["metadata_tp"] == [("1", "0")] and not f["ok"], "samples written at TP=1 must not pass as TP=2"
+    assert res["ranks"] == {"capturing": [(0, 1)], "silent": [], "ok": False}
+    assert not res["ok"]
+    tp_compare.summarize_tp("cpu", res)

@@ -59,6 +59,9 @@ def attach(model: torch.nn.Module, config: Any, release: str) -> Optional["Captu
         raise RuntimeError("hs_patch capture (HS_CAPTURE=1) cannot run with these settings:\n  - "
                            + "\n  - ".join(problems))
     if settings["tp_rank"] != cfg.rank:
+        # said on every rank that does not write, so a TP=N server log shows N-1 of these and one "capturing"
+        log.info("hs_patch: rank %d of %d does not write (HS_CAPTURE_RANK=%d writes)",
+                 settings["tp_rank"], settings["tp_size"], cfg.rank)
         return None
     if not cfg.slot_tokens:  # a pass holds at most --chunked-prefill-size tokens (refused above when unbounded)
         cfg = dataclasses.replace(cfg, slot_tokens=int(settings["chunked_prefill_size"]))
@@ -68,6 +71,7 @@ def attach(model: torch.nn.Module, config: Any, release: str) -> Optional["Captu
         "model": str(getattr(config, "_name_or_path", "") or ""),
         "architecture": ",".join(getattr(config, "architectures", None) or []),
         "tp_size": str(settings["tp_size"]),
+        "tp_rank": str(settings["tp_rank"]),
         "num_hidden_layers": str(int(config.num_hidden_layers)),
     }
     meta.update(_serving_ids(release, cfg.layers, int(config.num_hidden_layers), meta["architecture"]))

@@ -27,13 +27,17 @@ output in bench/RESULTS.md). In one run it:
    at once on the one GPU, each round sending the same prompts to each in rotating order;
    ratios within each round, median over REPS rounds; the cost per captured layer against
    one layer's compute and the projection for Kimi-K2.5 (from a copy micro-benchmark);
-6. production (``tests/gpu/production.py``, not in the default phases): the driver's
+6. tp (``tests/gpu/tp_compare.py``, not in the default phases; ``--tp-size N`` GPUs): the same
+   model at TP=1 and TP=N on the same batched and chunked prompts, every plane compared
+   within the bf16 envelope, the same-pass top-1 check at TP=N, one file per sample, and
+   the server log showing rank 0 writing and the other N-1 ranks not;
+7. production (``tests/gpu/production.py``, not in the default phases): the driver's
    same-pass fidelity check (fp32 lm_head argmax vs SGLang's own top-1 from
    return_logprob) on every position of batched and chunked prompts, its near-tie margins,
    wrong states, the --derive-post-norm gap and the check's CPU cost at Kimi-K2.5's head size;
-7. writes everything as JSON under --out as it goes and prints a table last.
+8. writes everything as JSON under --out as it goes and prints a table last.
 
-usage: python3 tests/gpu/proof.py --site /tmp/site --out "$OUT" [--phases fidelity,extract,throughput,micro,production]
+usage: python3 tests/gpu/proof.py --site /tmp/site --out "$OUT" [--phases fidelity,extract,throughput,micro,production,tp]
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ from extract import extraction, summarize_extraction  # noqa: E402
 from hs_patch import reader, store  # noqa: E402
 from production import production  # noqa: E402
 from throughput import copy_microbench, projection, summarize, throughput  # noqa: E402
+from tp_compare import summarize_tp, tp_compare  # noqa: E402
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -201,7 +206,7 @@ def main() -> int:
     ap.add_argument("--work", default="/tmp/hs-proof", help="models and logs")
     ap.add_argument("--dump-root", default="/dev/shm/hs-proof", help="capture directories (tmpfs, as in production)")
     ap.add_argument("--phases", default="fidelity,throughput,micro",
-                    help="any of fidelity,extract,throughput,micro,production")
+                    help="any of fidelity,extract,throughput,micro,production,tp")
     ap.add_argument("--hidden", default="1024", help="comma-separated hidden sizes to run, e.g. 1024,7168")
     ap.add_argument("--layers", type=int, default=4, help="model depth for the fidelity run")
     ap.add_argument("--tp-layers", type=int, default=61, help="model depth for the throughput runs (Kimi: 61)")
@@ -225,6 +230,9 @@ def main() -> int:
                     help="--mem-fraction-static of each throughput server (of the memory free at its start)")
     ap.add_argument("--tp-size", type=int, default=1,
                     help="tensor parallelism of every server (HS_CAPTURE_RANK 0 writes); needs that many GPUs")
+    ap.add_argument("--tp-lengths", default="40,2000,300,777,128,1500,64,1024",
+                    help="tp phase: prompt lengths, sent at once (longer than --tp-chunk: chunked)")
+    ap.add_argument("--tp-chunk", type=int, default=512, help="tp phase: chunked prefill size")
     ap.add_argument("--envelope-factor", type=float, default=4.0)
     ap.add_argument("--port", type=int, default=30123, help="first of four ports")
     a = ap.parse_args()
@@ -261,6 +269,11 @@ def main() -> int:
                 p = production(a, model(a, h, a.layers), tag)
                 REC.log(f"{tag} production check: agree {p['agree']}/{p['positions']}, first token "
                         f"{p['first_token']}, largest disagreement margin {p['disagree_margin_max']} std")
+            if "tp" in phases:
+                if torch.cuda.device_count() < a.tp_size or a.tp_size < 2:
+                    raise SystemExit(f"--phases tp needs --tp-size N >= 2 and N GPUs: this machine has "
+                                     f"{torch.cuda.device_count()}, --tp-size is {a.tp_size}")
+                summarize_tp(tag, tp_compare(a, model(a, h, a.layers, a.tp_preset), f"{tag}_{a.tp_preset}"))
             if "throughput" in phases:
                 throughput(a, model(a, h, a.tp_layers, a.tp_preset), f"{tag}_l{a.tp_layers}_{a.tp_preset}")
             if "micro" in phases:
