@@ -42,8 +42,9 @@ def _free(port: int) -> bool:
             return False
 
 
-@pytest.mark.slow
-def test_extraction_phase_runs_end_to_end_on_standins(release_sources, tiny_model_dir, tmp_path, monkeypatch):
+@pytest.fixture
+def standin_site(release_sources, tmp_path, monkeypatch) -> Path:
+    """A copy of 0.5.16's sources to patch, the stand-in as the scripts' server, their record under tmp_path."""
     site = tmp_path / "site"
     shutil.copytree(release_sources["0.5.16"], site)
     monkeypatch.setattr(common.Server, "LAUNCHER", [sys.executable, str(ROOT / "tests/standin_server.py"),
@@ -51,7 +52,12 @@ def test_extraction_phase_runs_end_to_end_on_standins(release_sources, tiny_mode
     common.REC.out, common.REC.logs = tmp_path / "out", tmp_path / "logs"
     common.REC.out.mkdir()
     common.REC.logs.mkdir()
-    a = argparse.Namespace(site=str(site), work=str(tmp_path / "work"), dump_root=str(tmp_path / "dumps"),
+    return site
+
+
+@pytest.mark.slow
+def test_extraction_phase_runs_end_to_end_on_standins(standin_site, tiny_model_dir, tmp_path):
+    a = argparse.Namespace(site=str(standin_site), work=str(tmp_path / "work"), dump_root=str(tmp_path / "dumps"),
                            prompts=5, tokens=40, long_prompts=1, long_tokens=150, concurrency=3, chunk=64, reps=1,
                            port=free_port_block(4) - 1, mem_fraction=0.3, tp_size=1,
                            warmup_prompts=2)
@@ -66,20 +72,12 @@ def test_extraction_phase_runs_end_to_end_on_standins(release_sources, tiny_mode
 
 
 @pytest.mark.slow
-def test_tp_phase_runs_end_to_end_and_catches_a_server_that_is_not_tp(release_sources, tiny_model_dir, tmp_path,
-                                                                       monkeypatch):
+def test_tp_phase_runs_end_to_end_and_catches_a_server_that_is_not_tp(standin_site, tiny_model_dir, tmp_path):
     """The TP phase's mechanics on CPU stand-ins. The stand-in ignores --tp-size, so its "TP=2" server is
     TP=1: planes, files and top-1 agree, and the rank and metadata checks must say it was not TP=2."""
     import tp_compare
 
-    site = tmp_path / "site"
-    shutil.copytree(release_sources["0.5.16"], site)
-    monkeypatch.setattr(common.Server, "LAUNCHER", [sys.executable, str(ROOT / "tests/standin_server.py"),
-                                                   "--accept-sglang-flags", "--release", "0.5.16", "--threads", "1"])
-    common.REC.out, common.REC.logs = tmp_path / "out", tmp_path / "logs"
-    common.REC.out.mkdir()
-    common.REC.logs.mkdir()
-    a = argparse.Namespace(site=str(site), work=str(tmp_path / "work"), dump_root=str(tmp_path / "dumps"),
+    a = argparse.Namespace(site=str(standin_site), work=str(tmp_path / "work"), dump_root=str(tmp_path / "dumps"),
                            port=free_port_block(1), mem_fraction=0.3, tp_size=2, tp_chunk=64,
                            tp_lengths="40,150,7,90", layers=3, envelope_factor=4.0)
     res = tp_compare.tp_compare(a, str(tiny_model_dir), "cpu")

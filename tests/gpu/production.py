@@ -39,7 +39,8 @@ from hs_patch.host.fidelity import FidelityChecker, LMHead, compare
 from hs_patch.host.model_files import head_and_norm, rms_norm
 
 
-def _generate(server: Server, ids: list[int], rid: str) -> dict:
+def generate_with_logprobs(server: Server, ids: list[int], rid: str) -> dict:
+    """One prompt with SGLang's top-2 at every position, as the driver's sampled fraction sends it."""
     body = {"input_ids": ids, "rid": rid, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2,
             "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
     r = requests.post(server.url + "/generate", json=body, timeout=600)
@@ -85,7 +86,7 @@ def production(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
     try:
         server.wait_ready()
         with ThreadPoolExecutor(len(prompts)) as pool:
-            outs = list(pool.map(lambda x: _generate(server, x[1], f"prod-{x[0]}"), enumerate(prompts)))
+            outs = list(pool.map(lambda x: generate_with_logprobs(server, x[1], f"prod-{x[0]}"), enumerate(prompts)))
         res["writer_lag_s"] = round(wait_for_samples(dump, {store.sample_key(p) for p in prompts}), 3)
     finally:
         server.stop()

@@ -34,23 +34,15 @@ import statistics
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import requests
 import torch
 
 from common import REC, Server, hs_patch_cli, wait_for_samples
 from hs_patch import reader, store
 from hs_patch.host.fidelity import DEFAULT_TIE_TOLERANCE, FidelityChecker, LMHead
+from production import generate_with_logprobs
 
 CAPTURING = re.compile(r"hs_patch: capturing layers .* \(rank (\d+) of (\d+)\)")
 SILENT = re.compile(r"hs_patch: rank (\d+) of (\d+) does not write")
-
-
-def _generate(server: Server, ids: list[int], rid: str) -> dict:
-    body = {"input_ids": ids, "rid": rid, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2,
-            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
-    r = requests.post(server.url + "/generate", json=body, timeout=600)
-    r.raise_for_status()
-    return r.json()
 
 
 def _serve(a: argparse.Namespace, model_dir: str, tp: int, prompts: list[list[int]], chunk: int,
@@ -64,7 +56,7 @@ def _serve(a: argparse.Namespace, model_dir: str, tp: int, prompts: list[list[in
     try:
         server.wait_ready()
         with ThreadPoolExecutor(len(prompts)) as pool:  # at once: batched prefill
-            outs = list(pool.map(lambda x: _generate(server, x[1], f"tp{tp}-{x[0]}"), enumerate(prompts)))
+            outs = list(pool.map(lambda x: generate_with_logprobs(server, x[1], f"tp{tp}-{x[0]}"), enumerate(prompts)))
         lag = wait_for_samples(dump, {store.sample_key(p) for p in prompts})
     finally:
         server.stop()
