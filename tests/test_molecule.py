@@ -85,6 +85,33 @@ def test_site_syntax_check():
     assert proc.returncode == 0, _tail(proc)
 
 
+def _tasks(tasks: list) -> list:
+    """Every task of a list, those inside block/rescue/always too."""
+    out = []
+    for t in tasks:
+        out.append(t)
+        for key in ("block", "rescue", "always"):
+            out += _tasks(t.get(key, []))
+    return out
+
+
+def test_upgrade_runs_the_roles_as_the_stage_playbooks_do():
+    """upgrade.yml hands the sglang and sglang_service roles what sglang.yml and services.yml hand them, but
+    for the upgrade's own settings: a drift would upgrade a host to a release configured unlike site.yml's."""
+    def stage(playbook: str, role: str) -> dict:
+        plays = yaml.safe_load((ROOT / "playbooks" / playbook).read_text())
+        (entry,) = [r for p in plays for r in p.get("roles", []) if r["role"] == role]
+        return {k: v for k, v in entry.items() if k != "role"}
+
+    plays = yaml.safe_load((ROOT / "playbooks/upgrade.yml").read_text())
+    tasks = _tasks([t for p in plays for t in p.get("tasks", [])])
+    imports = {t["ansible.builtin.import_role"]["name"]: t.get("vars", {}) for t in tasks
+               if "ansible.builtin.import_role" in t and "tasks_from" not in t["ansible.builtin.import_role"]}
+    assert imports["sglang"] == {**stage("sglang.yml", "sglang"), "sglang_activate": False}
+    assert imports["sglang_service"] == {**stage("services.yml", "sglang_service"), "sglang_service_start": True}
+    assert imports["hs_patch"] == {"hs_patch_venv": "{{ hs_upgrade_new_venv }}", "hs_patch_state": "patched"}
+
+
 # --- pre-flight ----------------------------------------------------------------------------
 
 
@@ -256,8 +283,10 @@ def test_molecule_scenario(scenario):
     print(f"molecule {scenario}: {took:.0f}s")
     assert proc.returncode == 0, _tail(proc, 150)
     out = proc.stdout + proc.stderr
-    # default: site.yml whole, fast; check mode and negative cases are the role scenarios' job
+    # default: site.yml whole, fast; check mode and negative cases are the role scenarios' job.
+    # upgrade: its dry run is upgrade.yml --check, in the side effect (molecule/upgrade/molecule.yml).
     steps = ("converge", "idempotence", "verify") if scenario == "default" else \
+        ("converge", "idempotence", "side_effect", "verify") if scenario == "upgrade" else \
         ("check", "converge", "idempotence", "side_effect", "verify")
     for step in steps:
         assert f"{scenario} > {step}: Executed: Successful" in out, f"{scenario}: step {step} did not run successfully"

@@ -7,19 +7,51 @@ before), so the role's retries are exercised. Like SGLang's --api-key (read
 from --config FILE, which the role writes as JSON, a YAML subset), every path
 but /health* answers 401 without "Authorization: Bearer KEY". /debug reports its argv,
 capture environment, user and memlock limit, so tests can check the unit's
-wiring. Every start is appended to starts.log in the working directory (the
-restart test counts them)."""
+wiring, and the SGLang release and venv of the interpreter that runs it (the upgrade
+scenario runs it with the venv's own Python, so it serves from whichever release the
+venv link pointed at when it started). Every start is appended to starts.log in the
+working directory (the restart test counts them).
+
+With HS_CAPTURE=1 and hs_patch importable (the venv's Python), it reads the capture
+settings with the hook's own parser, as the patched SGLang does when it builds the
+model, and exits with the parser's message on a bad value: the server fails to start,
+as the real one does."""
 
 import argparse
 import hmac
+import importlib.metadata
 import json
 import os
 import resource
+import sys
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 LOAD_SECONDS = 2.0
 STARTED = time.monotonic()
+
+
+def sglang_release():
+    """The sglang distribution this interpreter imports (None: not installed, the system python3)."""
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_capture_settings():
+    """What the patched deepseek_v2.py does at model build with HS_CAPTURE=1 (hs_patch.server.hook
+    reads hs_patch.server.config.from_env): a bad HS_CAPTURE_* value stops the server."""
+    if os.environ.get("HS_CAPTURE", "") in ("", "0"):
+        return
+    try:
+        from hs_patch.server.config import ConfigError, from_env
+    except ImportError:  # not a venv with hs_patch installed: nothing to read the settings with
+        return
+    try:
+        from_env()
+    except ConfigError as e:
+        sys.exit(f"hs_patch capture: {e}")
 
 
 def main():
@@ -30,6 +62,9 @@ def main():
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--config")
     args, rest = p.parse_known_args()
+    check_capture_settings()
+    # read now: the venv link may point elsewhere by the time /debug is asked
+    release, venv = sglang_release(), os.path.realpath(sys.prefix)
     api_key = None
     if args.config:
         with open(args.config, encoding="utf-8") as f:
@@ -66,6 +101,8 @@ def main():
                     "tmp": sorted(os.listdir("/tmp")),
                     "memlock": "unlimited" if soft == resource.RLIM_INFINITY else soft,
                     "pid": os.getpid(),
+                    "sglang": release,
+                    "venv": venv,
                 })
             else:
                 self._send(404, {"error": "not found"})
