@@ -6,8 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from hs_patch import shard
+import json
+import shutil
+
+from hs_patch import reader, shard, store
 from hs_patch.host import dataset, runstate
+from hs_patch.host.export.run import source_entries
+from hs_patch.host.export.spec import ExportRefused
+from hs_patch.host.shipping import shipper
 from runcheck import assert_complete, write_chats
 from test_driver import drive, standin  # noqa: F401 (the stand-in server fixture)
 
@@ -53,6 +59,26 @@ def test_three_shards_extract_the_dataset_once_and_a_resume_keeps_its_shard(stan
             assert sid not in got, f"{sid} extracted by shards {got[sid]} and {i}"
             got[sid] = str(i)
     assert set(got) == set(ids)
+    # each host ships into its own part of the run at storage; the merged view is the whole dataset
+    run = tmp_path / "dest" / "run"
+    for i in range(3):
+        assert shipper.main(["ship", "--samples-dir", str(tmp_path / f"h{i}" / "samples"), "--state-dir",
+                             str(tmp_path / f"h{i}" / "state"), "--dest", str(run / f"h{i}")]) == shipper.EXIT_OK
+    rep = reader.check_dir(run, deep=True)
+    assert rep.clean and len(rep.ok) == len(ids), rep
+    entries = source_entries(run)  # what the exporters read: the whole run
+    assert {e["sample_id"] for e in entries.values()} == set(ids)
+    assert all(e["file"].startswith(("h0/samples/", "h1/samples/", "h2/samples/")) for e in entries.values())
+    # a sample of h0 also in h1 (extracted twice) is refused, by inspect and by the exporters
+    e = next(e for e in store.read_manifest(run / "h0").values())
+    shutil.copy(run / "h0" / e["file"], run / "h1" / e["file"])
+    with open(run / "h1" / store.MANIFEST, "a") as f:
+        f.write(json.dumps(e) + "\n")
+    rep = reader.check_dir(run, deep=True)
+    assert not rep.clean and any(f"sample {e['sample_id']} is also in h0/ (extracted twice)" in p
+                                 for p in rep.problems), rep.problems
+    with pytest.raises(ExportRefused, match="extracted twice"):
+        source_entries(run)
     # the shard is part of the run's identity: a resume with another one is refused
     with pytest.raises(runstate.RunError, match="shard: was '0/3', now '1/3'"):
         drive(standin, tiny_model_dir, tmp_path / "h0", [data], shard="1/3")

@@ -38,6 +38,7 @@ from hs_patch.control.shell import RemoteError, Shell
 from hs_patch.files import write_text_atomic
 
 DEFAULT_GROUP = "gpu_hosts"
+CONNECT_TIMEOUT_S = 30  # a dead host of a fleet must not hang the others' steps
 
 
 # --------------------------------------------------------------------------- the plan
@@ -128,7 +129,7 @@ def reassign_run(run: str, dead: str) -> str:
 def connection(t: Target, cls: type = Connection) -> Any:
     """A Fabric connection to ``t`` that refuses unknown host keys (not opened yet)."""
     kwargs = {"key_filename": t.key_file} if t.key_file else {}
-    c = cls(t.host, user=t.user, port=t.port, connect_kwargs=kwargs)
+    c = cls(t.host, user=t.user, port=t.port, connect_kwargs=kwargs, connect_timeout=CONNECT_TIMEOUT_S)
     c.client.set_missing_host_key_policy(paramiko.RejectPolicy())  # never trust an unknown host key
     known = known_hosts(t)
     if known.exists():
