@@ -201,7 +201,7 @@ def ship(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_
     t = _target(host, inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
     conn = _connect(t)
     run = _pick_run(conn, t, run)
-    code, out = remote.ship_now(conn, t, run)
+    code, out = remote.ship_now(conn, t, run, dest=fleet_run.destination_of(t, run))  # a fleet's: RUN/HOST
     print(out)
     sys.exit(code)
 

@@ -39,6 +39,17 @@ def test_a_host_added_later_gets_no_shard_and_a_removed_one_keeps_its_own():
         ("a", "a", "r2", "0/3"), ("c", "c", "r2", "2/3"), ("c (shard of b)", "c", "r2.b", "1/3")]
 
 
+def test_fab_ship_of_a_fleet_host_ships_into_its_part():
+    plan, _ = fleet.plan_for("r5", ["a", "b"])
+    plan.reassigned["b"] = "a"
+    fleet.save_plan(plan)
+    a = Target(host="10.0.0.1", name="a", storage_alias="st", storage_dir="/srv/s")
+    assert fleet_run.destination_of(a, "r5") == "st:/srv/s/r5/a"
+    assert fleet_run.destination_of(a, "r5.b") == "st:/srv/s/r5/b"
+    assert fleet_run.destination_of(Target(host="x", name="c"), "r5.b") is None
+    assert fleet_run.destination_of(a, "single") is None
+
+
 def test_a_host_name_that_cannot_name_a_directory_is_refused():
     with pytest.raises(ConfigError, match="cannot name its directory at the destination"):
         fleet.plan_for("r3", ["ok", "../evil"])

@@ -47,6 +47,19 @@ def run_jobs(targets: list[Target], jobs: dict[str, Job], server_timeout: int, s
     return group
 
 
+def destination_of(t: Target, run: str) -> str | None:
+    """Where ``run`` on ``t`` ships when it is a fleet run's part (``RUN/HOST``, or a reassigned
+    shard ``RUN.DEAD`` into ``RUN/DEAD``); None for a single-host run (``RUN``)."""
+    plan = fleet.load_plan(run)
+    if plan is not None and t.name in plan.shards:
+        return remote.destination(t, run, t.name)
+    base, _, dead = run.rpartition(".")
+    plan = fleet.load_plan(base) if base else None
+    if plan is not None and plan.reassigned.get(dead) == t.name:
+        return remote.destination(t, base, dead)
+    return None
+
+
 def rows_for(plan: Plan, targets: list[Target]) -> list[Row]:
     """Dashboard rows: each planned host of ``targets`` running its own shard, and each
     reassigned shard on the host that runs it."""
