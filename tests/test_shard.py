@@ -11,8 +11,8 @@ import shutil
 
 from hs_patch import reader, shard, store
 from hs_patch.host import dataset, runstate
-from hs_patch.host.export.run import source_entries
-from hs_patch.host.export.spec import ExportRefused
+from hs_patch.host.export.run import export, source_entries
+from hs_patch.host.export.spec import ExportRefused, ExportSpec
 from hs_patch.host.shipping import shipper
 from runcheck import assert_complete, write_chats
 from test_driver import drive, standin  # noqa: F401 (the stand-in server fixture)
@@ -69,6 +69,8 @@ def test_three_shards_extract_the_dataset_once_and_a_resume_keeps_its_shard(stan
     entries = source_entries(run)  # what the exporters read: the whole run
     assert {e["sample_id"] for e in entries.values()} == set(ids)
     assert all(e["file"].startswith(("h0/samples/", "h1/samples/", "h2/samples/")) for e in entries.values())
+    s = export(run, tmp_path / "sf", ExportSpec("specforge"))
+    assert s.state == "complete" and s.exported == len(ids) and not s.failed
     # a sample of h0 also in h1 (extracted twice) is refused, by inspect and by the exporters
     e = next(e for e in store.read_manifest(run / "h0").values())
     shutil.copy(run / "h0" / e["file"], run / "h1" / e["file"])
