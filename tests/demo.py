@@ -164,6 +164,7 @@ class Demo:
         cmd = ["fab", *args, "--host", GPU[0], "--inventory", str(self.inventory),
                "--known-hosts", self.lab.describe()["known_hosts"]]
         print("+ " + shlex.join(cmd), flush=True)
+        kw.setdefault("timeout", 1200)  # bounded: a fab that never returns fails the test instead of hanging it
         return subprocess.run(cmd, cwd=ROOT, check=check, **kw)
 
     def fetch_destination(self, run_name: str, dest: Path) -> Path:

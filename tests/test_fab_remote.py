@@ -23,7 +23,7 @@ import pytest
 
 from hs_patch.control import remote
 from hs_patch.control.inventory import Target
-from hs_patch.control.shell import Shell
+from hs_patch.control.shell import RemoteError, Shell
 
 HOSTILE = ["x.jsonl; touch PWNED_semicolon #", "$(touch PWNED_subst)", "`touch PWNED_backtick`",
            "a'b\"c; touch PWNED_quotes", "line\ntouch PWNED_newline", "-oProxyCommand=touch PWNED_option"]
@@ -100,9 +100,9 @@ def lab(tmp_path: Path):
 def hostile_target(venv: Path, become: bool) -> Target:
     return Target(host="stub", user="ubuntu" if become else "root", become=become,
                   become_password="pw; touch PWNED_pw" if become else None, venv=str(venv), service=HOSTILE[0],
-                  service_user=HOSTILE[1], model_path="/m/" + HOSTILE[2], dump_dir="/d/" + HOSTILE[3],
+                  service_user=HOSTILE[1], model_path="/m/" + HOSTILE[2], dump_dir="/dev/shm/" + HOSTILE[3],
                   storage_alias=HOSTILE[5], storage_dir="/s/" + HOSTILE[4], state_root="/r/" + HOSTILE[0],
-                  samples_root="/x/" + HOSTILE[1], api_key_file="/k/" + HOSTILE[2], server_port=30000)
+                  samples_root="/dev/shm/" + HOSTILE[1], api_key_file="/k/" + HOSTILE[2], server_port=30000)
 
 
 def pwned(lab) -> list[str]:
@@ -125,7 +125,7 @@ def test_hostile_names_stay_single_arguments(lab, become):
     remote.start_server(c, t, 5, lambda m: None)
     with pytest.raises(remote.RemoteError, match=r"holds '\$'"):  # systemd would expand $(...) at start
         remote.start_jobs(c, t, run, ["--data", "/data/" + HOSTILE[0]])
-    remote.start_jobs(c, replace(t, venv=str(lab.plain_venv), service_user="sglang", samples_root="/x/y",
+    remote.start_jobs(c, replace(t, venv=str(lab.plain_venv), service_user="sglang", samples_root="/dev/shm/y",
                                   api_key_file="/k/k"),
                       "r1", ["--data", "/data/" + HOSTILE[0]])
     remote.snapshot(c, t, run)
@@ -136,7 +136,7 @@ def test_hostile_names_stay_single_arguments(lab, become):
     assert not pwned(lab), f"a hostile name ran as shell code: {pwned(lab)}"
     calls = lab.argv()
     flat = [a for call in calls for a in call]
-    for value in ["/data/" + HOSTILE[0], f"/m/{HOSTILE[2]}/config.json", "/d/" + HOSTILE[3],
+    for value in ["/data/" + HOSTILE[0], f"/m/{HOSTILE[2]}/config.json", "/dev/shm/" + HOSTILE[3],
                   f"/r/{HOSTILE[0]}/{run}", HOSTILE[1], f"{HOSTILE[0]}.service"]:
         assert value in flat, f"{value!r} did not arrive as one argument"
     stat_calls = [call for call in calls if call[:4] == ["stat", "-c", "%s", "--"]]
@@ -170,7 +170,14 @@ def test_sandbox_of_the_job_units():
                   "ProtectHome=read-only", "PrivateDevices=yes"):
             assert f"--property={p}" in props
         assert not any("RemoveIPC" in p for p in props), "RemoveIPC would delete the user's /dev/shm files"
-    assert "--property=ReadWritePaths=/var/lib/hs-patch/runs/r1 /dev/shm/hs-runs/r1 /dev/shm/hs_capture" in drive
+    # one writable path holds both the capture dir and the samples dir: rename(2) between two
+    # ReadWritePaths= mounts fails with EXDEV (the e2e run's driver adopted nothing before this)
+    assert "--property=ReadWritePaths=/var/lib/hs-patch/runs/r1 /dev/shm" in drive
     assert "--property=ReadWritePaths=/var/lib/hs-patch/runs/r1 /dev/shm/hs-runs/r1" in ship
     assert "--property=IPAddressDeny=any" in drive and "--property=IPAddressDeny=any" not in ship
+    deep = replace(t, dump_dir="/srv/hs/capture/", samples_root="/srv/hs/runs")
+    assert "--property=ReadWritePaths=/var/lib/hs-patch/runs/r1 /srv/hs" in remote.unit_hardening(deep, "r1", "drive")
+    for apart in (replace(t, samples_root="/var/tmp/runs"), replace(t, dump_dir="/dev/hs", samples_root="/dev/runs")):
+        with pytest.raises(RemoteError, match="are apart: set hs_dump_dir and hs_runs_samples_root under one"):
+            remote.unit_hardening(apart, "r1", "drive")
     assert os.sep == "/"

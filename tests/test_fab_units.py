@@ -106,3 +106,18 @@ def test_dashboard_shows_progress_rates_gpus_and_problems():
     assert not dashboard.done(SNAP)
     finished = {**SNAP, "units": {"hs-drive-r1": {"ActiveState": "inactive"}, "hs-ship-r1": {"ActiveState": "inactive"}}}
     assert dashboard.done(finished)
+
+
+def test_a_driver_that_stops_short_ends_the_dashboard_with_exit_1_while_the_shipper_follows():
+    """A driver stopped by its failures leaves the shipper following (for a resume): fab must not wait for it."""
+    snap = {**SNAP, "driver": {**SNAP["driver"], "state": "stopped", "message": "stopped after 20 consecutive failures"},
+            "units": {"hs-drive-r1": {"ActiveState": "failed", "ExecMainStatus": "4"},
+                      "hs-ship-r1": {"ActiveState": "active"}}}
+    assert dashboard.stopped_short(snap) and dashboard.done(snap)
+    out = io.StringIO()
+    assert dashboard.watch(lambda: snap, "gpu1", "r1", interval=0.01,
+                           console=Console(file=out, width=200, force_terminal=False)) == 1
+    assert "driver stopped" in out.getvalue() and "20 consecutive failures" in out.getvalue()
+    assert "run the same fab extract again to resume" in out.getvalue()
+    running = {**snap, "units": {**snap["units"], "hs-drive-r1": {"ActiveState": "active"}}}
+    assert not dashboard.done(running), "a driver still running (state stopped is only final once its unit ends)"

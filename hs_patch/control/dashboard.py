@@ -101,17 +101,27 @@ def render(snap: dict[str, Any], host: str, progress: Progress, task: Any) -> Gr
     return Group(Panel(Group(*parts), title=f"hs-patch extraction on {host}", border_style="cyan"))
 
 
+def stopped_short(snap: dict[str, Any]) -> bool:
+    """The driver's unit ended without finishing its run (stopped or failed): nothing more comes
+    until the same command runs again; the shipper, following, waits for that resume."""
+    run = snap["run"]
+    unit = ((snap.get("units") or {}).get(f"hs-drive-{run}") or {}).get("ActiveState")
+    state = (snap.get("driver") or {}).get("state")
+    return unit in FINISHED and state not in (None, "finished")
+
+
 def done(snap: dict[str, Any]) -> bool:
-    """Driver and shipper units both finished."""
+    """Driver and shipper units both finished, or the driver stopped short (see ``stopped_short``)."""
     run = snap["run"]
     units = snap.get("units") or {}
-    return all((units.get(u) or {}).get("ActiveState") in FINISHED for u in (f"hs-drive-{run}", f"hs-ship-{run}")
-               if u in units)
+    return stopped_short(snap) or all((units.get(u) or {}).get("ActiveState") in FINISHED
+                                      for u in (f"hs-drive-{run}", f"hs-ship-{run}") if u in units)
 
 
 def watch(fetch: Callable[[], dict[str, Any]], host: str, run: str, *, interval: float = 2.0,
           once: bool = False, console: Console | None = None) -> int:
-    """Show the dashboard until the job finishes (0), or detach on Ctrl-C / lost link (2)."""
+    """Show the dashboard until the job finishes (0) or the driver stops short (1), or detach on
+    Ctrl-C / lost link (2)."""
     from rich.live import Live
 
     console = console or Console()
@@ -148,6 +158,11 @@ def watch(fetch: Callable[[], dict[str, Any]], host: str, run: str, *, interval:
         return 2
     d = snap.get("driver") or {}
     console.print()
+    if stopped_short(snap):
+        console.print(f"[red]driver {d.get('state')}[/] after {((d.get('samples') or {}).get('done'))} samples: "
+                      f"{d.get('message')}. The shipper keeps shipping what was made and waits for the rest; "
+                      "run the same fab extract again to resume")
+        return 1
     console.print(f"[green]finished[/]: driver {d.get('state')}, {((d.get('samples') or {}).get('done'))} samples; "
                   f"shipper {(snap.get('shipper') or {}).get('state')}")
     return 0

@@ -15,10 +15,11 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import json
+import posixpath
 import shlex
 import time
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Callable
 
 from hs_patch.control.inventory import Target
@@ -90,6 +91,9 @@ def preflight(c: Shell, t: Target, *, estimated_bytes: int | None, bytes_per_tok
     # room for the run, or at least for its largest possible sample (the driver pauses
     # sending at 80% use and the shipper frees space as it goes)
     need = max(64 << 20, min(estimated_bytes or 0, bytes_per_token * MAX_SAMPLE_TOKENS))
+    shared = shared_dir(t)
+    checks.append(Check("dirs", shared is not None, f"capture dir {t.dump_dir} and samples root {t.samples_root}"
+                        + (f" both under {shared}" if shared else " apart"), APART_FIX))
     for label, path in (("dump space", t.dump_dir), ("samples space", t.samples_root)):
         free = _free_bytes(c, path)
         checks.append(Check(label, free is not None and free >= need, f"{_gb(free)} free for {path}",
@@ -262,9 +266,27 @@ SANDBOX = ("NoNewPrivileges=yes", "ProtectSystem=strict", "ProtectHome=read-only
            "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", "UMask=0077")
 
 
+APART_FIX = ("set hs_dump_dir and hs_runs_samples_root under one directory at least two levels deep (both under "
+             "/dev/shm by default): the driver moves each sample from one to the other inside its sandbox")
+
+
+def shared_dir(t: Target) -> str | None:
+    """The one writable path through which the driver reaches both the capture dir and the samples root.
+
+    The driver adopts a sample by rename(2) from the capture dir into the samples dir, and
+    rename fails with EXDEV between two ``ReadWritePaths=`` entries (each is a mount of its
+    own inside the sandbox) even on one filesystem: both must be reached through one. None
+    when they share less than two levels (``/`` or ``/dev``: too wide to make writable).
+    """
+    common = posixpath.commonpath([posixpath.normpath(t.dump_dir), posixpath.normpath(t.samples_root)])
+    return common if len(PurePosixPath(common).parts) >= 3 else None
+
+
 def unit_hardening(t: Target, run: str, job: str) -> list[str]:
     """systemd-run ``--property`` options sandboxing ``job`` (``drive`` or ``ship``) of ``run``."""
-    rw = [t.state_dir(run), f"{t.samples_root}/{run}"] + ([t.dump_dir] if job == "drive" else [])
+    if job == "drive" and shared_dir(t) is None:
+        raise RemoteError(f"the capture dir {t.dump_dir} and the samples root {t.samples_root} are apart: {APART_FIX}")
+    rw = [t.state_dir(run), str(shared_dir(t)) if job == "drive" else f"{t.samples_root}/{run}"]
     props = [*SANDBOX, "ReadWritePaths=" + " ".join(rw)]
     if job == "drive":  # talks to the local server only
         props += ["IPAddressDeny=any", "IPAddressAllow=localhost"]
