@@ -18,7 +18,7 @@ from rich.console import Console, Group
 from rich.panel import Panel
 from rich.table import Table
 
-from hs_patch.control.dashboard import _gb, _state, done
+from hs_patch.control.dashboard import _gb, _state, done, stopped_short
 
 
 @dataclass
@@ -109,7 +109,8 @@ def finished(snaps: dict[str, Any]) -> bool:
 
 def watch(fetch: Callable[[], dict[str, Any]], rows: list[Row], run: str, reattach: str, *,
           interval: float = 2.0, once: bool = False, console: Console | None = None) -> int:
-    """Show the fleet until every host's jobs finished (0), or detach on Ctrl-C / lost hosts (2)."""
+    """Show the fleet until every host's jobs finished (0) or ended with a driver stopped short
+    (1, naming those hosts), or detach on Ctrl-C / lost hosts (2)."""
     from rich.live import Live
 
     console = console or Console()
@@ -135,5 +136,11 @@ def watch(fetch: Callable[[], dict[str, Any]], rows: list[Row], run: str, reatta
     except KeyboardInterrupt:
         console.print(f"\n[yellow]detached; the jobs go on. Reattach with: {reattach}[/]")
         return 2
+    short = sorted(label for label, s in snaps.items() if stopped_short(s))
+    if short:
+        console.print(f"[red]stopped short on {', '.join(short)}[/]: "
+                      + "; ".join(f"{k}: {(snaps[k].get('driver') or {}).get('message')}" for k in short)
+                      + ". Their shippers keep shipping what was made; run the same fab extract again to resume")
+        return 1
     console.print(f"[green]finished[/]: every host's driver and shipper are done ({reattach} --once shows it)")
     return 0
