@@ -1,7 +1,10 @@
 """Run and watch hidden-state extractions on a GPU host provisioned by ``ansible-playbook site.yml``.
 
     fab extract --host 10.1.230.174 --dataset data/chat.jsonl [--run NAME] [--limit N] [--regenerate]
+    fab extract --hosts [GROUP] --dataset data/chat.jsonl --run NAME      # a fleet: one shard a host
+    fab extract --reassign DEAD_HOST --host OTHER --dataset data/chat.jsonl --run NAME
     fab status  --host 10.1.230.174 [--run NAME] [--once]
+    fab status  --hosts [GROUP] --run NAME [--once]
     fab stop    --host 10.1.230.174 [--run NAME] [--server]
     fab ship    --host 10.1.230.174 [--run NAME]
     fab verify  --host 10.1.230.174
@@ -12,7 +15,7 @@ ansible.cfg's, else inventory/), ``-e/--extra-vars`` as ansible-playbook takes t
 with ``--vault-password-file``/``--ask-vault-pass``. A non-root ``ansible_user`` becomes
 root with sudo. SSH host keys are checked strictly against ``~/.ssh/known_hosts`` (or
 ``--known-hosts FILE``, or the inventory's UserKnownHostsFile). ``fab --help TASK`` lists
-each task's options.
+each task's options. Fleets (``--hosts``, ``--reassign``): docs/fleet.md.
 """
 
 from __future__ import annotations
@@ -23,11 +26,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import paramiko
 from fabric import Connection, task
 
-from hs_patch.control import dashboard, remote
-from hs_patch.control.inventory import ConfigError, Target, check_run_name, load
+from hs_patch.control import dashboard, extraction, fleet, fleet_run, remote
+from hs_patch.control.inventory import ConfigError, Inventory, Target, check_run_name, load
 from hs_patch.control.shell import RemoteError, Shell
 
 COMMON = {
@@ -42,6 +44,8 @@ COMMON = {
     "run": "run name (default for status/stop/ship: the newest run on the host)",
 }
 ITERABLE = ["extra_vars", "vault_password_file"]
+FLEET = {"hosts": f"an inventory group of GPU hosts sharing the run, one shard each (--hosts alone: "
+                  f"{fleet.DEFAULT_GROUP}); docs/fleet.md"}
 
 
 def _errors(body: Callable[..., Any]) -> Callable[..., Any]:
@@ -49,9 +53,10 @@ def _errors(body: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(body)
     def wrapper(c: Any, *args: Any, **kwargs: Any) -> Any:
-        if not kwargs.get("host"):
-            sys.exit(f"fab {body.__name__}: give --host NAME (the GPU host's name or address in the inventory; "
-                     f"fab --help {body.__name__} lists every option)")
+        if not kwargs.get("host") and not kwargs.get("hosts"):
+            group = " or --hosts GROUP" if "hosts" in kwargs else ""
+            sys.exit(f"fab {body.__name__}: give --host NAME (the GPU host's name or address in the inventory)"
+                     f"{group}; fab --help {body.__name__} lists every option")
         try:
             return body(c, *args, **kwargs)
         except (RemoteError, ConfigError) as e:
@@ -66,20 +71,22 @@ def _target(host: str, inventory: str | None, extra_vars: list[str] | None, vaul
                 ask_vault_pass=bool(ask_vault_pass), known_hosts=known_hosts)
 
 
+def _inventory(inventory: str | None, extra_vars: list[str] | None, vault_password_file: list[str] | None,
+               ask_vault_pass: bool, known_hosts: str | None) -> Inventory:
+    inv = Inventory(inventory, extra_vars=extra_vars or (), vault_password_files=vault_password_file or (),
+                    ask_vault_pass=bool(ask_vault_pass))
+    inv.overrides["known_hosts"] = known_hosts
+    return inv
+
+
+def _group(hosts: Any) -> str:
+    """--hosts GROUP, or --hosts alone: the GPU hosts group."""
+    return fleet.DEFAULT_GROUP if hosts is True else str(hosts)
+
+
 def _connect(t: Target) -> Shell:
-    kwargs = {"key_filename": t.key_file} if t.key_file else {}
-    c = Connection(t.host, user=t.user, port=t.port, connect_kwargs=kwargs)
-    c.client.set_missing_host_key_policy(paramiko.RejectPolicy())  # never trust an unknown host key
-    known = Path(t.known_hosts or Path.home() / ".ssh" / "known_hosts").expanduser()
-    if known.exists():
-        c.client.load_host_keys(str(known))
-    try:
-        c.open()
-    except paramiko.SSHException as e:
-        sys.exit(f"fab: cannot connect to {t.user}@{t.host}:{t.port}: {e}. Is the host key in {known}? "
-                 f"(ssh-keyscan -p {t.port} {t.host} >> {known} after checking it)")
-    except OSError as e:
-        sys.exit(f"fab: cannot reach {t.host}:{t.port}: {e}")
+    c = fleet.connection(t, Connection)
+    fleet.open_connection(c, t)  # a failure is a RemoteError saying what to check
     return Shell(c, t)
 
 
@@ -94,9 +101,11 @@ def _say(msg: str) -> None:
     print(f"[fab] {msg}", flush=True)
 
 
-@task(iterable=ITERABLE, help={
-    **COMMON, "dataset": "JSONL dataset on this machine (copied to the host), or an absolute path on the host "
-                         "with --remote-dataset (required)",
+@task(iterable=ITERABLE, optional=["hosts"], help={
+    **COMMON, **FLEET, "dataset": "JSONL dataset on this machine (copied to the host), or an absolute path on the host "
+                                  "with --remote-dataset (required)",
+    "reassign": "with --host OTHER: OTHER finishes the shard of this (dead or removed) host of a fleet run, shipping "
+                "into its directory at the destination; nothing there is redone",
     "remote-dataset": "--dataset is a path on the GPU host", "limit": "only the first N lines (0: all)",
     "regenerate": "let the served model write the assistant turns first (not captured), then capture the whole "
                   "conversation",
@@ -105,7 +114,7 @@ def _say(msg: str) -> None:
 @_errors
 def extract(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_password_file=None,
             ask_vault_pass=False, dataset=None, run=None, limit=0, regenerate=False, remote_dataset=False,
-            server_timeout=1800, interval=2, detach=False):
+            server_timeout=1800, interval=2, detach=False, hosts=None, reassign=None):
     """Preflight, start the server, run the driver and the shipper as systemd units, watch them live."""
     if not dataset:
         sys.exit("fab extract: give --dataset FILE (a JSONL file here, or on the host with --remote-dataset)")
@@ -116,29 +125,31 @@ def extract(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vau
     elif not local.is_file():
         why = "is a directory" if local.is_dir() else "not found here"
         sys.exit(f"fab extract: dataset {dataset} {why} (give a JSONL file; --remote-dataset for a path on the host)")
+    if (hosts or reassign) and not run:
+        sys.exit("fab extract: a fleet run needs --run NAME (every host, a later resume and --reassign use it)")
     run = check_run_name(run or f"{local.stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+    opts = dict(run=run, dataset=dataset, remote_dataset=bool(remote_dataset), limit=int(limit),
+                regenerate=bool(regenerate), server_timeout=int(server_timeout), interval=float(interval),
+                detach=bool(detach), say=_say)
+    if reassign:
+        if not host or hosts:
+            sys.exit("fab extract: --reassign DEAD_HOST takes --host OTHER (the host that finishes its shard)")
+        inv = _inventory(inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
+        sys.exit(fleet_run.reassign(inv, reassign, host, **opts))
+    if hosts or fleet.load_plan(run):  # --host H of a fleet run runs H's shard
+        inv = _inventory(inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
+        sys.exit(fleet_run.extract(inv, _group(hosts) if hosts else None, host,
+                                   **opts))
     t = _target(host, inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
     conn = _connect(t)
-    data_bytes = remote.remote_size(conn, dataset) if remote_dataset else local.stat().st_size
+    job = extraction.Job(run, dataset, bool(remote_dataset), extraction.driver_args(limit, regenerate))
     _say(f"preflight on {t.host} (run {run})")
-    estimated, per_token = remote.estimate_bytes(conn, t, data_bytes)
-    checks = remote.preflight(conn, t, estimated_bytes=estimated, bytes_per_token=per_token)
-    for ch in checks:
-        print(f"  {'ok  ' if ch.ok else 'FAIL'} {ch.name:14} {ch.detail}" + ("" if ch.ok else f"\n       -> {ch.fix}"))
+    checks = extraction.preflight(conn, t, job)
+    print(extraction.report(t.name or t.host, checks))
     if not all(ch.ok for ch in checks):
         sys.exit("fab: preflight failed; nothing was started")
-    remote.prepare(conn, t, run)
-    data = dataset if remote_dataset else remote.upload(conn, t, run, local)
     _say(f"starting the server unit {t.service} (waits for /health_generate)")
-    remote.start_server(conn, t, int(server_timeout), _say)
-    args = ["--data", data, "--model", t.model_path]
-    if int(limit):
-        args += ["--limit", str(int(limit))]
-    if regenerate:
-        args.append("--regenerate")
-    if t.trust_remote_code:
-        args.append("--trust-remote-code")
-    started = remote.start_jobs(conn, t, run, args)
+    started = extraction.start(conn, t, job, int(server_timeout), _say)
     _say(f"started {', '.join(started) or 'nothing new (already running)'}; the job survives this session")
     if detach:
         _say(f"watch with: fab status --host {host} --run {run}")
@@ -146,11 +157,23 @@ def extract(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vau
     sys.exit(dashboard.watch(lambda: remote.snapshot(conn, t, run), host, run, interval=float(interval)))
 
 
-@task(iterable=ITERABLE, help={**COMMON, "once": "print one snapshot and exit", "interval": "refresh in seconds"})
+@task(iterable=ITERABLE, optional=["hosts"], help={
+    **COMMON, **FLEET, "once": "print one snapshot and exit", "interval": "refresh in seconds"})
 @_errors
 def status(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_password_file=None,
-           ask_vault_pass=False, run=None, once=False, interval=2):
-    """Reattach to a run's live dashboard (or print it once)."""
+           ask_vault_pass=False, run=None, once=False, interval=2, hosts=None):
+    """Reattach to a run's live dashboard (or print it once); --hosts GROUP: the fleet's."""
+    if hosts:
+        if not run:
+            sys.exit("fab status --hosts: give --run NAME (the fleet run)")
+        plan = fleet.load_plan(check_run_name(run))
+        if plan is None:
+            sys.exit(f"fab status: run {run} has no fleet plan ({fleet.plan_path(run)}); for one host: "
+                     "fab status --host H --run NAME")
+        inv = _inventory(inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
+        rows = fleet_run.rows_for(plan, inv.group(_group(hosts)))
+        sys.exit(fleet_run.watch(inv, plan, rows, f"fab status --hosts {_group(hosts)} --run {run}",
+                                 interval=float(interval), once=bool(once)))
     t = _target(host, inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
     conn = _connect(t)
     run = _pick_run(conn, t, run)
@@ -178,7 +201,7 @@ def ship(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_
     t = _target(host, inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
     conn = _connect(t)
     run = _pick_run(conn, t, run)
-    code, out = remote.ship_now(conn, t, run)
+    code, out = remote.ship_now(conn, t, run, dest=fleet_run.destination_of(t, run))  # a fleet's: RUN/HOST
     print(out)
     sys.exit(code)
 

@@ -131,10 +131,12 @@ ADD_FIELDS = {"key": str, "file": str, "bytes": int, "sha256": str}
 
 def manifest_entries(directory: Path) -> tuple[Optional[dict[str, dict[str, Any]]], list[str]]:
     """Live entries of ``directory``'s manifest (None if there is none), and each unusable line as
-    ``manifest.jsonl:N: why`` (a torn last line, from a crash mid-append, is not a problem)."""
+    ``manifest.jsonl:N: why`` (a torn last line, from a crash mid-append, is not a problem).
+    A fleet run's directory (no manifest of its own, one subdirectory with its manifest a
+    host) gives the merged view of its parts: :func:`run_entries`."""
     path = directory / MANIFEST
     if not path.is_file():
-        return None, []
+        return run_entries(directory)
     entries: dict[str, dict[str, Any]] = {}
     problems: list[str] = []
     lines = path.read_bytes().split(b"\n")
@@ -161,6 +163,31 @@ def manifest_entries(directory: Path) -> tuple[Optional[dict[str, dict[str, Any]
             entries.pop(rec["key"], None)
         elif not isinstance(rec, dict):
             problems.append(f"{MANIFEST}:{n}: not a JSON object")
+    return entries, problems
+
+
+def run_entries(directory: Path) -> tuple[Optional[dict[str, dict[str, Any]]], list[str]]:
+    """The merged view of a fleet run at storage, ``RUN/HOST/{manifest.jsonl,samples/}``: every
+    part's entries (``file`` relative to RUN), None if no subdirectory has a manifest. A sample id
+    in two parts (extracted twice) is a problem; the same tokens under two ids are one sample
+    (the first part's), as the driver keeps one of duplicate samples."""
+    parts = sorted(d for d in directory.iterdir() if (d / MANIFEST).is_file()) if directory.is_dir() else []
+    if not parts:
+        return None, []
+    entries: dict[str, dict[str, Any]] = {}
+    problems: list[str] = []
+    where: dict[str, str] = {}  # sample id -> part
+    for part in parts:
+        got, bad = manifest_entries(part)
+        problems += [f"{part.name}/{b}" for b in bad]
+        for key, e in sorted((got or {}).items()):
+            sid = e.get("sample_id")
+            if isinstance(sid, str) and where.get(sid, part.name) != part.name:
+                problems.append(f"{part.name}/{MANIFEST}: sample {sid} is also in {where[sid]}/ (extracted twice)")
+                continue
+            if isinstance(sid, str):
+                where[sid] = part.name
+            entries.setdefault(key, dict(e, file=f"{part.name}/{e['file']}"))
     return entries, problems
 
 
@@ -278,7 +305,8 @@ def check_dir(directory: str | os.PathLike, *, deep: bool = True, workers: int =
 def iter_samples(directory: str | os.PathLike) -> Iterator[Sample]:
     """Every sample listed in the directory's manifest, validated against it."""
     directory = Path(directory)
-    for key, entry in sorted(read_manifest(directory).items()):
+    entries, _ = manifest_entries(directory)
+    for key, entry in sorted((entries or {}).items()):
         yield read_sample(directory / entry["file"], entry=entry)
 
 

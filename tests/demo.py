@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
@@ -80,17 +81,19 @@ def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 
 
 class Demo:
-    """Two test hosts provisioned by site.yml, and fab pointed at them."""
+    """Test hosts provisioned by site.yml (``gpus``, one storage host), and fab pointed at them."""
 
-    def __init__(self, state_dir: str | Path):
+    def __init__(self, state_dir: str | Path, gpus: tuple[tuple[str, str], ...] = (GPU,),
+                 storage: tuple[str, str] = STORAGE):
         self.dir = Path(state_dir)
         self.lab = Lab(self.dir / "lab")
         self.inventory = self.dir / "inventory"
+        self.gpus, self.storage = list(gpus), storage
 
     # ------------------------------------------------------------------ hosts
     def up(self) -> None:
         say("booting the test hosts")
-        self.lab.up([GPU, STORAGE])
+        self.lab.up([*self.gpus, self.storage])
         self._write_inventory()
 
     def down(self) -> bool:
@@ -107,13 +110,15 @@ class Demo:
 
     def _write_inventory(self) -> None:
         lab = self.lab.ansible_inventory()["all"]["hosts"]
-        hosts = {"all": {"children": {"gpu_hosts": {"hosts": {GPU[0]: lab[GPU[0]]}},
-                                      "training_storage": {"hosts": {STORAGE[0]: lab[STORAGE[0]]}}}}}
+        hosts = {"all": {"children": {"gpu_hosts": {"hosts": {g: lab[g] for g, _ in self.gpus}},
+                                      "training_storage": {"hosts": {self.storage[0]: lab[self.storage[0]]}}}}}
         (self.inventory / "group_vars").mkdir(parents=True, exist_ok=True)
         (self.inventory / "host_vars").mkdir(exist_ok=True)
         (self.inventory / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
         shutil.copy(ROOT / "inventory" / "group_vars" / "gpu_hosts.yml", self.inventory / "group_vars")
-        (self.inventory / "host_vars" / f"{GPU[0]}.yml").write_text(yaml.safe_dump(GPU_VARS, sort_keys=False))
+        for g, _ in self.gpus:
+            host_vars = {**GPU_VARS, "hs_storage_host": self.storage[0]}
+            (self.inventory / "host_vars" / f"{g}.yml").write_text(yaml.safe_dump(host_vars, sort_keys=False))
 
     def ssh(self, host: str, command: str, check: bool = True, timeout: int = 300) -> subprocess.CompletedProcess:
         return self.lab.ssh(host, command, check=check, timeout=timeout)
@@ -125,7 +130,7 @@ class Demo:
         run(["rsync", "-a", "-e", ssh, src, dest], stdout=subprocess.DEVNULL)
 
     def addr(self, host: str) -> str:
-        return dict([GPU, STORAGE])[host]
+        return dict([*self.gpus, self.storage])[host]
 
     # ------------------------------------------------------------------ provisioning
     def provision(self) -> None:
@@ -135,33 +140,41 @@ class Demo:
         if not (standin / ".complete").exists():
             run([sys.executable, "-m", "pip", "download", "-q", "-d", str(standin), *STANDIN_NEEDS])
             (standin / ".complete").touch()
-        say("fake GPUs, the tiny model and the stand-in server on the GPU test host")
-        self.ssh(GPU[0], "mkdir -p /etc/hs-test /usr/local/bin " + MODEL + " " + STANDIN_DIR + "/wheels")
-        gpus = {"count": 8, "name": "NVIDIA RTX PRO 6000 Blackwell Server Edition", "driver": "580.95.05"}
-        self.ssh(GPU[0], f"echo {shlex.quote(json.dumps(gpus))} > /etc/hs-test/fake-gpus.json && "
-                         "printf 'NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release "
-                         "Build\\n' > /etc/hs-test/nvidia-version")
-        self.rsync(str(ROOT / "molecule" / "shared" / "files" / "fake-nvidia-smi"), f"{self.addr(GPU[0])}:/usr/local/bin/nvidia-smi")
-        self.ssh(GPU[0], "chmod 0755 /usr/local/bin/nvidia-smi")
+        say("fake GPUs, the tiny model and the stand-in server on the GPU test host(s)")
         with tempfile.TemporaryDirectory() as tmp:
             from tiny_model import make_tiny_model_dir
 
             make_tiny_model_dir(Path(tmp) / "tiny")
-            self.rsync(f"{tmp}/tiny/", f"{self.addr(GPU[0])}:{MODEL}/")
-        self.ssh(GPU[0], f"chmod -R a+rX {MODEL}")  # save_pretrained writes weights 0600
-        for f in STANDIN_FILES:
-            self.rsync(str(HERE / f), f"{self.addr(GPU[0])}:{STANDIN_DIR}/{f}")
-        self.rsync(f"{standin}/", f"{self.addr(GPU[0])}:{STANDIN_DIR}/wheels/")
+            for gpu, _ in self.gpus:
+                self._gpu_host_files(gpu, Path(tmp) / "tiny", standin)
         say("ansible-playbook site.yml")
         env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg")}
         run(["ansible-playbook", "-i", str(self.inventory), str(ROOT / "site.yml")], cwd=ROOT, env=env)
         say("the stand-in server's dependencies into the venv (a real host has them with SGLang)")
-        self.ssh(GPU[0], f"{VENV}/bin/pip install -q --no-index --find-links {STANDIN_DIR}/wheels "
-                         + " ".join(shlex.quote(x) for x in STANDIN_NEEDS), timeout=900)
+        pip = f"{VENV}/bin/pip install -q --no-index --find-links {STANDIN_DIR}/wheels " + " ".join(
+            shlex.quote(x) for x in STANDIN_NEEDS)
+        with ThreadPoolExecutor(len(self.gpus)) as pool:  # test set-up only: the hosts install at once
+            list(pool.map(lambda g: self.ssh(g[0], pip, timeout=900), self.gpus))
+
+    def _gpu_host_files(self, gpu: str, tiny: Path, standin: Path) -> None:
+        """Fake GPUs, the tiny model and the stand-in server's files on one GPU test host."""
+        self.ssh(gpu, "mkdir -p /etc/hs-test /usr/local/bin " + MODEL + " " + STANDIN_DIR + "/wheels")
+        gpus = {"count": 8, "name": "NVIDIA RTX PRO 6000 Blackwell Server Edition", "driver": "580.95.05"}
+        self.ssh(gpu, f"echo {shlex.quote(json.dumps(gpus))} > /etc/hs-test/fake-gpus.json && "
+                      "printf 'NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release "
+                      "Build\\n' > /etc/hs-test/nvidia-version")
+        self.rsync(str(ROOT / "molecule" / "shared" / "files" / "fake-nvidia-smi"),
+                   f"{self.addr(gpu)}:/usr/local/bin/nvidia-smi")
+        self.ssh(gpu, "chmod 0755 /usr/local/bin/nvidia-smi")
+        self.rsync(f"{tiny}/", f"{self.addr(gpu)}:{MODEL}/")
+        self.ssh(gpu, f"chmod -R a+rX {MODEL}")  # save_pretrained writes weights 0600
+        for f in STANDIN_FILES:
+            self.rsync(str(HERE / f), f"{self.addr(gpu)}:{STANDIN_DIR}/{f}")
+        self.rsync(f"{standin}/", f"{self.addr(gpu)}:{STANDIN_DIR}/wheels/")
 
     # ------------------------------------------------------------------ fab
     def fab(self, *args: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
-        cmd = ["fab", *args, "--host", GPU[0], "--inventory", str(self.inventory),
+        cmd = ["fab", *args, "--host", self.gpus[0][0], "--inventory", str(self.inventory),
                "--known-hosts", self.lab.describe()["known_hosts"]]
         print("+ " + shlex.join(cmd), flush=True)
         kw.setdefault("timeout", 1200)  # bounded: a fab that never returns fails the test instead of hanging it
@@ -169,7 +182,7 @@ class Demo:
 
     def fetch_destination(self, run_name: str, dest: Path) -> Path:
         """Copy the run's destination from the storage host (to check it here)."""
-        self.rsync(f"{self.addr(STORAGE[0])}:/srv/hs-samples/{run_name}/", f"{dest}/")
+        self.rsync(f"{self.addr(self.storage[0])}:/srv/hs-samples/{run_name}/", f"{dest}/")
         return dest
 
 

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "hs_patch"
 STDLIB = set(sys.stdlib_module_names)
 SHARED = ("hs_patch.files", "hs_patch.flags", "hs_patch.intent", "hs_patch.names", "hs_patch.releases", "hs_patch.serving",
-          "hs_patch.store")
+          "hs_patch.shard", "hs_patch.store")
 SERVER_SHARED = {"hs_patch", "hs_patch.files", "hs_patch.flags", "hs_patch.intent", "hs_patch.serving",
                  "hs_patch.store"}
 
@@ -57,7 +57,8 @@ def test_subpackages_are_the_places_code_runs():
     for sub in ("server", "host", "host/shipping", "control"):
         assert (PKG / sub / "__init__.py").is_file(), sub
     top = sorted(p.stem for p in PKG.glob("*.py"))
-    assert top == ["__init__", "files", "flags", "intent", "names", "reader", "releases", "serving", "store"], \
+    assert top == ["__init__", "files", "flags", "intent", "names", "reader", "releases", "serving", "shard",
+                   "store"], \
         f"only shared modules at the top: {top}"
 
 

@@ -141,6 +141,7 @@ class Inventory:
         from ansible.vars.manager import VariableManager
 
         self.source = source or default_source()
+        self.overrides: dict[str, Any] = {}  # applied to every target (fab's --known-hosts)
         _check_source(self.source)
         for f in vault_password_files:
             if not Path(f).is_file():
@@ -243,7 +244,7 @@ class Inventory:
                 str(self._render(h, v) or "") for v in ("ansible_ssh_common_args", "ansible_ssh_extra_args")))
         if t.user != "root":
             self._become(h, t)
-        for k, v in overrides.items():
+        for k, v in {**self.overrides, **overrides}.items():
             if v is not None:
                 setattr(t, k, v)
         for attr in _PATHS:

@@ -26,7 +26,7 @@ from hs_patch.control.inventory import Target
 from hs_patch.control.shell import RemoteError, Shell, cmd
 
 __all__ = ["RemoteError", "Check", "preflight", "estimate_bytes", "prepare", "upload", "start_server",
-           "start_jobs", "unit_hardening", "snapshot", "latest_run", "stop", "ship_now", "units"]
+           "destination", "start_jobs", "unit_hardening", "snapshot", "latest_run", "stop", "ship_now", "units"]
 from hs_patch.flags import args_violations
 
 # Installed by the services role (sglang_service_check_dir): hs_patch/host/gpu_ready.py with the
@@ -293,8 +293,15 @@ def unit_hardening(t: Target, run: str, job: str) -> list[str]:
     return [f"--property={p}" for p in props]
 
 
-def start_jobs(c: Shell, t: Target, run: str, driver_args: list[str]) -> list[str]:
-    """Start the driver and (if shipping) the shipper units; leave running ones alone."""
+def destination(t: Target, run: str, part: str = "") -> str:
+    """Where ``run``'s samples go: ``STORAGE:DIR/RUN``, or ``.../RUN/PART`` for one host of a
+    fleet run (``hs_patch.control.fleet``)."""
+    return f"{t.storage_alias}:{t.storage_dir}/{run}" + (f"/{part}" if part else "")
+
+
+def start_jobs(c: Shell, t: Target, run: str, driver_args: list[str], *, dest: str | None = None) -> list[str]:
+    """Start the driver and (if shipping) the shipper units; leave running ones alone. ``dest``:
+    where the shipper sends (default :func:`destination` of ``run``)."""
     drive, ship = units(run)
     started = []
     common = [f"--uid={t.service_user}", f"--gid={t.service_user}", "--property=RestartSec=5", "--property=TimeoutStopSec=180", "--property=KillMode=mixed",
@@ -311,7 +318,7 @@ def start_jobs(c: Shell, t: Target, run: str, driver_args: list[str]) -> list[st
         jobs.append((ship, ["--property=Restart=on-failure", "--property=RestartPreventExitStatus=2",
                             *unit_hardening(t, run, "ship"), "--",
                             t.bin("hs-extract"), "ship", "--samples-dir", t.samples_dir(run),
-                            "--state-dir", t.state_dir(run), "--dest", f"{t.storage_alias}:{t.storage_dir}/{run}",
+                            "--state-dir", t.state_dir(run), "--dest", dest or destination(t, run),
                             "--follow"]))
     for unit, argv in jobs:
         # systemd expands $NAME in a unit's command line at start: never let a path do that
@@ -351,11 +358,12 @@ def stop(c: Shell, t: Target, run: str, *, server: bool = False) -> dict[str, st
     return {u: unit_state(c, u) for u in (drive, ship)}
 
 
-def ship_now(c: Shell, t: Target, run: str) -> tuple[int, str]:
-    """Drain shipping in the foreground (the follow unit is stopped first)."""
+def ship_now(c: Shell, t: Target, run: str, *, dest: str | None = None) -> tuple[int, str]:
+    """Drain shipping in the foreground (the follow unit is stopped first); it also records
+    in the run's shipped.jsonl every sample the destination already holds."""
     _, ship = units(run)
     c.run(["systemctl", "stop", f"{ship}.service"])
     r = c.run(_as_service_user(t, t.bin("hs-extract"), "ship", "--samples-dir", t.samples_dir(run),
-                               "--state-dir", t.state_dir(run), "--dest", f"{t.storage_alias}:{t.storage_dir}/{run}"),
+                               "--state-dir", t.state_dir(run), "--dest", dest or destination(t, run)),
               timeout=None)
     return r.exited, (r.stdout + r.stderr).strip()

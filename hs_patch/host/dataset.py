@@ -28,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 from hs_patch.host import datafile
 
@@ -117,9 +117,31 @@ def check_sources(paths: list[str]) -> None:
         seen[name] = p
 
 
-def count_lines(paths: list[str], max_chars: int = 1 << 20) -> datafile.Counts:
-    """Non-blank lines of all files (the run's total before validation) and blank ones."""
-    return datafile.count(paths, max_chars)
+def count_lines(paths: list[str], max_chars: int = 1 << 20, *, limit: int = 0,
+                owns: Optional[Callable[[str], bool]] = None) -> datafile.Counts:
+    """Non-blank lines of all files (the run's total before validation) and blank ones; with
+    ``limit`` only the first ``limit`` non-blank lines, with ``owns`` only the lines whose
+    sample id it accepts (a shard, ``hs_patch.shard``)."""
+    if owns is None:
+        c = datafile.count(paths, max_chars)
+        if limit:
+            c.lines = min(limit, c.lines)
+        return c
+    c, seen = datafile.Counts(), 0
+    for p in paths:
+        name = source_name(p)
+        for item in datafile.lines(p, max_chars):
+            blank = isinstance(item, datafile.Line) and not item.text.strip()
+            if not blank:
+                if limit and seen >= limit:
+                    return c
+                seen += 1
+            if owns(f"{name}:{item.number}"):
+                if blank:
+                    c.blank += 1
+                else:
+                    c.lines += 1
+    return c
 
 
 def read(paths: list[str], max_chars: int = 1 << 20) -> Iterator[Union[Record, Reject]]:

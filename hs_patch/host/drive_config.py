@@ -8,10 +8,10 @@ from __future__ import annotations
 import os
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from hs_patch.host import dataset
-from hs_patch import store
+from hs_patch import shard, store
 from hs_patch.names import check_run_name
 
 
@@ -47,6 +47,7 @@ class DriveConfig:
     status_interval: float = 2.0
     prometheus: str = ""
     limit: int = 0                      # 0: all lines
+    shard: str = ""                     # "i/n": only the samples of shard i of n (hs_patch.shard); "": all
     fidelity_check: bool = True         # --no-fidelity-check: off
     fidelity_fraction: float = 0.01     # share of samples checked at their last positions, not only the last one
     fidelity_positions: int = 32
@@ -57,6 +58,12 @@ class DriveConfig:
         check_run_name(self.run)  # it names directories: never '../x', '' or '.'
         self.state_dir = self.state_dir or f"/var/lib/hs-patch/runs/{self.run}"
         self.samples_dir = self.samples_dir or f"/dev/shm/hs-runs/{self.run}/samples"
+        if self.shard:
+            self.shard = str(shard.parse(self.shard))  # one spelling in run.json: "1/3", never " 1/3"
+
+    def owns(self) -> Callable[[str], bool] | None:
+        """The shard's test of a sample id, or None when the run takes every sample."""
+        return shard.parse(self.shard).owns if self.shard else None
 
     def identity(self) -> dict[str, Any]:
         """The parameters that decide what the samples are; a resumed run must keep them."""
@@ -65,6 +72,8 @@ class DriveConfig:
         if self.regenerate:
             ident.update(regen_max_new_tokens=self.regen_max_new_tokens, regen_temperature=self.regen_temperature,
                          regen_top_p=self.regen_top_p)
+        if self.shard:  # only then: a run without one keeps the identity it always had
+            ident["shard"] = self.shard
         ident["model"] = str(Path(self.model).resolve())
         ident["samples_dir"] = str(Path(self.samples_dir).resolve())
         ident["data"] = [{"name": dataset.source_name(p), "path": str(Path(p).resolve()),

@@ -183,8 +183,8 @@ class Driver(SampleSteps):
                                       timeout=cfg.raw_timeout, release=self.server_version)
         self._start_fidelity()
         done = self.done = runstate.load_done(self.samples_dir, self.state_dir / runstate.SHIPPED)
-        counts = dataset.count_lines(cfg.data, self.max_chars)
-        self.status.c.total = counts.lines if not cfg.limit else min(cfg.limit, counts.lines)
+        counts = dataset.count_lines(cfg.data, self.max_chars, limit=cfg.limit, owns=cfg.owns())
+        self.status.c.total = counts.lines
         self.status.c.blank = counts.blank
         self.bp = BackPressure([str(self.capture_dir), str(self.samples_dir)], high=cfg.high_water,
                                low=cfg.low_water, usage=self.usage, on_change=self._on_pressure)
@@ -244,11 +244,14 @@ class Driver(SampleSteps):
         for w in workers:
             w.start()
         items = dataset.read(self.cfg.data, self.max_chars)
-        if self.cfg.limit:
+        if self.cfg.limit:  # the first N lines of the dataset, then this run's shard of them
             items = itertools.islice(items, self.cfg.limit)
+        owns = self.cfg.owns()
         for item in items:
             if self.stop.is_set():
                 break
+            if owns is not None and not owns(item.sample_id):
+                continue  # another host's sample (--shard)
             if isinstance(item, dataset.Reject):
                 self._reject(item)
             elif item.sample_id in self.done.by_id:

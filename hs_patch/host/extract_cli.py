@@ -73,6 +73,10 @@ def add_drive_arguments(p: argparse.ArgumentParser) -> None:
                    "template, e.g. '{\"thinking\": false}' (default: %(default)s)")
     g.add_argument("--limit", type=int, default=D["limit"], metavar="N", help="only the first N input lines (0: all; "
                    "default: %(default)s)")
+    g.add_argument("--shard", default=D["shard"], metavar="I/N", help="only shard I of N: the samples whose "
+                   "sha256(sample id) %% N is I, so N hosts with 0/N..N-1/N share a dataset, each sample on exactly "
+                   "one; adding lines never moves a sample to another shard (fab extract --hosts gives each host "
+                   "its own; default: all samples)")
     g = p.add_argument_group("where")
     g.add_argument("--server", default=D["server"], metavar="URL", help="SGLang server "
                    "(default: %(default)s)")
@@ -168,6 +172,13 @@ def drive_config(a: argparse.Namespace) -> Any:
         check_run_name(a.run)
     except RunNameError as e:
         raise SystemExit(f"--run: {e}") from None
+    from hs_patch.shard import ShardError, parse
+
+    if a.shard:
+        try:
+            parse(a.shard)
+        except ShardError as e:
+            raise SystemExit(f"--shard: {e}") from None
     return DriveConfig(**{f.name: getattr(a, f.name) for f in fields(DriveConfig) if f.name != "chat_template_kwargs"},
                        chat_template_kwargs=kwargs)
 

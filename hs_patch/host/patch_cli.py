@@ -34,6 +34,8 @@ Validate a sample file, or a directory against its manifest.jsonl: the driver's 
 directory, the capture dir, or a shipped run at the destination (DEST, with samples/ and
 manifest.jsonl). Every listed file must exist and match its entry; files the manifest
 does not list and manifest lines without key/file/bytes/sha256 are reported (file:line).
+A fleet run at the destination (RUN/HOST/ parts, each with its manifest; docs/fleet.md) is
+checked as one merged run: a sample id in two parts is reported (extracted twice).
 
 --deep (the default) reads every file: size + sha256 against the manifest, then the
 tensors (format, planes, shapes, dtypes, the ids hash to the key); --workers files at a

@@ -104,11 +104,15 @@ def work(t: Task) -> dict[str, Any]:
 
 
 def source_entries(src: Path) -> dict[str, dict[str, Any]]:
-    """The live samples of a samples dir or shipped destination."""
-    entries = store.read_manifest(src)
+    """The live samples of a samples dir or shipped destination, or of a whole fleet run
+    (``RUN/HOST/`` parts, merged by :func:`hs_patch.reader.manifest_entries`)."""
+    entries, problems = reader.manifest_entries(src)
+    if problems:
+        raise ExportRefused(f"{src}: {len(problems)} manifest problem(s), e.g. {problems[0]}; hs-patch inspect {src} "
+                            "lists them: repair the run (or export its parts one by one) first")
     if not entries:
-        raise ExportRefused(f"{src}: no samples in {store.MANIFEST}: give a driver's --samples-dir or a shipped run "
-                            "directory (RUN/ with manifest.jsonl and samples/)")
+        raise ExportRefused(f"{src}: no samples in {store.MANIFEST}: give a driver's --samples-dir, a shipped run "
+                            "directory (RUN/ with manifest.jsonl and samples/) or a fleet run (RUN/HOST/ parts)")
     return entries
 
 

@@ -1,0 +1,75 @@
+"""One host's part of ``fab extract``: its preflight and its start, for a single host or a fleet.
+
+A :class:`Job` says what one GPU host runs: the local run name (its state dir and units),
+the dataset, the driver's extra arguments (``--shard``, ``--limit`` ...) and where its
+shipper sends. ``fab extract --host`` runs one; ``fab extract --hosts GROUP`` runs one per
+host through :class:`hs_patch.control.fleet.FleetGroup` (preflight on every host first,
+then the starts, all in parallel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from hs_patch.control import remote
+from hs_patch.control.inventory import Target
+from hs_patch.control.remote import Check
+from hs_patch.control.shell import RemoteError, Shell
+
+
+@dataclass
+class Job:
+    run: str                               # the run's name on the host (state dir, samples dir, units)
+    dataset: str                           # a file here, or on the host with remote_dataset
+    remote_dataset: bool = False
+    driver_args: list[str] = field(default_factory=list)   # --limit, --regenerate, --shard ...
+    dest: str | None = None                # the shipper's destination (default remote.destination(t, run))
+    share: int = 1                         # hosts sharing the dataset (scales the space estimate)
+    sync_first: bool = False               # list what the destination holds before the driver starts
+
+    def describe(self) -> str:
+        shard = next((self.driver_args[i + 1] for i, a in enumerate(self.driver_args[:-1]) if a == "--shard"), "")
+        return f"run {self.run}" + (f", shard {shard}" if shard else "")
+
+
+def preflight(c: Shell, t: Target, job: Job) -> list[Check]:
+    """remote.preflight for the job's share of the dataset."""
+    size = remote.remote_size(c, job.dataset) if job.remote_dataset else Path(job.dataset).stat().st_size
+    estimated, per_token = remote.estimate_bytes(c, t, size // max(1, job.share))
+    return remote.preflight(c, t, estimated_bytes=estimated, bytes_per_token=per_token)
+
+
+def report(host: str, checks: list[Check]) -> str:
+    """The preflight as the operator reads it: one line a check, the fix under a failure."""
+    return "\n".join(f"  {host:12} {'ok  ' if ch.ok else 'FAIL'} {ch.name:14} {ch.detail}"
+                     + ("" if ch.ok else f"\n{'':19}-> {ch.fix}") for ch in checks)
+
+
+def start(c: Shell, t: Target, job: Job, server_timeout: int, progress: Callable[[str], None]) -> list[str]:
+    """Prepare the run's dirs, copy the dataset, start the server and wait for it, start the
+    driver and shipper units. Returns the units started (running ones are left alone)."""
+    remote.prepare(c, t, job.run)
+    data = job.dataset if job.remote_dataset else remote.upload(c, t, job.run, Path(job.dataset))
+    remote.start_server(c, t, server_timeout, progress)
+    args = ["--data", data, "--model", t.model_path, *job.driver_args]
+    if t.trust_remote_code:
+        args.append("--trust-remote-code")
+    if job.sync_first and t.ship_enabled:
+        # before the driver reads what is done: every sample the destination already holds is
+        # recorded in the run's shipped.jsonl, so none of them is extracted or sent again
+        code, out = remote.ship_now(c, t, job.run, dest=job.dest)
+        if code:
+            raise RemoteError(f"on {t.host}: listing the destination {job.dest} failed (exit {code}): {out[-600:]}; "
+                              "fix storage (fab ship shows the same), then run the same fab extract again")
+    return remote.start_jobs(c, t, job.run, args, dest=job.dest)
+
+
+def driver_args(limit: int, regenerate: bool, shard: str = "") -> list[str]:
+    args = ["--limit", str(int(limit))] if int(limit) else []
+    if regenerate:
+        args.append("--regenerate")
+    if shard:
+        args += ["--shard", shard]
+    return args

@@ -1,0 +1,160 @@
+"""``fab extract --hosts GROUP``, ``--reassign HOST`` and ``fab status --hosts GROUP``: the fleet's steps.
+
+Preflight runs on every host before anything starts on any; then every host starts its
+job (its shard of the dataset, shipping into its own directory at the destination); then
+one dashboard shows them all. Everything per host runs on all hosts at once through
+:class:`hs_patch.control.fleet.FleetGroup` (Fabric's ThreadingGroup). The plan and the
+storage layout: :mod:`hs_patch.control.fleet`; the operator's guide: docs/fleet.md.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+from hs_patch.control import extraction, fleet, fleet_dashboard, remote
+from hs_patch.control.extraction import Job
+from hs_patch.control.fleet import FleetGroup, Plan
+from hs_patch.control.fleet_dashboard import Row
+from hs_patch.control.inventory import ConfigError, Inventory, Target
+from hs_patch.control.shell import RemoteError, Shell
+
+
+def jobs_for(plan: Plan, targets: list[Target], dataset: str, remote_dataset: bool, limit: int,
+             regenerate: bool) -> dict[str, Job]:
+    """Each planned host's job: the run under its own name, its shard, its own destination directory."""
+    return {t.name: Job(plan.run, dataset, remote_dataset, extraction.driver_args(limit, regenerate, plan.shard(t.name)),
+                        dest=remote.destination(t, plan.run, t.name), share=plan.count)
+            for t in targets}
+
+
+def run_jobs(targets: list[Target], jobs: dict[str, Job], server_timeout: int, say: Callable[[str], None]) -> FleetGroup:
+    """Preflight every host, then (all passed) start every job; in parallel, host by host results."""
+    group = FleetGroup.of(targets)
+    say(f"preflight on {len(targets)} host(s): {', '.join(t.name for t in targets)}")
+    checks = group.each(lambda c, t: extraction.preflight(c, t, jobs[t.name]))
+    for name in sorted(checks):
+        print(f"{name} ({jobs[name].describe()}):\n{extraction.report(name, checks[name])}", flush=True)
+    bad = sorted(name for name, cs in checks.items() if not all(ch.ok for ch in cs))
+    if bad:
+        sys.exit(f"fab: preflight failed on {', '.join(bad)}; nothing was started on any host. Fix what is "
+                 "listed above, then run the same fab extract again")
+    say("starting the server units (each waits for /health_generate), then the driver and shipper units")
+    started = group.each(lambda c, t: extraction.start(c, t, jobs[t.name], server_timeout,
+                                                        lambda msg: say(f"{t.name}: {msg}")))
+    for name in sorted(started):
+        say(f"{name}: started {', '.join(started[name]) or 'nothing new (already running)'}")
+    return group
+
+
+def destination_of(t: Target, run: str) -> str | None:
+    """Where ``run`` on ``t`` ships when it is a fleet run's part (``RUN/HOST``, or a reassigned
+    shard ``RUN.DEAD`` into ``RUN/DEAD``); None for a single-host run (``RUN``)."""
+    plan = fleet.load_plan(run)
+    if plan is not None and t.name in plan.shards:
+        return remote.destination(t, run, t.name)
+    base, _, dead = run.rpartition(".")
+    plan = fleet.load_plan(base) if base else None
+    if plan is not None and plan.reassigned.get(dead) == t.name:
+        return remote.destination(t, base, dead)
+    return None
+
+
+def rows_for(plan: Plan, targets: list[Target]) -> list[Row]:
+    """Dashboard rows: each planned host of ``targets`` running its own shard, and each
+    reassigned shard on the host that runs it."""
+    here = {t.name for t in targets}
+    rows = [Row(n, n, plan.run, plan.shard(n)) for n in sorted(plan.shards, key=plan.shards.get)
+            if n in here and n not in plan.reassigned]
+    rows += [Row(f"{to} (shard of {dead})", to, fleet.reassign_run(plan.run, dead), plan.shard(dead))
+             for dead, to in sorted(plan.reassigned.items())]
+    return rows
+
+
+def watch(inv: Inventory, plan: Plan, rows: list[Row], reattach: str, *, interval: float, once: bool = False) -> int:
+    """The fleet dashboard over ``rows`` (one snapshot step a host, all hosts at once)."""
+    hosts = sorted({r.host for r in rows})
+    group = FleetGroup.of([inv.target(h) for h in hosts])
+
+    def snaps(c: Shell, t: Target) -> dict[str, Any]:
+        return {r.label: remote.snapshot(c, t, r.run) for r in rows if r.host == t.name}
+
+    def fetch() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for host, res in group.try_each(snaps).items():
+            for r in rows:
+                if r.host == host:
+                    out[r.label] = res.get(r.label) if isinstance(res, dict) else res
+        return out
+
+    try:
+        return fleet_dashboard.watch(fetch, rows, plan.run, reattach, interval=interval, once=once)
+    finally:
+        group.close()
+
+
+def extract(inv: Inventory, group: str | None, host: str | None, run: str, dataset: str, remote_dataset: bool,
+            limit: int, regenerate: bool, server_timeout: int, interval: float, detach: bool,
+            say: Callable[[str], None]) -> int:
+    """``fab extract --hosts GROUP`` (or ``--host H`` of a run that has a fleet plan)."""
+    if group:
+        targets = inv.group(group)
+        plan, notes = fleet.plan_for(run, [t.name for t in targets])
+    else:
+        plan, notes = fleet.load_plan(run), []
+        targets = [inv.target(host or "")]
+        if plan is None or targets[0].name not in plan.shards:
+            raise ConfigError(f"{host} has no shard in fleet run {run} (fleet plan {fleet.plan_path(run)})")
+    for note in notes:
+        say(note)
+    active = [t for t in targets if t.name in plan.shards and t.name not in plan.reassigned]
+    if not active:
+        raise ConfigError(f"no host of {group or host} has a shard of run {run} to run (fleet plan "
+                          f"{fleet.plan_path(run)}: {', '.join(sorted(plan.shards))})")
+    say(f"fleet run {run}: {plan.count} shard(s); plan {fleet.plan_path(run)}")
+    run_jobs(active, jobs_for(plan, active, dataset, remote_dataset, limit, regenerate), server_timeout, say)
+    reattach = f"fab status --hosts {group} --run {run}" if group else f"fab status --host {host} --run {run}"
+    if detach:
+        say(f"watch with: {reattach}")
+        return 0
+    return watch(inv, plan, rows_for(plan, targets), reattach, interval=interval)
+
+
+def reassign(inv: Inventory, dead: str, host: str, run: str, dataset: str, remote_dataset: bool, limit: int,
+             regenerate: bool, server_timeout: int, interval: float, detach: bool, say: Callable[[str], None]) -> int:
+    """``fab extract --reassign DEAD --host TARGET``: TARGET finishes DEAD's shard, shipping into
+    DEAD's directory at the destination (what is there already is never redone nor resent)."""
+    plan = fleet.load_plan(run)
+    if plan is None:
+        raise ConfigError(f"run {run} has no fleet plan ({fleet.plan_path(run)}): --reassign moves a shard of a "
+                          "run started with fab extract --hosts GROUP")
+    if dead not in plan.shards:
+        raise ConfigError(f"{dead} has no shard in run {run} (shards: {', '.join(sorted(plan.shards))})")
+    t = inv.target(host)
+    if t.name == dead:
+        raise ConfigError(f"--reassign {dead} --host {host}: give another host (to resume {dead} itself: "
+                          f"fab extract --host {dead} --run {run})")
+    if plan.reassigned.get(dead, t.name) != t.name:
+        raise ConfigError(f"the shard of {dead} already runs on {plan.reassigned[dead]}; stop it there first "
+                          f"(fab stop --host {plan.reassigned[dead]} --run {fleet.reassign_run(run, dead)})")
+    own, _ = remote.units(run)
+    group = FleetGroup.of([t])
+    state = group.each(lambda c, tt: remote.unit_state(c, own))[t.name]
+    group.close()
+    if state in ("active", "activating", "reloading"):
+        raise RemoteError(f"{t.name} still runs its own shard ({own} is {state}): a host's server has one capture "
+                          f"dir and serves one driver at a time. Wait for it to finish (fab status --host {t.name} "
+                          f"--run {run}) or choose a host that has finished")
+    job = Job(fleet.reassign_run(run, dead), dataset, remote_dataset,
+              extraction.driver_args(limit, regenerate, plan.shard(dead)),
+              dest=remote.destination(t, run, dead), share=plan.count, sync_first=True)
+    say(f"{t.name} takes the shard {plan.shard(dead)} of {dead} as run {job.run}, shipping into {job.dest}")
+    plan.reassigned[dead] = t.name
+    fleet.save_plan(plan)  # before the start: a half-started reassignment is still on record
+    run_jobs([t], {t.name: job}, server_timeout, say)
+    rows = [r for r in rows_for(plan, [t]) if r.host == t.name and r.run == job.run]
+    reattach = f"fab status --host {t.name} --run {job.run}"
+    if detach:
+        say(f"watch with: {reattach}")
+        return 0
+    return watch(inv, plan, rows, reattach, interval=interval)

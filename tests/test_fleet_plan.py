@@ -1,0 +1,97 @@
+"""The fleet plan (shards fixed at a run's first start), the fleet dashboard, Fabric's group steps."""
+
+from __future__ import annotations
+
+import pytest
+from rich.console import Console
+
+from hs_patch.control import fleet, fleet_dashboard, fleet_run
+from hs_patch.control.inventory import ConfigError, Target
+from hs_patch.control.shell import RemoteError
+
+
+@pytest.fixture(autouse=True)
+def plan_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("HS_FLEET_DIR", str(tmp_path / "fleet"))
+
+
+def test_the_first_start_fixes_the_shards_by_sorted_host_name():
+    plan, notes = fleet.plan_for("r1", ["gpu-c", "gpu-a", "gpu-b"])
+    assert notes == [] and plan.shards == {"gpu-a": 0, "gpu-b": 1, "gpu-c": 2} and plan.shard("gpu-c") == "2/3"
+    assert (fleet.plan_path("r1").stat().st_mode & 0o777) == 0o600
+    again, _ = fleet.plan_for("r1", ["gpu-b", "gpu-a", "gpu-c"])
+    assert again.shards == plan.shards
+
+
+def test_a_host_added_later_gets_no_shard_and_a_removed_one_keeps_its_own():
+    fleet.plan_for("r2", ["a", "b", "c"])
+    plan, notes = fleet.plan_for("r2", ["a", "c", "d"])
+    assert plan.shards == {"a": 0, "b": 1, "c": 2}
+    assert any(n.startswith("d joined the group after run r2 started: it takes no shard") for n in notes)
+    assert any("b is not in the group: its shard 1/3 is not being extracted" in n and "--reassign b" in n
+               for n in notes)
+    plan.reassigned["b"] = "c"
+    fleet.save_plan(plan)
+    _, notes = fleet.plan_for("r2", ["a", "c"])
+    assert notes == ["b is not in the group; its shard 1/3 runs on c"]
+    rows = fleet_run.rows_for(fleet.load_plan("r2"), [Target(host="x", name=n) for n in ("a", "c")])
+    assert [(r.label, r.host, r.run, r.shard) for r in rows] == [
+        ("a", "a", "r2", "0/3"), ("c", "c", "r2", "2/3"), ("c (shard of b)", "c", "r2.b", "1/3")]
+
+
+def test_fab_ship_of_a_fleet_host_ships_into_its_part():
+    plan, _ = fleet.plan_for("r5", ["a", "b"])
+    plan.reassigned["b"] = "a"
+    fleet.save_plan(plan)
+    a = Target(host="10.0.0.1", name="a", storage_alias="st", storage_dir="/srv/s")
+    assert fleet_run.destination_of(a, "r5") == "st:/srv/s/r5/a"
+    assert fleet_run.destination_of(a, "r5.b") == "st:/srv/s/r5/b"
+    assert fleet_run.destination_of(Target(host="x", name="c"), "r5.b") is None
+    assert fleet_run.destination_of(a, "single") is None
+
+
+def test_a_host_name_that_cannot_name_a_directory_is_refused():
+    with pytest.raises(ConfigError, match="cannot name its directory at the destination"):
+        fleet.plan_for("r3", ["ok", "../evil"])
+
+
+def test_an_unreadable_plan_says_what_to_do(tmp_path):
+    fleet.plan_dir().mkdir(parents=True)
+    fleet.plan_path("r4").write_text("{")
+    with pytest.raises(ConfigError, match="unreadable .* start a new run"):
+        fleet.load_plan("r4")
+
+
+def test_group_steps_run_on_every_host_and_name_each_failure():
+    group = fleet.FleetGroup.of([Target(host="127.0.0.1", name=n, port=p) for n, p in (("h1", 1), ("h2", 2))])
+    with pytest.raises(RemoteError, match=r"h1: cannot reach 127\.0\.0\.1:1.*; h2: cannot reach 127\.0\.0\.1:2"):
+        group.each(lambda c, t: t.name)
+    res = group.try_each(lambda c, t: t.name)
+    assert set(res) == {"h1", "h2"} and all(isinstance(r, RemoteError) for r in res.values())
+
+
+def _snap(run: str, done: int, total: int, state: str = "running", paused: bool = False) -> dict:
+    active = "active" if state == "running" else "inactive"
+    return {"run": run, "driver": {"state": state, "samples": {"done": done, "total": total},
+                                   "tokens": {"per_s": 100.0}, "bytes_written": done * 10**6,
+                                   "dump": {"paused": paused}, "errors": {"count": 0}},
+            "shipper": {"shipped": {"count": done, "bytes": done * 10**6}, "pending": {"count": 0, "bytes": 0}},
+            "dump": {"used_pct": 85.0 if paused else 10.0},
+            "units": {f"hs-drive-{run}": {"ActiveState": active}, f"hs-ship-{run}": {"ActiveState": active}}}
+
+
+def test_the_fleet_dashboard_shows_each_host_and_the_total():
+    rows = [fleet_dashboard.Row("a", "a", "r", "0/3"), fleet_dashboard.Row("b", "b", "r", "1/3"),
+            fleet_dashboard.Row("c (shard of x)", "c", "r.x", "2/3")]
+    rates = fleet_dashboard.Rates()
+    snaps = {"a": _snap("r", 10, 40), "b": _snap("r", 5, 30, paused=True), "c (shard of x)": RemoteError("gone")}
+    fleet_dashboard.render(rows, snaps, "t", rates, now=100.0)
+    snaps["a"] = _snap("r", 20, 40)
+    console = Console(width=200, record=True)
+    console.print(fleet_dashboard.render(rows, snaps, "t", rates, now=110.0))
+    out = console.export_text()
+    assert "20/40" in out and "5/30" in out and "25/70" in out  # per host and total
+    assert "PAUSED" in out and "unreachable" in out and "c: gone" not in out and "gone" in out
+    assert "0:00:20" in out  # a: 10 samples in 10 s, 20 to go
+    assert not fleet_dashboard.finished(snaps)
+    assert fleet_dashboard.finished({"a": _snap("r", 40, 40, "finished")})
