@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -16,6 +17,16 @@ UNSUPPORTED = "0.5.8"  # a real release the patch does not know
 
 def extract_site(version: str, dest: Path) -> Path:
     return sglang_wheels.extract_site(sglang_wheels.sglang_wheel(version), dest)
+
+
+@pytest.fixture(autouse=True)
+def _keep_umask():
+    """hs-extract and hs-patch set umask 077 for their process; run in-process, that must not
+    leak into the tests after (a lab booted under it once hung CI)."""
+    old = os.umask(0o022)
+    os.umask(old)
+    yield
+    os.umask(old)
 
 
 @pytest.fixture(scope="session")

@@ -57,7 +57,7 @@ PACKAGES = (
 )
 ROOTFS_REVISION = "1"  # bump when the post-processing below changes
 DEFAULT_GATEWAY = "198.51.100.1/24"
-BOOT_TIMEOUT_S = 90
+BOOT_TIMEOUT_S = int(os.environ.get("HS_TESTHOSTS_BOOT_S", "180"))  # a guest boots in ~1 s when idle
 STOP_TIMEOUT_S = 30
 
 
@@ -118,6 +118,16 @@ def _run(cmd: list[str], check: bool = True, **kw) -> subprocess.CompletedProces
     if check and proc.returncode != 0:
         raise LabError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr or ''}{proc.stdout or ''}")
     return proc
+
+
+@contextlib.contextmanager
+def _umask(mask: int):
+    """Run the block under ``mask``, restoring the caller's umask after."""
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
 
 
 def _log(msg: str) -> None:
@@ -202,10 +212,14 @@ class Lab:
             if not (gw.network.subnet_of(ipaddress.ip_network("198.51.100.0/24"))
                     or gw.network.subnet_of(ipaddress.ip_network("203.0.113.0/24"))):
                 raise LabError("test hosts use documentation ranges only (198.51.100.0/24, 203.0.113.0/24)")
-        rootfs = ensure_rootfs()
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        with _gateway_claimed(gw):
-            return self._up_claimed(hosts, gw, rootfs)
+        # The overlay's upper dir becomes each guest's '/': under a caller's umask of 077 (a
+        # hardened shell, or a CLI that set it earlier in the same process) it would be 0700,
+        # every non-root daemon would be locked out and the boot would never finish (dbus hangs).
+        with _umask(0o022):
+            rootfs = ensure_rootfs()
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            with _gateway_claimed(gw):
+                return self._up_claimed(hosts, gw, rootfs)
 
     def _up_claimed(self, hosts: list[tuple[str, str]], gw: ipaddress.IPv4Interface, rootfs: Path) -> dict:
         lab_id = secrets.token_hex(2)
@@ -324,19 +338,43 @@ class Lab:
                 "-o", "ConnectTimeout=3", "-l", "root", host["address"]]
 
     def _wait_ready(self, host: dict) -> None:
+        """Return once the guest's systemd has finished booting ('running' or 'degraded') over SSH.
+
+        Polls ``systemctl is-system-running`` (no ``--wait``: a boot job that hangs must not hang
+        this call); on time-out the error carries the guest's pending jobs, failed units and console.
+        """
         deadline = time.monotonic() + BOOT_TIMEOUT_S
         last = ""
-        for _ in range(BOOT_TIMEOUT_S * 2):
+        while True:
             if not _alive(host["pid"], host.get("pid_start")):
                 raise LabError(f"{host['name']}: systemd-nspawn exited during boot; see {host['dir']}/console.log")
-            proc = _run(self._ssh_base(host) + ["systemctl", "is-system-running", "--wait"], check=False, timeout=60)
-            last = (proc.stdout + proc.stderr).strip()
-            if proc.stdout.strip() in ("running", "degraded"):
-                return
+            try:
+                proc = _run(self._ssh_base(host) + ["systemctl", "is-system-running"], check=False, timeout=15)
+                last = (proc.stdout + proc.stderr).strip()
+                if proc.stdout.strip() in ("running", "degraded"):
+                    return
+            except subprocess.TimeoutExpired:
+                last = "ssh did not answer within 15s"
             if time.monotonic() > deadline:
                 break
             time.sleep(0.5)
-        raise LabError(f"{host['name']} ({host['address']}) not reachable over SSH after {BOOT_TIMEOUT_S}s: {last}")
+        raise LabError(f"{host['name']} ({host['address']}) did not finish booting in {BOOT_TIMEOUT_S}s"
+                       f" (last answer: {last or 'none'}){self._boot_report(host)}")
+
+    def _boot_report(self, host: dict) -> str:
+        """What a stuck boot is waiting for: the guest's job queue, failed units, console tail."""
+        parts = []
+        try:
+            proc = _run(self._ssh_base(host) + ["systemctl --no-pager list-jobs; systemctl --no-pager --failed"],
+                        check=False, timeout=15)
+            parts.append((proc.stdout + proc.stderr).strip())
+        except subprocess.TimeoutExpired:
+            parts.append("(ssh to the guest did not answer)")
+        console = Path(host["dir"]) / "console.log"
+        if console.exists():
+            tail = console.read_text(errors="replace").splitlines()[-20:]
+            parts.append(f"last lines of {console}:\n" + "\n".join(tail))
+        return "".join(f"\n{p}" for p in parts if p)
 
     # down ----------------------------------------------------------------
     def down(self) -> None:
