@@ -67,8 +67,8 @@ def test_fab_preflight_passes_as_deploy_with_sudo(inventory):
     checks = remote.preflight(c, t, estimated_bytes=1 << 20, bytes_per_token=100)
     table = "\n".join(f"{'ok' if ch.ok else 'FAIL'} {ch.name}: {ch.detail}" for ch in checks)
     print(table)
-    assert [ch.name for ch in checks] == ["ssh", "patch", "gpus", "server flags", "api key", "model",
-                                          "dump space", "samples space", "storage"]
+    assert [ch.name for ch in checks] == ["ssh", "patch", "gpus", "gpu ready", "server flags", "api key", "model",
+                                          "dirs", "dump space", "samples space", "storage"]
     assert all(ch.ok for ch in checks), table
     assert "(sudo to root)" in checks[0].detail
     assert c.run(["id", "-u"]).stdout.strip() == "0", "fab's commands run as root through sudo"
