@@ -345,7 +345,7 @@ class Lab:
         """
         deadline = time.monotonic() + BOOT_TIMEOUT_S
         last = ""
-        while True:
+        for _ in range(BOOT_TIMEOUT_S * 2):  # bounded in count too: each try sleeps 0.5 s at least
             if not _alive(host["pid"], host.get("pid_start")):
                 raise LabError(f"{host['name']}: systemd-nspawn exited during boot; see {host['dir']}/console.log")
             try:
