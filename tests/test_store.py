@@ -176,8 +176,8 @@ def test_back_pressure_waits_then_fails_loudly(tmp_path):
     gate = threading.Event()
     h = hook.CaptureHook(config.CaptureConfig(enabled=True, slot_tokens=64, directory=str(tmp_path), layers=(0,), final="none",
                                               slots=1, stall_seconds=0.5), hidden_size=H, metadata={})
-    real_write = h.writer._write_pass
-    h.writer._write_pass = lambda rec: (gate.wait(10), real_write(rec))
+    real_start = h.writer._start
+    h.writer._start = lambda rec: (gate.wait(10), real_start(rec))[1]
     for n in (2, 3):
         if n == 3:
             threading.Timer(0.2, gate.set).start()  # the writer catches up while pass 2 waits
@@ -203,8 +203,8 @@ def test_back_pressure_warning_is_rate_limited(tmp_path, caplog):
     """Every wait is counted, but a busy writer does not flood the server log."""
     h = hook.CaptureHook(config.CaptureConfig(enabled=True, slot_tokens=64, directory=str(tmp_path), layers=(0,), final="none",
                                               slots=1), hidden_size=H, metadata={})
-    real_write = h.writer._write_pass
-    h.writer._write_pass = lambda rec: (time.sleep(0.05), real_write(rec))
+    real_start = h.writer._start
+    h.writer._start = lambda rec: (time.sleep(0.05), real_start(rec))[1]
     with caplog.at_level("WARNING", logger="hs_patch"):
         for n in range(2, 7):
             p = h.begin(_Batch([n]), torch.arange(n))

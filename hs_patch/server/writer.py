@@ -3,9 +3,14 @@
 Runs in threads of the SGLang server process, never on the forward path. One coordinator
 thread takes passes in order (chunked prefill needs the order), splits each into
 per-request parts with ``extend_seq_lens``, and hands the file writes to a small pool.
+Several passes write at once (up to the number of staging buffers): a pass of one
+request, the common case under chunked prefill, is one thread's write and sha256, so
+writing passes one after another would cap capture at one core's hashing speed. Passes
+are *settled* (published, or discarded after a failure) in pass order by the coordinator.
 A pass's staging buffer is given back only when every job that reads it has ended,
 whether it succeeded or failed (a buffer reused under a running write would put the next
-pass's states into a file under a valid checksum).
+pass's states into a file under a valid checksum), and a partial file is closed and
+removed only when no running write can still touch it.
 
 Each part knows its request's whole prompt length (``orig_seq_lens`` in SGLang's forward
 batch), so:
@@ -34,6 +39,7 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +54,7 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("hs_patch")
 STATUS_FILE = "hook_status.json"
 HEALTH_CHECK_PREFIX = "HEALTH_CHECK"  # SGLang's /health_generate probes (sglang.srt.constants)
+_ENDED = object()  # queued by a pass's last ending job: the coordinator can settle it
 
 
 def skipped(rid: Optional[str], prefix: str) -> bool:
@@ -83,6 +90,19 @@ class _Open:
 
 
 @dataclass
+class _InFlight:
+    """A pass whose writes were handed to the pool; settled in pass order once they all ended."""
+
+    rec: PassRecord
+    jobs: list[Future] = field(default_factory=list)
+    finish: list[_Open] = field(default_factory=list)   # chunked prompts this pass completes
+    touched: list[_Open] = field(default_factory=list)  # partial files this pass writes into
+    lost: list[_Open] = field(default_factory=list)     # open prompts it did not continue
+    failure: Optional[BaseException] = None
+    ended: bool = False
+
+
+@dataclass
 class WriterStats:
     passes: int = 0
     samples: int = 0
@@ -99,7 +119,7 @@ class Writer:
     """Writes samples of :class:`PassRecord` s in background threads."""
 
     def __init__(self, directory: str, planes: Sequence[str], metadata: dict[str, str], *,
-                 workers: int = 2, skip_rid_prefix: str = "", fsync: bool = False, max_queue: int = 0):
+                 workers: int = 2, skip_rid_prefix: str = "", fsync: bool = False):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.planes = list(planes)
@@ -112,7 +132,10 @@ class Writer:
         self.error: Optional[BaseException] = None
         self.extra_status: Callable[[], dict[str, Any]] = dict
         self._open: Optional[_Open] = None
-        self._queue: "queue.Queue[Optional[PassRecord]]" = queue.Queue(max_queue)
+        self._doomed: list[_Open] = []  # partial files of failed passes, removed once no write runs
+        self._inflight: "deque[_InFlight]" = deque()
+        self._queue: "queue.Queue[Any]" = queue.Queue()  # PassRecords, _ENDED markers, None (close)
+        self._waiting = 0  # PassRecords in the queue
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hs_patch-write")
         self._finishing: list[Future] = []
         self._status_at = 0.0
@@ -125,10 +148,13 @@ class Writer:
     def submit(self, record: PassRecord) -> None:
         if self.error is not None:
             raise RuntimeError(f"hs_patch writer stopped: {self.error}") from self.error
+        with self._stats_lock:
+            self._waiting += 1
         self._queue.put(record)
 
     def pending(self) -> int:
-        return self._queue.qsize()
+        """Passes submitted and not yet settled."""
+        return self._waiting + len(self._inflight)
 
     def close(self, timeout: float = 60.0) -> None:
         """Write everything queued, then stop (used at exit and by tests)."""
@@ -144,67 +170,97 @@ class Writer:
 
     # ------------------------------------------------------------------ thread
     def _run(self) -> None:
-        while True:
-            rec = self._queue.get()
-            if rec is None:
-                return
-            try:
-                if self.error is None:
-                    self._write_pass(rec)
-                elif rec.release is not None:
-                    rec.release()
-            except BaseException as e:  # noqa: BLE001 - reported to the forward path, then raised there
-                self._fail(e)
-            finally:
-                self._write_status()
+        closing = False
+        while not closing or self._inflight:
+            item = self._queue.get()
+            if item is None:
+                closing = True
+            elif item is not _ENDED:
+                with self._stats_lock:
+                    self._waiting -= 1
+                self._inflight.append(self._start(item))
+            while self._inflight and self._inflight[0].ended:
+                self._settle(self._inflight.popleft())
+            self._write_status()
 
-    def _fail(self, e: BaseException) -> None:
+    def _start(self, rec: PassRecord) -> _InFlight:
+        """Wait for the pass's copies, split it and submit its writes (nothing after a failure)."""
+        p = _InFlight(rec)
         if self.error is None:
-            self.error = e
-        with self._stats_lock:
-            self.stats.errors += 1
-        log.error("hs_patch writer failed, capture stops: %s", e, exc_info=True)
-        if self._open is not None:
-            self._open.sample.abandon()
-            self._open = None
-
-    def _write_pass(self, rec: PassRecord) -> None:
-        jobs: list[Future] = []
-        finish: list[_Open] = []
-        touched: list[_Open] = []
-        try:
             try:
                 if rec.wait is not None:
                     rec.wait()
-                self._plan(rec, jobs, finish, touched)
-            finally:
-                # the staging buffer goes back only when no job reads it any more
-                wait(jobs)
-                if rec.release is not None:
-                    rec.release()
-            written = [job.result() for job in jobs]  # the first failure: nothing of this pass is published
-        except BaseException:
-            for job in jobs:
-                if job.done() and job.exception() is None and job.result() is not None:
-                    job.result()[0].path.unlink(missing_ok=True)
-            for part in touched:
-                part.sample.abandon()
-            if self._open in touched:
-                self._open = None
-            raise
-        for w, extra in (x for x in written if x is not None):
-            self._publish(w, extra)
-        for part in finish:  # chunked prompts complete: small tensors, header, one hashing read
-            self._finishing.append(self._pool.submit(self._finish, part))
-        self._finishing = [f for f in self._finishing if not f.done()]
-        with self._stats_lock:
-            self.stats.passes += 1
+                self._plan(rec, p)
+            except BaseException as e:  # noqa: BLE001 - settled (and reported) in pass order
+                p.failure = e
+        left = [len(p.jobs) + 1]
+        lock = threading.Lock()
 
-    def _plan(self, rec: PassRecord, jobs: list[Future], finish: list[_Open], touched: list[_Open]) -> None:
+        def ended(_: object = None) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            if rec.release is not None:  # no job reads the staging buffer any more
+                rec.release()
+            p.ended = True
+            self._queue.put(_ENDED)
+
+        for job in p.jobs:
+            job.add_done_callback(ended)
+        ended()
+        return p
+
+    def _settle(self, p: _InFlight) -> None:
+        """Publish a pass whose writes all ended, or, once anything failed, discard it."""
+        failure = p.failure or next((j.exception() for j in p.jobs if j.exception() is not None), None)
+        if failure is not None:
+            self._fail(failure)
+        written = [j.result() for j in p.jobs if j.exception() is None and j.result() is not None]
+        if self.error is None:
+            try:
+                for w, extra in written:
+                    self._publish(w, extra)
+            except BaseException as e:  # noqa: BLE001 - reported to the forward path, then raised there
+                self._fail(e)
+        if self.error is None:
+            for part in p.finish:  # chunked prompts complete: small tensors, header, one hashing read
+                self._finishing.append(self._pool.submit(self._finish, part))
+            self._finishing = [f for f in self._finishing if not f.done()]
+            for part in p.lost:
+                part.sample.abandon()
+            with self._stats_lock:
+                self.stats.passes += 1
+            return
+        for w, _ in written:  # a failed writer publishes nothing more
+            w.path.unlink(missing_ok=True)
+        self._doomed += p.touched + p.lost
+        if not self._inflight:  # no write runs any more: partial files can be closed and removed
+            if self._open is not None:
+                self._doomed.append(self._open)
+                self._open = None
+            for part in self._doomed:
+                part.sample.abandon()
+            self._doomed = []
+
+    def _fail(self, e: BaseException) -> None:
+        """Stop capture: the hook raises this on the next forward pass (any thread may call this)."""
+        with self._stats_lock:
+            first = self.error is None
+            if first:
+                self.error = e
+            self.stats.errors += 1
+        if first:
+            log.error("hs_patch writer failed, capture stops: %s", e, exc_info=e)
+
+    def _plan(self, rec: PassRecord, p: _InFlight) -> None:
         """Split the pass per request and submit each part's write."""
         if sum(int(n) for n in rec.seq_lens) != rec.ids.shape[0]:
             raise RuntimeError(f"extend_seq_lens sum to {sum(rec.seq_lens)} but the pass has {rec.ids.shape[0]} tokens")
+        jobs, finish, touched = p.jobs, p.finish, p.touched
         opened, self._open = self._open, None
+        if opened is not None:
+            touched.append(opened)  # if this pass fails, the open prompt goes with it
         offset = 0
         for j, (n, prefix, full) in enumerate(zip(rec.seq_lens, rec.prefix_lens, rec.full_lens)):
             n, prefix, full = int(n), int(prefix), int(full)
@@ -242,7 +298,7 @@ class Writer:
             else:
                 self._open = part
         if opened is not None:  # the open prompt did not continue in this pass: its next chunk is lost
-            opened.sample.abandon()
+            p.lost.append(opened)  # removed when this pass settles: an earlier pass may still write into it
             self._lost(opened)
 
     # ------------------------------------------------------------------ jobs
@@ -351,7 +407,7 @@ class Writer:
         doc = {"pid": os.getpid(), "time": now, "directory": str(self.directory), "passes": st.passes,
                "samples": st.samples, "tokens": st.tokens, "bytes": st.bytes, "merged": st.merged,
                "skipped": st.skipped, "errors": st.errors, "with_intent": st.with_intent,
-               "skip_rid_prefix": self.skip_rid_prefix, "queued": self._queue.qsize(),
+               "skip_rid_prefix": self.skip_rid_prefix, "queued": self.pending(),
                "error": None if self.error is None else str(self.error), **self.extra_status()}
         try:
             store.write_text_atomic(self.directory / STATUS_FILE, json.dumps(doc, sort_keys=True))
