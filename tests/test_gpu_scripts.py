@@ -60,9 +60,10 @@ def test_extraction_phase_runs_end_to_end_on_standins(standin_site, tiny_model_d
     a = argparse.Namespace(site=str(standin_site), work=str(tmp_path / "work"), dump_root=str(tmp_path / "dumps"),
                            prompts=5, tokens=40, long_prompts=1, long_tokens=150, concurrency=3, chunk=64, reps=1,
                            port=free_port_block(4) - 1, mem_fraction=0.3, tp_size=1,
-                           warmup_prompts=2)
+                           warmup_prompts=2, round_offset=1)
     res = extract.extraction(a, str(tiny_model_dir), "cpu")
     assert [len(res[r]["tok_s"]) for r in extract.ROWS] == [1, 1, 1]
+    assert res["order"] == [["driver", "pristine", "capture"]]  # round 1, two places on: a second call's round
     runs = res["driver"]["runs"]
     assert all(run["exit_code"] == 0 and run["samples_clean"] for run in runs)
     assert [run["done"] for run in runs] == [2, 5]  # the shorter warm-up round, then a measured one

@@ -224,6 +224,8 @@ def main() -> int:
     ap.add_argument("--long-prompts", type=int, default=0, help="extract phase: this many of the prompts are "
                     "--long-tokens long (prefilled in several chunks)")
     ap.add_argument("--long-tokens", type=int, default=16384)
+    ap.add_argument("--round-offset", type=int, default=0, help="extract phase: start the rows' rotating order "
+                    "this many places on (a second call continuing a first one's rounds)")
     ap.add_argument("--warmup-prompts", type=int, default=0, help="extract phase: prompts of the warm-up round "
                     "(0: as many as a measured round)")
     ap.add_argument("--mem-fraction", type=float, default=0.45,
