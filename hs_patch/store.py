@@ -287,6 +287,7 @@ class InPlaceSample:
         self.path = temp_path(directory, key_hint)
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         self.written = 0
+        self._count = threading.Lock()  # chunks of one prompt may be written by several threads at once
 
     def plane_offset(self, idx: int) -> int:
         return self.HEADER_ROOM + idx * self.tokens * self.row
@@ -296,7 +297,9 @@ class InPlaceSample:
         n = len(memoryview(data).cast("B"))
         if n % self.row or start * self.row + n > self.tokens * self.row:
             raise SampleError(f"{self.planes[idx]}: {n} bytes at row {start} do not fit {self.tokens} rows")
-        self.written += pwrite_all(self.fd, data, self.plane_offset(idx) + start * self.row)
+        n = pwrite_all(self.fd, data, self.plane_offset(idx) + start * self.row)
+        with self._count:
+            self.written += n
 
     def finish(self, key: str, tail: Sequence[TensorBytes], metadata: Mapping[str, str], *,
                fsync: bool = False) -> Written:

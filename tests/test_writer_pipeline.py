@@ -154,3 +154,17 @@ def test_a_lost_chunk_is_removed_only_after_its_running_write_ended(tmp_path):
     assert [r["tokens"] for r in store.manifest_records(tmp_path)] == [2]
     errors = store.read_jsonl(tmp_path / store.ERRORS)
     assert [e["error"] for e in errors] == ["chunk_lost"] and not tmp_files(tmp_path)
+
+
+def test_chunks_of_one_prompt_written_by_many_threads_at_once_are_all_counted(tmp_path):
+    """The in-place file counts the bytes its chunks wrote; with passes writing at once that count
+    is updated from several threads (an unlocked += lost updates: "a chunk is missing")."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    row = torch.ones(1, H, dtype=torch.bfloat16)
+    with ThreadPoolExecutor(8) as pool:
+        for rep in range(40):
+            s = store.InPlaceSample(tmp_path, f"t{rep}", PLANES, 256, H, "BF16")
+            list(pool.map(lambda r: [s.put(k, r, store.raw_bytes("x", row)) for k in range(len(PLANES))], range(256)))
+            assert s.written == len(PLANES) * 256 * H * 2
+            s.abandon()
