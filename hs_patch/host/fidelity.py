@@ -8,7 +8,12 @@ same ones) the last N positions are compared with the server's own top-1 of that
 whose logit margin is within ``tie_tolerance`` standard deviations of that position's
 logits is a near-tie (bf16 server logits against our fp32 ones), not a mismatch: on
 H200 / SGLang 0.5.16 every disagreement was below 0.015 std (docs/training.md); a shifted,
-partial or wrong-rank state fails at almost every position.
+partial or wrong-rank state fails at almost every position. When the post-norm state is
+derived from a stored ``final.pre_norm`` (HS_CAPTURE_FINAL=pre), our norm and the server's
+fused one round differently (measured: one bf16 unit in the last place on ~20% of the
+elements), so each disagreement is also allowed what such rounding can move its margin
+(:func:`rounding_allowance`, about 0.04 std; the GPU proof saw a 0.025 std disagreement
+on a derived state, which the plain tolerance failed).
 
 The LM head and final norm weight are read by name from the model directory
 (:mod:`hs_patch.host.model_files`); the head is kept in fp32 (Kimi-K2.5: 4.7 GB of RAM) and
@@ -19,6 +24,7 @@ of mismatches into a stop with what is likely wrong.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -35,6 +41,7 @@ DEFAULT_TIE_TOLERANCE = 0.02   # std of the row's logits; the largest same-pass 
 DEFAULT_POSITIONS = 32
 DEFAULT_FRACTION = 0.01
 FIDELITY_LOG = "fidelity.jsonl"
+DERIVED = "final.pre_norm+norm"  # the plane name of a post-norm state derived from the stored pre-norm one
 
 
 @dataclass
@@ -44,6 +51,7 @@ class Position:
     ours: int
     margin_std: float    # (our logit of ours - our logit of the server's) / std of our logits
     tie: bool
+    allowance_std: float = 0.0  # what a derived state's rounding can explain, added to the tolerance
 
 
 @dataclass
@@ -95,21 +103,44 @@ class LMHead:
         if sample.has("final.post_norm"):
             return sample.rows("final.post_norm", start, stop), "final.post_norm"
         if sample.has("final.pre_norm"):
-            return rms_norm(sample.rows("final.pre_norm", start, stop), self.norm, self.eps), "final.pre_norm+norm"
+            return rms_norm(sample.rows("final.pre_norm", start, stop), self.norm, self.eps), DERIVED
         raise store.SampleError(f"{sample.path}: no final state stored (HS_CAPTURE_FINAL=none): nothing to check")
 
 
-def compare(logits: "torch.Tensor", server: Sequence[int], positions: Sequence[int], tol: float) -> list[Position]:
-    """Positions where our argmax differs from the server's token (ties marked)."""
+def compare(logits: "torch.Tensor", server: Sequence[int], positions: Sequence[int], tol: float, *,
+            derived: Optional[tuple["torch.Tensor", "torch.Tensor"]] = None) -> list[Position]:
+    """Positions where our argmax differs from the server's token (ties marked).
+
+    ``derived``: (the post-norm states [N, H], the head [V, H]) when the states were derived from
+    ``final.pre_norm``: a disagreement is then a tie up to ``tol`` plus its :func:`rounding_allowance`.
+    """
     ours = logits.argmax(-1)
     std = logits.std(-1)
     out = []
     for i, (pos, tok) in enumerate(zip(positions, server)):
         o = int(ours[i])
         if o != tok:
-            margin = float((logits[i, o] - logits[i, tok]) / std[i].clamp_min(1e-30))
-            out.append(Position(pos, int(tok), o, round(margin, 6), margin <= tol))
+            scale = std[i].clamp_min(1e-30)
+            margin = float((logits[i, o] - logits[i, tok]) / scale)
+            allow = 0.0 if derived is None else float(rounding_allowance(derived[0][i], derived[1], o, int(tok)) / scale)
+            out.append(Position(pos, int(tok), o, round(margin, 6), margin <= tol + allow, round(allow, 6)))
     return out
+
+
+ROUNDING_FALSE_FAILURE = 1e-6  # the chance that rounding alone exceeds the allowance of one disagreement
+
+
+def rounding_allowance(state: "torch.Tensor", head: "torch.Tensor", a: int, b: int) -> float:
+    """How far ``logit[a] - logit[b]`` can move when each element of ``state`` is rounded
+    differently by at most one unit in the last place of its dtype (independently, either way):
+    Hoeffding's bound at ROUNDING_FALSE_FAILURE, sqrt(2 ln(2/p) * sum_j (|head[a,j] - head[b,j]| ulp_j)^2).
+    A rescaled row (another rsqrt) never moves the argmax, so only such per-element noise counts."""
+    import torch
+
+    x = state.float()
+    ulp = torch.ldexp(torch.full_like(x, torch.finfo(state.dtype).eps), torch.frexp(x).exponent - 1)
+    c = (head[a].float() - head[b].float()).abs() * ulp
+    return math.sqrt(2 * math.log(2 / ROUNDING_FALSE_FAILURE)) * float(c.pow(2).sum().sqrt())
 
 
 def wants_positions(key: str, fraction: float) -> bool:
@@ -202,8 +233,9 @@ class FidelityChecker:
                 row = 0
                 for j in jobs:
                     n = len(j.positions)
-                    diff = compare(logits[row:row + n], j.server, j.positions, self.tol)
                     assert j.check is not None
+                    derived = (j.states, self.head.weight) if j.check.plane == DERIVED else None
+                    diff = compare(logits[row:row + n], j.server, j.positions, self.tol, derived=derived)
                     j.check.details = diff
                     j.check.ties = sum(d.tie for d in diff)
                     j.check.mismatches = len(diff) - j.check.ties

@@ -11,7 +11,7 @@ import threading
 from collections import deque
 from typing import Any, Mapping, Optional
 
-from hs_patch.host.fidelity import Check
+from hs_patch.host.fidelity import DERIVED, Check
 
 DEFAULT_MAX_CONSECUTIVE = 5
 
@@ -73,7 +73,7 @@ def diagnose(recent: list[tuple[Check, dict[str, str]]], *, ever_passed: bool, p
     if any(m.get("sglang_release", "").startswith("0.5.9") and int(m.get("tp_size", "1") or 1) > 1 for m in metas):
         causes.append("SGLang 0.5.9 at TP>1 on SM90/SM100 defers the MoE all-reduce into the next layer "
                       "(flashinfer fusion): the captured residual is a per-rank partial sum (docs/capture.md)")
-    if any(c.plane == "final.pre_norm+norm" for c, _ in recent):
+    if any(c.plane == DERIVED for c, _ in recent):
         causes.append("the post-norm state was derived from final.pre_norm: the norm weight or rms_norm_eps of the "
                       "model directory given to the check is not the served model's")
     if not ever_passed:
