@@ -40,7 +40,7 @@ import queue
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
@@ -100,6 +100,8 @@ class _InFlight:
     lost: list[_Open] = field(default_factory=list)     # open prompts it did not continue
     failure: Optional[BaseException] = None
     ended: bool = False
+    left: int = 1  # jobs not yet ended, plus one for the planning
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass
@@ -193,30 +195,29 @@ class Writer:
                 self._plan(rec, p)
             except BaseException as e:  # noqa: BLE001 - settled (and reported) in pass order
                 p.failure = e
-        left = [len(p.jobs) + 1]
-        lock = threading.Lock()
-
-        def ended(_: object = None) -> None:
-            with lock:
-                left[0] -= 1
-                if left[0]:
-                    return
-            if rec.release is not None:  # no job reads the staging buffer any more
-                rec.release()
-            p.ended = True
-            self._queue.put(_ENDED)
-
+        p.left += len(p.jobs)
         for job in p.jobs:
-            job.add_done_callback(ended)
-        ended()
+            job.add_done_callback(lambda _: self._ended(p))
+        self._ended(p)  # the planning's share
         return p
+
+    def _ended(self, p: _InFlight) -> None:
+        """One job of ``p`` ended (any thread); the last one gives the buffer back and wakes the coordinator."""
+        with p.lock:
+            p.left -= 1
+            if p.left:
+                return
+        if p.rec.release is not None:  # no job reads the staging buffer any more
+            p.rec.release()
+        p.ended = True
+        self._queue.put(_ENDED)
 
     def _settle(self, p: _InFlight) -> None:
         """Publish a pass whose writes all ended, or, once anything failed, discard it."""
         failure = p.failure or next((j.exception() for j in p.jobs if j.exception() is not None), None)
         if failure is not None:
             self._fail(failure)
-        written = [j.result() for j in p.jobs if j.exception() is None and j.result() is not None]
+        written = [r for r in (j.result() for j in p.jobs if j.exception() is None) if r is not None]
         if self.error is None:
             try:
                 for w, extra in written:
