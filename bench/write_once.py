@@ -36,7 +36,7 @@ import torch  # noqa: E402
 from hs_patch import files, intent, reader, store  # noqa: E402
 from hs_patch.host.adopt import adopt  # noqa: E402
 from hs_patch.host.capture_dir import CaptureWatcher  # noqa: E402
-from hs_patch.server import config, hook  # noqa: E402
+from hs_patch.server import config, hook, inplace  # noqa: E402
 
 
 class _Mode:
@@ -70,6 +70,7 @@ class HashCounter:
             return size, digest
 
         store._write_hashed, store.file_sha256 = write_hashed, file_sha
+        inplace.file_sha256 = file_sha  # a chunked prompt's one hashing read
 
 
 def make_hook(directory: Path, planes: int, hidden: int, slot: int) -> hook.CaptureHook:

@@ -21,7 +21,7 @@ from hs_patch.files import write_text_atomic
 
 FORMAT = "hs_patch.intent/1"
 DIR = "intents"
-MAX_METADATA_BYTES = 16 << 10  # the sample header reserves room for this (store.InPlaceSample)
+MAX_METADATA_BYTES = 16 << 10  # the sample header reserves room for this (hs_patch.server.inplace.InPlaceSample)
 MAX_FILE_BYTES = 4 << 20
 
 

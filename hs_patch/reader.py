@@ -369,7 +369,7 @@ def open_sample(path: str | os.PathLike, *, entry: Mapping[str, Any] | None = No
     """
     from safetensors import SafetensorError, safe_open
 
-    from hs_patch.store import _DTYPE_NAMES
+    from hs_patch.store import DTYPE_NAMES
 
     path = Path(path)
     if entry is not None:
@@ -386,7 +386,7 @@ def open_sample(path: str | os.PathLike, *, entry: Mapping[str, Any] | None = No
             raise SampleError(f"{path}: format {meta.get('format')!r}, expected one of {', '.join(FORMATS_READ)}")
         n, hidden = int(meta.get("num_tokens", -1)), int(meta.get("hidden_size", -1))
         want = {"input_ids": ("I64", [n])}
-        want.update({p: (_DTYPE_NAMES.get("torch." + meta.get("dtype", ""), "?"), [n, hidden]) for p in sample.planes})
+        want.update({p: (DTYPE_NAMES.get("torch." + meta.get("dtype", ""), "?"), [n, hidden]) for p in sample.planes})
         if sample.has("loss_mask"):
             want["loss_mask"] = ("U8", [n])
         for name, (dtype, shape) in want.items():

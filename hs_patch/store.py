@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from hs_patch.files import JsonLog, append_line, file_sha256, pwrite_all, write_all, write_text_atomic
+from hs_patch.files import JsonLog, append_line, file_sha256, write_all, write_text_atomic
 from hs_patch.files import read_jsonl as _read_jsonl
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -56,7 +56,7 @@ TMPDIR = ".tmp"
 KEY_HEX = 32  # 128 bits of sha256: collisions are not a practical concern
 
 # safetensors dtype names for the dtypes we store
-_DTYPE_NAMES = {
+DTYPE_NAMES = {
     "torch.bfloat16": "BF16",
     "torch.float16": "F16",
     "torch.float32": "F32",
@@ -64,7 +64,7 @@ _DTYPE_NAMES = {
     "torch.uint8": "U8",
     "torch.float8_e4m3fn": "F8_E4M3",
 }
-_DTYPE_SIZES = {"BF16": 2, "F16": 2, "F32": 4, "I64": 8, "U8": 1, "F8_E4M3": 1}
+DTYPE_SIZES = {"BF16": 2, "F16": 2, "F32": 4, "I64": 8, "U8": 1, "F8_E4M3": 1}
 
 
 class SampleError(ValueError):
@@ -142,7 +142,7 @@ class TensorBytes:
 
     @property
     def nbytes(self) -> int:
-        n = _DTYPE_SIZES[self.dtype]
+        n = DTYPE_SIZES[self.dtype]
         for d in self.shape:
             n *= d
         return n
@@ -188,7 +188,7 @@ def tensor_spec(name: str, dtype: str, shape: Sequence[int]) -> TensorBytes:
 
 def dtype_name(t: "torch.Tensor") -> str:
     """The safetensors name of ``t``'s dtype (SampleError if we cannot store it)."""
-    name = _DTYPE_NAMES.get(str(t.dtype))
+    name = DTYPE_NAMES.get(str(t.dtype))
     if name is None:
         raise SampleError(f"dtype {t.dtype} is not storable; use bf16, fp16, fp32 or fp8")
     return name
@@ -254,7 +254,7 @@ def temp_path(directory: str | os.PathLike, key: str) -> Path:
 
 
 def publish(written: Written, directory: str | os.PathLike) -> Written:
-    """Rename a sample written by :func:`write_temp` (or :class:`InPlaceSample`) into place."""
+    """Rename a sample written by :func:`write_temp` (or :class:`hs_patch.server.inplace.InPlaceSample`) into place."""
     if os.path.getsize(written.path) != written.nbytes:
         raise SampleError(f"{written.path}: {os.path.getsize(written.path)} bytes on disk, {written.nbytes} written")
     final = sample_path(directory, written.key)
@@ -266,73 +266,6 @@ def write_sample(directory: str | os.PathLike, key: str, tensors: Sequence[Tenso
                  metadata: Mapping[str, str], *, fsync: bool = False) -> Written:
     """Write one sample atomically (temp file + rename) and return its size and sha256."""
     return publish(write_temp(directory, key, tensors, metadata, fsync=fsync), directory)
-
-
-class InPlaceSample:
-    """A sample whose planes arrive in pieces (a prompt prefilled in several chunks).
-
-    The full length is known from the first chunk, so the file is laid out at once:
-    ``header room | plane 0 [L, H] | plane 1 | ... | input_ids | loss_mask``; each chunk's
-    rows are written at their final offsets with ``pwrite`` (each byte once), and
-    :meth:`finish` appends the small tensors, writes the header into its room and hashes
-    the file (one read). Nothing is visible until :func:`publish`.
-    """
-
-    HEADER_ROOM = 64 << 10  # metadata is bounded (hs_patch.intent caps the driver's part)
-
-    def __init__(self, directory: str | os.PathLike, key_hint: str, planes: Sequence[str], tokens: int,
-                 hidden: int, dtype: str):
-        self.planes, self.tokens, self.hidden, self.dtype = list(planes), int(tokens), int(hidden), dtype
-        self.row = hidden * _DTYPE_SIZES[dtype]
-        self.path = temp_path(directory, key_hint)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        self.written = 0
-        self._count = threading.Lock()  # chunks of one prompt may be written by several threads at once
-
-    def plane_offset(self, idx: int) -> int:
-        return self.HEADER_ROOM + idx * self.tokens * self.row
-
-    def put(self, idx: int, start: int, data: Any) -> None:
-        """Write rows ``start..`` of plane ``idx`` (a contiguous [n, H] buffer)."""
-        n = len(memoryview(data).cast("B"))
-        if n % self.row or start * self.row + n > self.tokens * self.row:
-            raise SampleError(f"{self.planes[idx]}: {n} bytes at row {start} do not fit {self.tokens} rows")
-        n = pwrite_all(self.fd, data, self.plane_offset(idx) + start * self.row)
-        with self._count:
-            self.written += n
-
-    def finish(self, key: str, tail: Sequence[TensorBytes], metadata: Mapping[str, str], *,
-               fsync: bool = False) -> Written:
-        """Append the small tensors (ids, mask), write the header, hash; returns the temp sample."""
-        try:
-            expected = len(self.planes) * self.tokens * self.row
-            if self.written != expected:
-                raise SampleError(f"{self.written} plane bytes written, {expected} expected: a chunk is missing")
-            offset = self.plane_offset(len(self.planes))
-            for t in tail:
-                for buf in t.buffers:
-                    offset += pwrite_all(self.fd, buf, offset)
-            specs = [tensor_spec(p, self.dtype, (self.tokens, self.hidden)) for p in self.planes] + list(tail)
-            pwrite_all(self.fd, encode_header(specs, metadata, size=self.HEADER_ROOM), 0)
-            if fsync:
-                os.fsync(self.fd)
-        except BaseException:
-            self.abandon()
-            raise
-        os.close(self.fd)
-        self.fd = -1
-        size, digest = file_sha256(self.path)
-        if size != offset:
-            self.path.unlink(missing_ok=True)
-            raise SampleError(f"{self.path}: {size} bytes on disk, {offset} written")
-        return Written(key, self.path, size, digest)
-
-    def abandon(self) -> None:
-        """Close and remove the partial file (a failed pass, a lost chunk)."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-        self.path.unlink(missing_ok=True)
 
 
 _TEMP_IDS = __import__("itertools").count()

@@ -18,6 +18,7 @@ import torch
 
 from hs_patch.server import config, hook, checks as server_checks
 from hs_patch import reader, store
+from hs_patch.server.inplace import InPlaceSample
 from hs_patch.releases import RELEASES, TARGET, apply_edits
 from sglang_sim import Part, Reference, Sim, load_aux_module, make_batch, reference
 
@@ -133,7 +134,7 @@ def test_chunked_prefill_is_written_once_in_place(version, release_sources, tiny
     assert a.metadata["parts"] == "3" and a.metadata["format"] == store.FORMAT
     assert h.writer.stats.merged == 1 and h.writer.stats.errors == 0
     plane_bytes = 23 * 64 * 2 * 5
-    assert store.read_manifest(tmp_path / "dump")[a.key]["bytes"] == store.InPlaceSample.HEADER_ROOM + plane_bytes + 23 * 8
+    assert store.read_manifest(tmp_path / "dump")[a.key]["bytes"] == InPlaceSample.HEADER_ROOM + plane_bytes + 23 * 8
     assert not list((tmp_path / "dump" / store.TMPDIR).iterdir()), "no partial file may outlive its prompt"
     assert not (tmp_path / "dump" / store.ERRORS).exists()
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from hs_patch import reader, store
+from hs_patch.server.inplace import InPlaceSample
 from hs_patch.server.writer import PassRecord, Writer
 
 H = 16
@@ -164,7 +165,7 @@ def test_chunks_of_one_prompt_written_by_many_threads_at_once_are_all_counted(tm
     row = torch.ones(1, H, dtype=torch.bfloat16)
     with ThreadPoolExecutor(8) as pool:
         for rep in range(40):
-            s = store.InPlaceSample(tmp_path, f"t{rep}", PLANES, 256, H, "BF16")
+            s = InPlaceSample(tmp_path, f"t{rep}", PLANES, 256, H, "BF16")
             list(pool.map(lambda r: [s.put(k, r, store.raw_bytes("x", row)) for k in range(len(PLANES))], range(256)))
             assert s.written == len(PLANES) * 256 * H * 2
             s.abandon()

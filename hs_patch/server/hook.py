@@ -209,7 +209,7 @@ class CaptureHook:
         if self._wait_logged is None or t0 - self._wait_logged >= WAIT_LOG_SECONDS:
             self._wait_logged = t0
             log.warning("hs_patch: all %d staging buffers are busy; the forward pass waits for the writer "
-                        "(%d waits, %.1f s in all so far; logged at most once a minute, counted in "
+                        "(%d earlier waits, %.1f s in all; logged at most once a minute, counted in "
                         "hook_status.json). Persistent waits: raise HS_CAPTURE_SLOTS or HS_CAPTURE_WRITERS, "
                         "or write to a faster directory.", self.cfg.slots, self.waits, self.wait_seconds)
         try:

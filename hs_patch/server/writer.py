@@ -16,7 +16,7 @@ Each part knows its request's whole prompt length (``orig_seq_lens`` in SGLang's
 batch), so:
 
 - a part that is its whole request is written complete, hashed as it is written;
-- the first part of a longer prompt (chunked prefill) opens an :class:`~hs_patch.store.InPlaceSample`
+- the first part of a longer prompt (chunked prefill) opens an :class:`~hs_patch.server.inplace.InPlaceSample`
   laid out for the whole prompt; every later part (``extend_prefix_len > 0``, the same
   request id where the release has them, starting where the open one ends) writes its
   rows at their final offsets; the last part finishes the file (small tensors, header,
@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from hs_patch import intent as intents
 from hs_patch import store
+from hs_patch.server.inplace import InPlaceSample, OpenPrompt
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -77,27 +78,14 @@ class PassRecord:
 
 
 @dataclass
-class _Open:
-    """A prompt whose first parts are written and whose next part a later pass brings."""
-
-    sample: store.InPlaceSample
-    end: int
-    hasher: Any
-    rid: Optional[str]
-    ids: list["torch.Tensor"]
-    parts: int
-    dtype: str
-
-
-@dataclass
 class _InFlight:
     """A pass whose writes were handed to the pool; settled in pass order once they all ended."""
 
     rec: PassRecord
     jobs: list[Future] = field(default_factory=list)
-    finish: list[_Open] = field(default_factory=list)   # chunked prompts this pass completes
-    touched: list[_Open] = field(default_factory=list)  # partial files this pass writes into
-    lost: list[_Open] = field(default_factory=list)     # open prompts it did not continue
+    finish: list[OpenPrompt] = field(default_factory=list)  # chunked prompts this pass completes
+    touched: list[OpenPrompt] = field(default_factory=list)  # partial files this pass writes into
+    lost: list[OpenPrompt] = field(default_factory=list)  # open prompts it did not continue
     failure: Optional[BaseException] = None
     ended: bool = False
     left: int = 1  # jobs not yet ended, plus one for the planning
@@ -133,8 +121,8 @@ class Writer:
         self.stats = WriterStats()
         self.error: Optional[BaseException] = None
         self.extra_status: Callable[[], dict[str, Any]] = dict
-        self._open: Optional[_Open] = None
-        self._doomed: list[_Open] = []  # partial files of failed passes, removed once no write runs
+        self._open: Optional[OpenPrompt] = None
+        self._doomed: list[OpenPrompt] = []  # partial files of failed passes, removed once no write runs
         self._inflight: "deque[_InFlight]" = deque()
         self._queue: "queue.Queue[Any]" = queue.Queue()  # PassRecords, _ENDED markers, None (close)
         self._waiting = 0  # PassRecords in the queue
@@ -303,12 +291,12 @@ class Writer:
             self._lost(opened)
 
     # ------------------------------------------------------------------ jobs
-    def _start_open(self, ids: "torch.Tensor", full: int, rid: Optional[str], like: "torch.Tensor") -> _Open:
-        sample = store.InPlaceSample(self.directory, f"open-{store.sample_key(ids)[:12]}", self.planes, full,
+    def _start_open(self, ids: "torch.Tensor", full: int, rid: Optional[str], like: "torch.Tensor") -> OpenPrompt:
+        sample = InPlaceSample(self.directory, f"open-{store.sample_key(ids)[:12]}", self.planes, full,
                                      like.shape[1], store.dtype_name(like))
-        return _Open(sample, 0, store.key_hasher(), rid, [], 1, str(like.dtype).replace("torch.", ""))
+        return OpenPrompt(sample, 0, store.key_hasher(), rid, [], 1, str(like.dtype).replace("torch.", ""))
 
-    def _put(self, sample: store.InPlaceSample, start: int, slices: list["torch.Tensor"]) -> None:
+    def _put(self, sample: InPlaceSample, start: int, slices: list["torch.Tensor"]) -> None:
         for k, (name, t) in enumerate(zip(self.planes, slices)):
             sample.put(k, start, store.raw_bytes(name, t))
 
@@ -334,7 +322,7 @@ class Writer:
         meta = self._meta(key, n, str(slices[0].dtype).replace("torch.", ""), rid, 1, found)
         return store.write_temp(self.directory, key, tensors, meta, fsync=self.fsync), self._extra(found, rid, 1, n)
 
-    def _complete(self, part: _Open) -> tuple:
+    def _complete(self, part: OpenPrompt) -> tuple:
         import torch
 
         key = part.hasher.hexdigest()[: store.KEY_HEX]
@@ -345,7 +333,7 @@ class Writer:
         return part.sample.finish(key, self._tail(ids, found), meta, fsync=self.fsync), \
             self._extra(found, part.rid, part.parts, n)
 
-    def _finish(self, part: _Open) -> None:
+    def _finish(self, part: OpenPrompt) -> None:
         try:
             w, extra = self._complete(part)
             self._publish(w, extra)
@@ -380,7 +368,7 @@ class Writer:
             return None
 
     # ------------------------------------------------------------------ errors and status
-    def _reject(self, rid: Optional[str], prefix: int, n: int, ids: "torch.Tensor", opened: Optional[_Open]) -> None:
+    def _reject(self, rid: Optional[str], prefix: int, n: int, ids: "torch.Tensor", opened: Optional[OpenPrompt]) -> None:
         with self._stats_lock:
             self.stats.errors += 1
         why = ("its first tokens were not computed in this pass (radix-cache prefix hit?) and it "
@@ -391,7 +379,7 @@ class Writer:
             "part_key": store.sample_key(ids), "open": None if opened is None else
             {"end": opened.end, "tokens": opened.sample.tokens, "rid": opened.rid}, "why": why})
 
-    def _lost(self, opened: _Open) -> None:
+    def _lost(self, opened: OpenPrompt) -> None:
         with self._stats_lock:
             self.stats.errors += 1
         why = "a chunked prompt's next part did not come in the next prefill pass; its partial file is removed"

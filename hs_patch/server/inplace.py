@@ -1,0 +1,100 @@
+"""A sample written in place while its prompt is prefilled in several chunks (format 2).
+
+Used by the capture writer (:mod:`hs_patch.server.writer`) inside the SGLang server: the
+first chunk of a prompt longer than one pass opens the file laid out for the whole prompt,
+every chunk writes its rows at their final offsets (each byte once, never read back), and
+the last one finishes it. The format itself is :mod:`hs_patch.store`'s.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+
+from hs_patch import store
+from hs_patch.files import file_sha256, pwrite_all
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+
+class InPlaceSample:
+    """A sample whose planes arrive in pieces (a prompt prefilled in several chunks).
+
+    The full length is known from the first chunk, so the file is laid out at once:
+    ``header room | plane 0 [L, H] | plane 1 | ... | input_ids | loss_mask``; each chunk's
+    rows are written at their final offsets with ``pwrite`` (each byte once), and
+    :meth:`finish` appends the small tensors, writes the header into its room and hashes
+    the file (one read). Nothing is visible until :func:`hs_patch.store.publish`.
+    """
+
+    HEADER_ROOM = 64 << 10  # metadata is bounded (hs_patch.intent caps the driver's part)
+
+    def __init__(self, directory: str | os.PathLike, key_hint: str, planes: Sequence[str], tokens: int,
+                 hidden: int, dtype: str):
+        self.planes, self.tokens, self.hidden, self.dtype = list(planes), int(tokens), int(hidden), dtype
+        self.row = hidden * store.DTYPE_SIZES[dtype]
+        self.path = store.temp_path(directory, key_hint)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.written = 0
+        self._count = threading.Lock()  # chunks of one prompt may be written by several threads at once
+
+    def plane_offset(self, idx: int) -> int:
+        return self.HEADER_ROOM + idx * self.tokens * self.row
+
+    def put(self, idx: int, start: int, data: Any) -> None:
+        """Write rows ``start..`` of plane ``idx`` (a contiguous [n, H] buffer)."""
+        n = len(memoryview(data).cast("B"))
+        if n % self.row or start * self.row + n > self.tokens * self.row:
+            raise store.SampleError(f"{self.planes[idx]}: {n} bytes at row {start} do not fit {self.tokens} rows")
+        n = pwrite_all(self.fd, data, self.plane_offset(idx) + start * self.row)
+        with self._count:
+            self.written += n
+
+    def finish(self, key: str, tail: Sequence[store.TensorBytes], metadata: Mapping[str, str], *,
+               fsync: bool = False) -> store.Written:
+        """Append the small tensors (ids, mask), write the header, hash; returns the temp sample."""
+        try:
+            expected = len(self.planes) * self.tokens * self.row
+            if self.written != expected:
+                raise store.SampleError(f"{self.written} plane bytes written, {expected} expected: a chunk is missing")
+            offset = self.plane_offset(len(self.planes))
+            for t in tail:
+                for buf in t.buffers:
+                    offset += pwrite_all(self.fd, buf, offset)
+            specs = [store.tensor_spec(p, self.dtype, (self.tokens, self.hidden)) for p in self.planes] + list(tail)
+            pwrite_all(self.fd, store.encode_header(specs, metadata, size=self.HEADER_ROOM), 0)
+            if fsync:
+                os.fsync(self.fd)
+        except BaseException:
+            self.abandon()
+            raise
+        os.close(self.fd)
+        self.fd = -1
+        size, digest = file_sha256(self.path)
+        if size != offset:
+            self.path.unlink(missing_ok=True)
+            raise store.SampleError(f"{self.path}: {size} bytes on disk, {offset} written")
+        return store.Written(key, self.path, size, digest)
+
+    def abandon(self) -> None:
+        """Close and remove the partial file (a failed pass, a lost chunk)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.path.unlink(missing_ok=True)
+
+
+@dataclass
+class OpenPrompt:
+    """The writer's record of a prompt whose first parts are written and whose next part a later pass brings."""
+
+    sample: InPlaceSample
+    end: int
+    hasher: Any
+    rid: Optional[str]
+    ids: list["torch.Tensor"]
+    parts: int
+    dtype: str
