@@ -293,7 +293,7 @@ class Writer:
     # ------------------------------------------------------------------ jobs
     def _start_open(self, ids: "torch.Tensor", full: int, rid: Optional[str], like: "torch.Tensor") -> OpenPrompt:
         sample = InPlaceSample(self.directory, f"open-{store.sample_key(ids)[:12]}", self.planes, full,
-                                     like.shape[1], store.dtype_name(like))
+                               like.shape[1], store.dtype_name(like))
         return OpenPrompt(sample, 0, store.key_hasher(), rid, [], 1, str(like.dtype).replace("torch.", ""))
 
     def _put(self, sample: InPlaceSample, start: int, slices: list["torch.Tensor"]) -> None:
@@ -368,7 +368,8 @@ class Writer:
             return None
 
     # ------------------------------------------------------------------ errors and status
-    def _reject(self, rid: Optional[str], prefix: int, n: int, ids: "torch.Tensor", opened: Optional[OpenPrompt]) -> None:
+    def _reject(self, rid: Optional[str], prefix: int, n: int, ids: "torch.Tensor",
+                opened: Optional[OpenPrompt]) -> None:
         with self._stats_lock:
             self.stats.errors += 1
         why = ("its first tokens were not computed in this pass (radix-cache prefix hit?) and it "
