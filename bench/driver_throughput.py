@@ -34,7 +34,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import requests  # noqa: E402
 import torch  # noqa: E402
 
-from hs_patch.host.driver import DriveConfig, Driver  # noqa: E402
+from hs_patch.host.driver.run import DriveConfig, Driver  # noqa: E402
 from runcheck import assert_complete, write_chats  # noqa: E402
 from tiny_model import make_tiny_model_dir  # noqa: E402
 

@@ -37,7 +37,7 @@ from hs_patch.control.inventory import Target  # noqa: E402
 
 
 def fake_snapshot(run: str, i: int) -> dict:
-    """A snapshot as hs_patch.host.snapshot.take writes it, mid-run."""
+    """A snapshot as hs_patch.host.driver.snapshot.take writes it, mid-run."""
     return {"time": time.time(), "run": run,
             "driver": {"state": "running", "samples": {"total": 1000, "done": 100 + i, "rejected": 2, "duplicates": 1,
                                                        "failed": 0, "in_flight": 8, "remaining": 897 - i},

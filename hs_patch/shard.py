@@ -1,7 +1,7 @@
 """A stable shard of a dataset: which GPU host of a fleet extracts which sample.
 
 Sample ``s`` belongs to shard ``i`` of ``n`` when ``int(sha256(sample_id)) % n == i``. The
-sample id is ``<file name>:<line>`` (``hs_patch.host.dataset``), so a line appended to a
+sample id is ``<file name>:<line>`` (``hs_patch.host.driver.dataset``), so a line appended to a
 file never moves another sample to another shard, and every sample is in exactly one
 shard. ``hs-extract drive --shard i/n`` takes one; ``fab extract --hosts GROUP`` gives
 each host of the group its own (``hs_patch.control.fleet``). Standard library only.

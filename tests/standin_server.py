@@ -74,7 +74,7 @@ import torch  # noqa: E402
 from hs_patch.server import checks as capture_checks  # noqa: E402
 from hs_patch.server import config as capture_config  # noqa: E402
 from hs_patch.server import hook as capture_hook  # noqa: E402
-from hs_patch.host import patcher  # noqa: E402
+from hs_patch.host.patching import patcher  # noqa: E402
 from hs_patch.releases import RELEASES, TARGET, apply_edits  # noqa: E402
 
 log = logging.getLogger("standin")

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from hs_patch.host import client
-from hs_patch.host.driver import EXIT_OK, DriveConfig, Driver
+from hs_patch.host.driver import client
+from hs_patch.host.driver.run import EXIT_OK, DriveConfig, Driver
 from runcheck import assert_complete, write_chats
 from standin_server import Engine, StandinServer
 

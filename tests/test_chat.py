@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hs_patch.host import chat, dataset
+from hs_patch.host.driver import chat, dataset
 
 CONV = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"},
         {"role": "assistant", "content": "Paris is the capital."}, {"role": "user", "content": "thanks"},

@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from hs_patch.host.client import ClientError, RetryPolicy, ServerRejected, SGLangClient
+from hs_patch.host.driver.client import ClientError, RetryPolicy, ServerRejected, SGLangClient
 
 
 class Flaky(BaseHTTPRequestHandler):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hs_patch.host import datafile, dataset
+from hs_patch.host.driver import datafile, dataset
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "data" / "tiny_chat.jsonl"
 EXAMPLE_REJECTS = {13: "bad_json", 14: "not_utf8", 15: "bad_json", 16: "unknown_format", 17: "empty",

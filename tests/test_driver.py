@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hs_patch.host import chat, dataset, runstate
+from hs_patch.host.driver import chat, dataset, runstate
 from hs_patch import store
-from hs_patch.host.client import SGLangClient
-from hs_patch.host.driver import EXIT_FAILURES, EXIT_OK, DriveConfig, Driver
+from hs_patch.host.driver.client import SGLangClient
+from hs_patch.host.driver.run import EXIT_FAILURES, EXIT_OK, DriveConfig, Driver
 from runcheck import assert_complete, final_samples, ledger, write_chats
 from sglang_sim import reference
 from standin_server import Engine, StandinServer
@@ -318,7 +318,7 @@ def test_samples_are_written_once_and_adopted_by_rename(standin, tiny_model_dir,
     """The driver never reads or rewrites a sample's states: each final file is the very
     inode the hook wrote, with the loss mask the driver's intent gave it."""
     from hs_patch import intent
-    from hs_patch.host import adopt as adopt_mod
+    from hs_patch.host.driver import adopt as adopt_mod
 
     inodes = {}
     real = adopt_mod.adopt
@@ -327,7 +327,7 @@ def test_samples_are_written_once_and_adopted_by_rename(standin, tiny_model_dir,
         inodes[entry["key"]] = os.stat(watcher.directory / entry["file"]).st_ino
         return real(watcher, entry, samples_dir, **kw)
 
-    monkeypatch.setattr("hs_patch.host.sample_steps.adopt", spy)
+    monkeypatch.setattr("hs_patch.host.driver.sample_steps.adopt", spy)
     data = tmp_path / "d.jsonl"
     write_chats(data, 6, words=60)  # longer than the stand-in's 48-token chunks: several passes each
     summary = drive(standin, tiny_model_dir, tmp_path, [data])

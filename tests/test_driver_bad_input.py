@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from hs_patch import store
-from hs_patch.host import extract_cli, runstate
-from hs_patch.host.client import SGLangClient
-from hs_patch.host.driver import EXIT_ERROR, EXIT_OK, Driver
+from hs_patch.host import extract_cli
+from hs_patch.host.driver import runstate
+from hs_patch.host.driver.client import SGLangClient
+from hs_patch.host.driver.run import EXIT_ERROR, EXIT_OK, Driver
 from hs_patch.host.shipping import link as ship_link, shipper
 from hs_patch.names import RunNameError
 from runcheck import assert_complete, ledger
@@ -240,7 +241,7 @@ def test_a_skip_prefix_that_matches_the_drivers_requests_is_refused(tiny_model_d
 
 
 def test_a_hook_status_that_names_its_skip_prefix_or_directory_is_checked_directly(tmp_path):
-    from hs_patch.host import capture_check
+    from hs_patch.host.driver import capture_check
 
     status = {"pid": 1, "time": time.time(), "config": {"skip_rid_prefix": "hs-", "directory": str(tmp_path)}}
     assert "HS_CAPTURE_SKIP_RID_PREFIX='hs-' matches" in capture_check.skip_prefix_problem(status, "hs-r-", tmp_path)

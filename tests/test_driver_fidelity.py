@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from hs_patch import store
-from hs_patch.host import fidelity, runstate
-from hs_patch.host.driver import EXIT_FAILURES, EXIT_OK
+from hs_patch.host.fidelity import check as fidelity
+from hs_patch.host.driver import runstate
+from hs_patch.host.driver.run import EXIT_FAILURES, EXIT_OK
 from runcheck import ledger, write_chats
 from test_driver import drive, start_standin
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from hs_patch.host import extract_cli
+from hs_patch.host.driver import cli as drive_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,14 +27,14 @@ def test_drive_options_map_to_the_config(tmp_path):
     a = extract_cli.build_parser().parse_args(
         ["drive", "--run", "r", "--data", "a.jsonl", "b.jsonl", "--tokenizer", "/m", "--regenerate",
          "--chat-template-kwargs", '{"thinking": false}', "--on-too-long", "truncate", "--concurrency", "3"])
-    cfg = extract_cli.drive_config(a)
+    cfg = drive_cli.drive_config(a)
     assert (cfg.model, cfg.data, cfg.regenerate, cfg.on_too_long, cfg.concurrency) == (
         "/m", ["a.jsonl", "b.jsonl"], True, "truncate", 3)
     assert cfg.chat_template_kwargs == {"thinking": False}
     assert (cfg.state_dir, cfg.samples_dir) == ("/var/lib/hs-patch/runs/r", "/dev/shm/hs-runs/r/samples")
     a.chat_template_kwargs = "{nope"
     with pytest.raises(SystemExit, match="not JSON"):
-        extract_cli.drive_config(a)
+        drive_cli.drive_config(a)
 
 
 def test_refused_run_exits_1_with_the_reason(tmp_path, tiny_model_dir, capsys):

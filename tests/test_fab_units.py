@@ -12,7 +12,7 @@ import pytest
 from rich.console import Console
 
 from hs_patch.control import dashboard
-from hs_patch.host import snapshot
+from hs_patch.host.driver import snapshot
 from hs_patch.control.inventory import ConfigError, check_run_name
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from hs_patch.host import runstate
+from hs_patch.host.driver import runstate
 from runcheck import assert_complete, write_chats
 
 pytestmark = pytest.mark.slow

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from hs_patch import reader, store
-from hs_patch.host import fidelity
-from hs_patch.host.client import SGLangClient, generated_token, server_top1
-from hs_patch.host.fidelity import Check, FidelityChecker, LMHead, compare, request_fields, wants_positions
-from hs_patch.host.fidelity_policy import FidelityMonitor
+from hs_patch.host.fidelity import check as fidelity
+from hs_patch.host.driver.client import SGLangClient, generated_token, server_top1
+from hs_patch.host.fidelity.check import Check, FidelityChecker, LMHead, compare, request_fields, wants_positions
+from hs_patch.host.fidelity.policy import FidelityMonitor
 from standin_server import Engine, StandinServer
 
 PARAMS = {"max_new_tokens": 1, "temperature": 0.0}

@@ -1,4 +1,4 @@
-"""The host readiness check (hs_patch/host/gpu_ready.py) the services role, the unit and fab run.
+"""The host readiness check (hs_patch/host/readiness/gpu_ready.py) the services role, the unit and fab run.
 
 The NCCL all-reduce orchestration runs for real here with torch's gloo backend on CPU
 (the same processes, rendezvous, sum check and timeout; a stalled rank stands in for the
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from hs_patch.host import gpu_ready as gr
+from hs_patch.host.readiness import gpu_ready as gr
 
 SCRIPT = Path(gr.__file__)
 

@@ -19,7 +19,7 @@ import torch
 
 from conftest import extract_site
 from hs_patch import files, reader, store
-from hs_patch.host import patcher
+from hs_patch.host.patching import patcher
 from hs_patch.releases import TARGET
 from hs_patch.server import config, hook
 

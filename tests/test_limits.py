@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hs_patch.host import dataset, limits
+from hs_patch.host.driver import dataset, limits
 
 
 def test_the_server_limit_is_read_from_sglang_server_info_fields():

@@ -1,4 +1,4 @@
-"""The model directory check (hs_patch/host/model_check.py) on real safetensors files."""
+"""The model directory check (hs_patch/host/readiness/model_check.py) on real safetensors files."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from hs_patch.host import model_check as mc
+from hs_patch.host.readiness import model_check as mc
 
 
 def _model(d: Path, arch: str = "KimiK25ForConditionalGeneration") -> Path:

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from conftest import SUPPORTED, UNSUPPORTED, extract_site
-from hs_patch.host import patch_cli as cli, patcher
+from hs_patch.host import patch_cli as cli
+from hs_patch.host.patching import patcher
 from hs_patch.releases import RELEASES, TARGET, apply_edits
 
 ROOT = Path(__file__).resolve().parent.parent

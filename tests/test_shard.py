@@ -10,7 +10,7 @@ import json
 import shutil
 
 from hs_patch import reader, shard, store
-from hs_patch.host import dataset, runstate
+from hs_patch.host.driver import dataset, runstate
 from hs_patch.host.export.run import export, source_entries
 from hs_patch.host.export.spec import ExportRefused, ExportSpec
 from hs_patch.host.shipping import shipper

@@ -1,6 +1,6 @@
 """The live extraction dashboard of ``fab extract`` / ``fab status`` (rich).
 
-It only reads: a snapshot (``hs_patch.host.snapshot``) taken on the GPU host every few
+It only reads: a snapshot (``hs_patch.host.driver.snapshot``) taken on the GPU host every few
 seconds. Ctrl-C or a dropped connection detaches and says how to reattach; the job runs
 on as systemd units.
 """
@@ -66,7 +66,7 @@ def render(snap: dict[str, Any], host: str, progress: Progress, task: Any) -> Gr
                   "samples dir", f"{samples.get('used_pct', '-')}% used")
     stats.add_row("server", _state(snap, "sglang") if "sglang" in (snap.get("units") or {}) else "-",
                   "hook waits", f"{hook.get('waits', 0)} ({hook.get('wait_seconds', 0)} s)")
-    fid = d.get("fidelity") or {}   # hs_patch.host.fidelity_policy.FidelityMonitor.status()
+    fid = d.get("fidelity") or {}   # hs_patch.host.fidelity.policy.FidelityMonitor.status()
     if fid:
         stats.add_row("fidelity", f"{fid.get('passed', 0)}/{fid.get('checked', 0)} ok, {fid.get('ties', 0)} ties",
                       "fid. rejected", f"{fid.get('rejected', 0)} ({fid.get('consecutive_mismatches', 0)} in a row, "

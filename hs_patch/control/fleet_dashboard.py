@@ -4,7 +4,7 @@ Per host and in total: samples done of its shard, tokens/s, GB written and shipp
 waits to be shipped, back-pressure (the dump filesystem's use, PAUSED at the high-water
 mark), errors, and an ETA from the samples finished since the dashboard started. It only
 reads: each row is the same snapshot the single-host dashboard shows
-(``hs_patch.host.snapshot``), taken on every host at once through Fabric's group
+(``hs_patch.host.driver.snapshot``), taken on every host at once through Fabric's group
 execution. Ctrl-C detaches; the jobs run on as systemd units.
 """
 

@@ -29,7 +29,7 @@ __all__ = ["RemoteError", "Check", "preflight", "estimate_bytes", "prepare", "up
            "destination", "start_jobs", "unit_hardening", "snapshot", "latest_run", "stop", "ship_now", "units"]
 from hs_patch.flags import args_violations
 
-# Installed by the services role (sglang_service_check_dir): hs_patch/host/gpu_ready.py with the
+# Installed by the services role (sglang_service_check_dir): hs_patch/host/readiness/gpu_ready.py with the
 # server unit's user and environment, the same check the role and the unit's ExecStartPre run.
 GPU_READY = "/usr/local/lib/hs-patch/gpu-ready"
 

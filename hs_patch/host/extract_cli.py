@@ -1,231 +1,36 @@
 """``hs-extract``: run an extraction on the GPU host, next to the capturing SGLang server.
 
-Subcommands: ``drive`` (feed a dataset through the server and collect the samples),
-``ship`` (move finished samples to training storage, verified), ``snapshot`` (one JSON
-view of a run, for the dashboard), ``export`` (samples in a trainer's layout),
-``drafter-config`` (the eagle_config a drafter is served with).
+Subcommands, each from its room: ``drive`` (feed a dataset through the server and collect
+the samples: :mod:`hs_patch.host.driver.cli`), ``ship`` (move finished samples to training
+storage, verified: :mod:`hs_patch.host.shipping.shipper`), ``snapshot`` (one JSON view of a
+run, for the dashboard: :mod:`hs_patch.host.driver.snapshot`), ``export`` (samples in a
+trainer's layout: :mod:`hs_patch.host.export.cli`), ``drafter-config`` (the eagle_config a
+drafter is served with: :mod:`hs_patch.host.drafter.config`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import signal
 import sys
-from typing import Any, Optional
+from typing import Optional
 
 from hs_patch import __version__
-
-DRIVE_DESCRIPTION = """\
-Feed a dataset through the local capturing SGLang server (HS_CAPTURE=1) and collect one
-final sample per conversation: the hidden states the server captured plus the loss mask
-(1 on assistant tokens) and provenance (sample id, source file, line, run).
-
-input (--data, JSONL, formats detected per line, may be mixed):
-  {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}]}   OpenAI
-  {"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", ...}]}     ShareGPT
-  {"input_ids": [1, 2, ...], "loss_mask": [0, 1, ...]}   pre-tokenized (mask optional: all 1)
-  Chats are rendered with the model's own chat template and tokenizer (--model) and sent
-  as input_ids to /generate (prefill only, max_new_tokens 1), so the server sees exactly
-  those tokens. A line that cannot become a sample (not UTF-8, bad JSON, wrong fields,
-  empty, no assistant turn, too long with --on-too-long skip, ...) goes to rejects.jsonl
-  with its file, line number and reason; it never stops the run.
-
-where files go:
-  --samples-dir   final samples <key>.safetensors + manifest.jsonl (what the shipper ships)
-  --state-dir     run.json (parameters), ledger.jsonl (every decision), rejects.jsonl,
-                  status.json (progress; --prometheus for a textfile too), lock
-  --capture-dir   the server's HS_CAPTURE_DIR: the driver leaves each sample's intent (loss
-                  mask, provenance) there, the server writes the sample with it, and the
-                  driver moves it into --samples-dir (same filesystem)
-
-resume: run the same command again. Samples whose final file matches its manifest entry
-(size + sha256), or that the shipper recorded as verified (<state-dir>/shipped.jsonl),
-are skipped; everything else is redone; truncated or damaged files are discarded first.
-A restart with different parameters (data files, model, limits, regeneration) is refused.
-
-before the first sample, one probe of the driver's own checks that the server captures its
-requests into --capture-dir (else the run is refused saying what to set).
-
-exit codes: 0 every sample done or rejected; 1 refused, error, or nothing extracted from a
-non-empty input (the reasons are in rejects.jsonl);
-3 incomplete (failed or unsent samples: run again to resume); 4 stopped after
---max-consecutive-failures; 130 stopped by SIGINT/SIGTERM (a second one kills at once)
-"""
-
-
-def add_drive_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``drive`` subcommand's options (defaults from ``DriveConfig``, shown by --help)."""
-    from hs_patch.host.drive_config import DEFAULTS as D
-
-    g = p.add_argument_group("what to run")
-    g.add_argument("--run", required=True, metavar="NAME", help="run name: names the state and samples dirs; "
-                   "reuse it to resume")
-    g.add_argument("--data", required=True, nargs="+", metavar="FILE", help="JSONL dataset file(s); sample ids "
-                   "are <file name>:<line>, so file names must differ")
-    g.add_argument("--model", "--tokenizer", dest="model", required=True, metavar="DIR",
-                   help="the served model's directory (its tokenizer and chat template are used)")
-    g.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code "
-                   "(needed for Kimi-K2/K2.5's tiktoken tokenizer)")
-    g.add_argument("--chat-template-kwargs", default="{}", metavar="JSON", help="extra variables for the chat "
-                   "template, e.g. '{\"thinking\": false}' (default: %(default)s)")
-    g.add_argument("--limit", type=int, default=D["limit"], metavar="N", help="only the first N input lines (0: all; "
-                   "default: %(default)s)")
-    g.add_argument("--shard", default=D["shard"], metavar="I/N", help="only shard I of N: the samples whose "
-                   "sha256(sample id) %% N is I, so N hosts with 0/N..N-1/N share a dataset, each sample on exactly "
-                   "one; adding lines never moves a sample to another shard (fab extract --hosts gives each host "
-                   "its own; default: all samples)")
-    g = p.add_argument_group("where")
-    g.add_argument("--server", default=D["server"], metavar="URL", help="SGLang server "
-                   "(default: %(default)s)")
-    g.add_argument("--api-key-file", default=D["api_key_file"], metavar="FILE", help="file holding the server's "
-                   "API key (SGLang --api-key; the services role writes it); default: $SGLANG_API_KEY, else none")
-    g.add_argument("--capture-dir", default=D["capture_dir"], metavar="DIR",
-                   help="the server's HS_CAPTURE_DIR, must be the same (default: %(default)s)")
-    g.add_argument("--state-dir", default=D["state_dir"], metavar="DIR", help="run state (default: /var/lib/hs-patch/runs/NAME)")
-    g.add_argument("--samples-dir", default=D["samples_dir"], metavar="DIR", help="final samples (default: "
-                   "/dev/shm/hs-runs/NAME/samples)")
-    g = p.add_argument_group("length")
-    g.add_argument("--max-tokens", type=int, default=D["max_tokens"], metavar="N", help="longest sample in tokens "
-                   "(default: %(default)s)")
-    g.add_argument("--on-too-long", choices=("skip", "truncate"), default=D["on_too_long"],
-                   help="a longer sample is rejected (skip) or cut to --max-tokens (truncate); the server's own "
-                   "limit (/get_server_info max_req_input_len) applies when smaller (default: %(default)s)")
-    g.add_argument("--max-line-chars", type=int, default=D["max_line_chars"], metavar="N",
-                   help="a longer input line is rejected as too_long without being read whole (0: 256 x "
-                   "--max-tokens, at least 1Mi) (default: %(default)s)")
-    g = p.add_argument_group("regeneration (the target model writes the assistant turns first)")
-    g.add_argument("--regenerate", action="store_true", help="generate each assistant turn with the served model "
-                   "(normal decoding, rid nocap-..., not captured), then capture the whole conversation; "
-                   "pre-tokenized lines are used as they are")
-    g.add_argument("--regen-max-new-tokens", type=int, default=D["regen_max_new_tokens"], metavar="N", help="longest generated turn "
-                   "(default: %(default)s)")
-    g.add_argument("--regen-temperature", type=float, default=D["regen_temperature"], metavar="T", help="sampling temperature of the "
-                   "generated turns; 0 is greedy (default: %(default)s)")
-    g.add_argument("--regen-top-p", type=float, default=D["regen_top_p"], metavar="P", help="nucleus sampling of the generated "
-                   "turns (default: %(default)s)")
-    g = p.add_argument_group("requests and failures")
-    g.add_argument("--concurrency", type=int, default=D["concurrency"], metavar="N", help="samples in flight at the server "
-                   "(default: %(default)s)")
-    g.add_argument("--retries", type=int, default=D["retries"], metavar="N", help="retries of a request on connection "
-                   "errors, timeouts, 5xx and 429, with exponential backoff and jitter (default: %(default)s)")
-    g.add_argument("--backoff", type=float, default=D["backoff"], metavar="S", help="first retry delay; doubles each "
-                   "retry (default: %(default)s)")
-    g.add_argument("--backoff-max", type=float, default=D["backoff_max"], metavar="S", help="longest retry delay "
-                   "(default: %(default)s)")
-    g.add_argument("--request-timeout", type=float, default=D["request_timeout"], metavar="S", help="longest wait for one "
-                   "/generate answer; then it is retried (default: %(default)s)")
-    g.add_argument("--raw-timeout", type=float, default=D["raw_timeout"], metavar="S", help="how long to wait, after the "
-                   "server answered, for its raw sample in --capture-dir (default: %(default)s)")
-    g.add_argument("--max-consecutive-failures", type=int, default=D["max_consecutive_failures"], metavar="N", help="stop cleanly after N "
-                   "samples failed in a row (default: %(default)s)")
-    g.add_argument("--server-wait", type=float, default=D["server_wait"], metavar="S", help="wait this long at start for "
-                   "/health (default: %(default)s)")
-    g = p.add_argument_group("fidelity check (every sample, before it is kept)")
-    g.add_argument("--no-fidelity-check", dest="fidelity_check", action="store_false",
-                   help="do not check the dumped states (by default argmax of the model's lm_head over each sample's "
-                        "final state at its last position must equal the token the server generated in that pass)")
-    g.add_argument("--fidelity-fraction", type=float, default=D["fidelity_fraction"], metavar="F",
-                   help="share of samples (chosen by key) also checked at their last --fidelity-positions positions "
-                        "against the server's own top-1 of the same pass (return_logprob) (default: %(default)s)")
-    g.add_argument("--fidelity-positions", type=int, default=D["fidelity_positions"], metavar="N",
-                   help="positions checked per sampled sample (default: %(default)s)")
-    g.add_argument("--fidelity-tie-tolerance", type=float, default=D["fidelity_tie_tolerance"], metavar="STD",
-                   help="a disagreement whose logit margin is below this many standard deviations of the row's "
-                        "logits is a near-tie, not a mismatch (measured on an H200: all same-pass disagreements "
-                        "were below 0.013) (default: %(default)s)")
-    g.add_argument("--fidelity-max-consecutive", type=int, default=D["fidelity_max_consecutive"], metavar="K",
-                   help="stop the run after K mismatching samples in a row, saying what is likely wrong "
-                        "(default: %(default)s)")
-    g = p.add_argument_group("back-pressure and progress")
-    g.add_argument("--high-water", type=float, default=D["high_water"], metavar="PCT", help="pause sending when the "
-                   "filesystem of --capture-dir or --samples-dir is this full (default: %(default)s)")
-    g.add_argument("--low-water", type=float, default=D["low_water"], metavar="PCT", help="resume below this "
-                   "(default: %(default)s)")
-    g.add_argument("--status-interval", type=float, default=D["status_interval"], metavar="S", help="status.json refresh "
-                   "(default: %(default)s)")
-    g.add_argument("--prometheus", default=D["prometheus"], metavar="FILE", help="also write the status as a Prometheus "
-                   "textfile (node_exporter textfile collector)")
-
-
-def drive_config(a: argparse.Namespace) -> Any:
-    from dataclasses import fields
-
-    from hs_patch.host.drive_config import DriveConfig
-
-    try:
-        kwargs = json.loads(a.chat_template_kwargs)
-    except ValueError as e:
-        raise SystemExit(f"--chat-template-kwargs is not JSON: {e}") from None
-    if not isinstance(kwargs, dict):
-        raise SystemExit("--chat-template-kwargs must be a JSON object")
-    for name in ("concurrency", "max_tokens", "max_consecutive_failures"):
-        if getattr(a, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
-    if a.max_line_chars < 0:
-        raise SystemExit("--max-line-chars must be >= 0 (0: the default bound)")
-    from hs_patch.names import RunNameError, check_run_name
-
-    try:
-        check_run_name(a.run)
-    except RunNameError as e:
-        raise SystemExit(f"--run: {e}") from None
-    from hs_patch.shard import ShardError, parse
-
-    if a.shard:
-        try:
-            parse(a.shard)
-        except ShardError as e:
-            raise SystemExit(f"--shard: {e}") from None
-    return DriveConfig(**{f.name: getattr(a, f.name) for f in fields(DriveConfig) if f.name != "chat_template_kwargs"},
-                       chat_template_kwargs=kwargs)
-
-
-def cmd_drive(a: argparse.Namespace) -> int:
-    from hs_patch.host.driver import EXIT_ERROR, EXIT_SIGNAL, Driver
-    from hs_patch.host.runstate import RunError
-
-    try:
-        driver = Driver(drive_config(a))
-    except RunError as e:
-        print(f"hs-extract drive: {e}", file=sys.stderr)
-        return EXIT_ERROR
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        if driver.stop.is_set():
-            raise KeyboardInterrupt  # second signal: stop now
-        print(f"hs-extract drive: {signal.Signals(signum).name}: finishing the samples in flight, then stopping "
-              "(again to stop at once)", file=sys.stderr)
-        driver.request_stop(f"stopped by {signal.Signals(signum).name}; run the same command to resume", EXIT_SIGNAL)
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        summary = driver.run()
-    except (RunError, FileNotFoundError, ValueError, OSError, RuntimeError) as e:
-        print(f"hs-extract drive: {e}", file=sys.stderr)
-        return EXIT_ERROR
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    s = summary.status["samples"]
-    print(json.dumps({"run": a.run, "state": summary.state, "exit_code": summary.exit_code,
-                      "message": summary.message, "samples": s, "tokens": summary.status["tokens"],
-                      "bytes_written": summary.status["bytes_written"]}, sort_keys=True))
-    return summary.exit_code
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hs-extract", description="Run a hidden-state extraction on the GPU host.")
     p.add_argument("--version", action="version", version=f"hs-extract {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from hs_patch.host.driver import cli as drive_cli
+
     d = sub.add_parser("drive", help="feed a dataset through the capturing server; collect the samples",
-                       description=DRIVE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_drive_arguments(d)
-    d.set_defaults(func=cmd_drive)
+                       description=drive_cli.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    drive_cli.add_arguments(d)
+    d.set_defaults(func=drive_cli.run_args)
     from hs_patch.host.shipping import shipper
-    from hs_patch.host import snapshot
+    from hs_patch.host.driver import snapshot
 
     s = sub.add_parser("ship", help="ship finished samples to training storage, verified there, then delete "
                        "them here", description=shipper.DESCRIPTION, epilog=shipper.EPILOG,
@@ -236,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description=snapshot.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     snapshot.add_arguments(n)
     n.set_defaults(func=snapshot.run_args)
-    from hs_patch.host import drafter
+    from hs_patch.host.drafter import config as drafter
     from hs_patch.host.export import cli as export_cli
 
     e = sub.add_parser("export", help="export samples for a trainer: SpecForge .ckpt or speculators (bf16/fp8)",

@@ -3,7 +3,7 @@
 One capturing server (HS_CAPTURE_FINAL=both); prompts of several lengths sent at once
 (batched prefill), two longer than the chunked-prefill size (chunked), each with
 ``return_logprob`` from position 0 and ``top_logprobs_num`` 2, exactly as the driver's
-sampled fraction sends them. For every sample, ``hs_patch.host.fidelity.FidelityChecker``
+sampled fraction sends them. For every sample, ``hs_patch.host.fidelity.check.FidelityChecker``
 (fp32 ``lm_head`` read by name from the model dir) against SGLang's own top-1 of the same
 pass, with the tolerance set to 0 so EVERY disagreement is recorded with its margin:
 
@@ -35,7 +35,7 @@ import torch
 
 from common import REC, Server, hs_patch_cli, wait_for_samples
 from hs_patch import reader, store
-from hs_patch.host.fidelity import FidelityChecker, LMHead, compare
+from hs_patch.host.fidelity.check import FidelityChecker, LMHead, compare
 from hs_patch.host.model_files import head_and_norm, rms_norm
 
 
@@ -108,7 +108,7 @@ def production(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
             per.append({"tokens": len(ids), "parts": r.parts, "positions": r.checked,
                         "disagree": len(r.details), "margins": [d.margin_std for d in r.details],
                         "first_token_match": first.mismatches == 0 and first.ties == 0})
-            from hs_patch.host.client import server_top1
+            from hs_patch.host.driver.client import server_top1
 
             top = server_top1(out, len(ids), 0)
             server_tokens = [top[p] for p in range(len(ids))]

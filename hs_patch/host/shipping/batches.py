@@ -32,8 +32,8 @@ from typing import Any
 from hs_patch import store
 from hs_patch.host.shipping.link import RSYNC_PER_FILE, Commit, Dest, Link, LinkError, SshOptions
 
-from hs_patch.host.runstate import DONE as DONE_MARKER  # noqa: E402
-from hs_patch.host.runstate import SHIPPED as SHIPPED_LOG  # noqa: E402
+from hs_patch.host.driver.runstate import DONE as DONE_MARKER  # noqa: E402
+from hs_patch.host.driver.runstate import SHIPPED as SHIPPED_LOG  # noqa: E402
 
 STATUS_FILE = "shipper_status.json"
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNVERIFIED = 0, 1, 2, 3

@@ -11,7 +11,7 @@ import threading
 from collections import deque
 from typing import Any, Mapping, Optional
 
-from hs_patch.host.fidelity import DERIVED, Check
+from hs_patch.host.fidelity.check import DERIVED, Check
 
 DEFAULT_MAX_CONSECUTIVE = 5
 

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hs_patch import store
-from hs_patch.host.chat import encode_text
-from hs_patch.host.client import ClientError, SGLangClient
-from hs_patch.host.runstate import RunError
+from hs_patch.host.driver.chat import encode_text
+from hs_patch.host.driver.client import ClientError, SGLangClient
+from hs_patch.host.driver.runstate import RunError
 
 HOOK_STATUS = "hook_status.json"
 NO_STATUS_GRACE = 5.0    # s after the answer: a hook writing here has written its status at start

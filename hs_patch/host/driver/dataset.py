@@ -14,7 +14,7 @@ A line that is not one of these (not UTF-8, not JSON, nested too deeply to parse
 object, no or several format fields, wrong field types, text with a lone UTF-16 surrogate,
 an empty conversation, no assistant turn, an unknown role, longer than the line limit)
 becomes a :class:`Reject` with its file, line number and reason; it never stops the run.
-Files are read by :mod:`hs_patch.host.datafile` (compressed or not, any line ending, a
+Files are read by :mod:`hs_patch.host.driver.datafile` (compressed or not, any line ending, a
 BOM, bounded line length). A sample's id is ``<file name>:<line>`` (unique and stable for
 a given file; blank lines count in the numbering); an ``id`` field of the record is kept
 as ``source_id``.
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
-from hs_patch.host import datafile
+from hs_patch.host.driver import datafile
 
 ROLE_MAP = {"system": "system", "user": "user", "human": "user", "assistant": "assistant",
             "gpt": "assistant", "chatgpt": "assistant", "tool": "tool", "function": "tool"}

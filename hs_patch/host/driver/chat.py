@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from hs_patch.host.dataset import Invalid
+from hs_patch.host.driver.dataset import Invalid
 
 
 @dataclass

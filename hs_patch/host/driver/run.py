@@ -22,14 +22,14 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from hs_patch import __version__, intent, store
-from hs_patch.host import capture_check, chat, dataset, limits, runstate
-from hs_patch.host.backpressure import BackPressure, disk_usage
-from hs_patch.host.capture_dir import CaptureWatcher
-from hs_patch.host.client import HEALTH_PROBE_IDS, RetryPolicy, SGLangClient, read_api_key, redact_url
-from hs_patch.host.drive_config import DriveConfig
-from hs_patch.host.adopt import same_filesystem
-from hs_patch.host.runstatus import RunStatus, nothing_extracted
-from hs_patch.host.sample_steps import (CAPTURE_PARAMS, EXIT_ERROR, EXIT_FAILURES, EXIT_INCOMPLETE,  # noqa: F401
+from hs_patch.host.driver import capture_check, chat, dataset, limits, runstate
+from hs_patch.host.driver.backpressure import BackPressure, disk_usage
+from hs_patch.host.driver.capture_dir import CaptureWatcher
+from hs_patch.host.driver.client import HEALTH_PROBE_IDS, RetryPolicy, SGLangClient, read_api_key, redact_url
+from hs_patch.host.driver.config import DriveConfig
+from hs_patch.host.driver.adopt import same_filesystem
+from hs_patch.host.driver.runstatus import RunStatus, nothing_extracted
+from hs_patch.host.driver.sample_steps import (CAPTURE_PARAMS, EXIT_ERROR, EXIT_FAILURES, EXIT_INCOMPLETE,  # noqa: F401
                                         EXIT_OK, EXIT_SIGNAL, SampleSteps)  # (re-exported)
 
 CAPTURE_LOCK = ".hs-driver.lock"

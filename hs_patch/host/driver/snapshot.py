@@ -124,7 +124,7 @@ def run_args(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hs_patch.host.snapshot", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m hs_patch.host.driver.snapshot", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(ap)
     return run_args(ap.parse_args(argv))

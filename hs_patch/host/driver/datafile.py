@@ -8,7 +8,7 @@
 - **Bounded**: a line longer than ``max_chars`` characters is never held in memory whole:
   it is skipped to its end in 1 Mi-character pieces and reported as :class:`TooLong`.
 - **Invalid UTF-8** is not an error of the file: each bad byte decodes to a lone
-  surrogate (``surrogateescape``) and :func:`hs_patch.host.dataset.parse_line` rejects
+  surrogate (``surrogateescape``) and :func:`hs_patch.host.driver.dataset.parse_line` rejects
   that line with the byte's position.
 
 A file that cannot be read to its end (a truncated ``.gz``, an I/O error) raises

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from hs_patch import intent, reader, store
-from hs_patch.host.capture_dir import CaptureWatcher
+from hs_patch.host.driver.capture_dir import CaptureWatcher
 
 
 class AdoptError(RuntimeError):

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from hs_patch.host.dataset import Invalid
+from hs_patch.host.driver.dataset import Invalid
 
 UNKNOWN_TOKEN_CHARS = 1024  # if the vocabulary cannot be listed: a generous bound
 

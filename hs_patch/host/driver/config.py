@@ -1,6 +1,6 @@
 """The driver's settings (``hs-extract drive`` options), in a module light enough for ``--help``.
 
-The defaults here are the only ones: ``extract_cli`` shows and uses them.
+The defaults here are the only ones: ``hs-extract drive`` (:mod:`hs_patch.host.driver.cli`) shows and uses them.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
-from hs_patch.host import dataset
+from hs_patch.host.driver import dataset
 from hs_patch import shard, store
 from hs_patch.names import check_run_name
 

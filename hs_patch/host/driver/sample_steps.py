@@ -1,7 +1,7 @@
 """What the driver does for one sample: tokens and loss mask, regeneration, intent, request,
 the fidelity check of the sample the hook wrote, adoption, and the bookkeeping of each outcome.
 
-A mixin of :class:`hs_patch.host.driver.Driver` (which owns the run: locks, preparation,
+A mixin of :class:`hs_patch.host.driver.run.Driver` (which owns the run: locks, preparation,
 feeding, sweeps, status); split out so each module says one thing.
 """
 
@@ -13,11 +13,12 @@ import uuid
 from typing import Optional
 
 from hs_patch import __version__, intent, reader, store
-from hs_patch.host import chat, dataset, fidelity, limits, runstate
-from hs_patch.host.adopt import AdoptError, adopt
-from hs_patch.host.capture_dir import RawTimeout
-from hs_patch.host.client import ClientError
-from hs_patch.host.fidelity_policy import FidelityMonitor
+from hs_patch.host.driver import chat, dataset, limits, runstate
+from hs_patch.host.fidelity import check as fidelity
+from hs_patch.host.driver.adopt import AdoptError, adopt
+from hs_patch.host.driver.capture_dir import RawTimeout
+from hs_patch.host.driver.client import ClientError
+from hs_patch.host.fidelity.policy import FidelityMonitor
 from hs_patch.host.model_files import ModelFileError
 
 EXIT_OK, EXIT_ERROR, EXIT_INCOMPLETE, EXIT_FAILURES, EXIT_SIGNAL = 0, 1, 3, 4, 130  # hs-extract drive's exit codes

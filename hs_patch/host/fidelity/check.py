@@ -18,7 +18,7 @@ on a derived state, which the plain tolerance failed).
 The LM head and final norm weight are read by name from the model directory
 (:mod:`hs_patch.host.model_files`); the head is kept in fp32 (Kimi-K2.5: 4.7 GB of RAM) and
 concurrent checks are batched into one matrix product (:class:`FidelityChecker`). Each
-result is one line of the fidelity log; :mod:`hs_patch.host.fidelity_policy` turns a run
+result is one line of the fidelity log; :mod:`hs_patch.host.fidelity.policy` turns a run
 of mismatches into a stop with what is likely wrong.
 """
 
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from hs_patch import reader, store
-from hs_patch.host.client import generated_token, server_top1
+from hs_patch.host.driver.client import generated_token, server_top1
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

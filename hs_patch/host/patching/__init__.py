@@ -1,0 +1,9 @@
+"""``hs-patch``'s work: the capture patch on an installed SGLang, and checking samples.
+
+- ``patcher``: apply, verify, revert, status of ``deepseek_v2.py`` (standard library only,
+  never imports SGLang); the exact edits per release are in :mod:`hs_patch.releases`.
+- ``status``: ``hs-patch status`` and ``check-args`` (capture settings, server flags, the
+  drafter's serving ids).
+- ``inspection``: ``hs-patch inspect`` (a sample, a samples dir or a shipped run against its
+  manifest).
+"""

@@ -1,0 +1,58 @@
+"""``hs-patch status`` and ``hs-patch check-args``: what the installed SGLang, the capture
+settings and a server command line amount to (the patch itself: :mod:`hs_patch.host.patching.patcher`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hs_patch.flags import REQUIRED_FLAGS, args_violations
+from hs_patch.host.patching import patcher
+from hs_patch.server import config
+
+
+def status(site: str | None, model: str | None = None) -> dict[str, Any]:
+    t = patcher.inspect_target(site)
+    try:
+        capture: dict[str, Any] = config.from_env().as_dict()
+    except config.ConfigError as e:
+        capture = {"error": str(e)}
+    release = t.release.version if t.release else None
+    return {"action": "status", "release": release, "installed_version": t.installed_version,
+            "state": t.state, "site": str(t.site), "files": [t.describe()],
+            "backup": str(t.backup) if t.backup.exists() else None, "capture": capture,
+            "required_server_flags": REQUIRED_FLAGS.get(release or "", []),
+            "serving": serving_ids(capture.get("layers"), release or t.installed_version, model),
+            "message": f"SGLang {release or t.installed_version or '?'}: {t.state}"}
+
+
+def check_args(site: str | None, release: str | None, args: list[str]) -> dict[str, Any]:
+    """Check a server command line against the capture hook's rules (hs_patch.flags)."""
+    if release is None:
+        t = patcher.inspect_target(site)
+        release = t.release.version if t.release else None
+    problems = args_violations(args, release)
+    return {"action": "check-args", "release": release, "problems": problems, "clean": not problems,
+            "message": "server arguments compatible with capture" if not problems else
+            "server arguments the capture hook cannot work with:\n  - " + "\n  - ".join(problems)}
+
+
+def serving_ids(layers: Any, release: str | None, model: str | None) -> dict[str, Any]:
+    """The drafter eagle_config that serves the captured layers on this release (hs_patch.serving)."""
+    from hs_patch import serving
+
+    if not layers or not release:
+        return {}
+    n, arch = None, ""
+    if model:
+        from hs_patch.host.model_files import ModelFileError, model_info
+
+        try:
+            info = model_info(model)
+            n, arch = info.num_hidden_layers, info.architecture
+        except ModelFileError as e:
+            return {"error": str(e)}
+    try:
+        ids = serving.eagle_ids(release, list(layers), n, arch)
+    except serving.NotServable as e:
+        return {"release": release, "refused": str(e)}
+    return {"release": release, "eagle_aux_hidden_state_layer_ids": ids, "checked_with_model": n is not None}
