@@ -25,7 +25,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from hs_patch.host.export.run import export  # noqa: E402
 from hs_patch.host.export.spec import ExportSpec  # noqa: E402
-from sample_files import write_finished  # noqa: E402
+from lab.sample_files import write_finished  # noqa: E402
 
 
 def du(path: Path) -> int:

@@ -3,7 +3,7 @@
 
     python3 bench/fleet_dashboard.py [--hosts 16] [--seconds 60] [--interval 2]
 
-N private sshd's on loopback (tests/loopback_sshd.py: each its own port, host key and
+N private sshd's on loopback (tests/lab/loopback_sshd.py: each its own port, host key and
 authorized key, so N hosts to Fabric) stand for the GPU hosts. The control side is the
 real one: ``hs_patch.control.fleet.FleetGroup`` (Fabric's ThreadingGroup, one SSH
 connection a host, kept open), ``remote.snapshot`` on each host every ``--interval``
@@ -31,7 +31,7 @@ sys.path[:0] = [str(HERE.parent), str(HERE.parent / "tests")]
 
 from rich.console import Console  # noqa: E402
 
-import loopback_sshd  # noqa: E402
+from lab import loopback_sshd  # noqa: E402
 from hs_patch.control import fleet, fleet_dashboard, remote  # noqa: E402
 from hs_patch.control.inventory import Target  # noqa: E402
 

@@ -11,7 +11,7 @@ hs_patch.store into a source directory, then runs both (which goes first alterna
            HOST:DEST/ship`` (rsync + sha256 on the destination + fsync + atomic manifest +
            local deletion), wall time of the whole command, start to exit.
 
-The link is a private sshd on 127.0.0.1 (tests/loopback_sshd.py), so both transfers
+The link is a private sshd on 127.0.0.1 (tests/lab/loopback_sshd.py), so both transfers
 share this machine's CPUs with the receiving side: unlimited, it is a CPU-bound
 comparison, the worst case for the shipper's extra hashing; --bwlimit makes the link
 the bottleneck, as a real network is. Prints each round, the medians and the ratio. Run:
@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
 
-import loopback_sshd  # noqa: E402
+from lab import loopback_sshd  # noqa: E402
 from hs_patch import reader, store  # noqa: E402
 from hs_patch.host.shipping.link import SshOptions  # noqa: E402
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # System packages the test suite needs on a Debian/Ubuntu control node (CI included).
 # Idempotent: apt-get install skips what is already there.
-#   debootstrap, systemd-container : build and boot the SSH test hosts (tests/testhosts.py)
+#   debootstrap, systemd-container : build and boot the SSH test hosts (tests/lab/testhosts.py)
 #   iproute2                       : network namespaces, veth pairs and the lab bridge
 #   openssh-client                 : Ansible, testinfra and fabric reach the test hosts over real SSH
 #   rsync                          : the shipping role, the shipper, ansible.posix.synchronize

@@ -8,11 +8,21 @@ from pathlib import Path
 
 import pytest
 
-import sglang_wheels
+from lab import sglang_wheels
 
 ROOT = Path(__file__).resolve().parent.parent
 SUPPORTED = ("0.5.9", "0.5.16", "0.5.23")
 UNSUPPORTED = "0.5.8"  # a real release the patch does not know
+
+
+# Importing Ansible replaces sys.intern, after which torch._dynamo (loaded by transformers with a
+# model) refuses to import; both load into this one test process, so the tests that load Ansible
+# in-process (fab's inventory reading) run after the others, whatever subset is run.
+ANSIBLE_IN_PROCESS = ("control", "ansible", "end_to_end")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: Path(str(item.path)).parent.name in ANSIBLE_IN_PROCESS)
 
 
 def extract_site(version: str, dest: Path) -> Path:
@@ -47,7 +57,7 @@ def site(release_sources: dict[str, Path], tmp_path: Path, request: pytest.Fixtu
 @pytest.fixture(scope="session")
 def tiny_model():
     """A tiny random DeepseekV3 (MLA + MoE + yarn rope), bf16, seeded."""
-    from tiny_model import random_model
+    from lab.tiny_model import random_model
 
     return random_model(vocab_size=256)
 
@@ -55,7 +65,7 @@ def tiny_model():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A served-model directory (config, bf16 weights, tokenizer with a chat template), built once."""
-    from tiny_model import make_tiny_model_dir
+    from lab.tiny_model import make_tiny_model_dir
 
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
 
@@ -65,3 +75,13 @@ def tiny_tokenizer(tiny_model_dir: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def standin(tiny_model_dir, tmp_path_factory):
+    """A stand-in server (SGLang 0.5.16's patched forward, capture hook) in this process, per test module."""
+    from lab.drive_runs import start_standin
+
+    srv = start_standin(tiny_model_dir, tmp_path_factory.mktemp("capture"), "0.5.16")
+    yield srv
+    srv.close()

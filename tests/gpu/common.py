@@ -68,7 +68,7 @@ class Server:
     allocated, so the next server on the same GPU can size its own from what is left.
     """
 
-    # what starts a server; tests/test_gpu_scripts.py puts the CPU stand-in here to rehearse the scripts
+    # what starts a server; tests/gpu/test_gpu_scripts.py puts the CPU stand-in here to rehearse the scripts
     LAUNCHER = [sys.executable, "-m", "sglang.launch_server"]
 
     def __init__(self, name: str, model: str, port: int, chunk: int, capture: dict | None, extra: list[str],

@@ -81,7 +81,7 @@ def cos(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 
 
 def fidelity(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
-    from hf_reference import reference
+    from lab.hf_reference import reference
     from transformers import AutoModelForCausalLM
 
     res: dict = {"model": model_dir}

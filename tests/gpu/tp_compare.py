@@ -21,7 +21,7 @@ chunked-prefill size (chunked), each with ``return_logprob`` from position 0. Th
   nothing and opens no file).
 
 Run: python3 tests/gpu/proof.py --site SITE --out "$OUT" --phases tp --tp-size 2 [--preset kimi-layer]
-(NCCL_NVLS_ENABLE=0 as the machine notes ask; tests/test_gpu_scripts.py rehearses it on CPU.)
+(NCCL_NVLS_ENABLE=0 as the machine notes ask; tests/gpu/test_gpu_scripts.py rehearses it on CPU.)
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _serve(a: argparse.Namespace, model_dir: str, tp: int, prompts: list[list[in
 
 def _envelope(model_dir: str, prompts: list[list[int]], layers: list[int]) -> list[dict[str, float]]:
     """Per prompt and plane: rel. error of transformers in bf16 against fp32 (the bf16 envelope)."""
-    from hf_reference import reference
+    from lab.hf_reference import reference
     from transformers import AutoModelForCausalLM
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

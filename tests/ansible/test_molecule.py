@@ -1,0 +1,296 @@
+"""The Ansible bundle's tests: linters, syntax, pre-flight checks, the test-host lab, and every molecule scenario.
+
+The molecule scenarios (molecule/<role>/) boot real SSH test hosts with
+tests/lab/testhosts.py, so they need root, systemd-nspawn, debootstrap and the
+network to the Debian mirror and PyPI once (both cached under
+/var/cache/hs-patch-tests afterwards). Install with
+``sudo bash scripts/install-deps.sh && python3 -m pip install -e '.[test]'``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+SCENARIOS = sorted(p.parent.name for p in (ROOT / "molecule").glob("*/molecule.yml"))
+ROLES = sorted(p.name for p in (ROOT / "roles").iterdir() if (p / "tasks/main.yml").exists())
+BIN = Path(sys.executable).parent
+
+
+def _tool(name: str) -> str:
+    """The tool installed next to this Python (pip install -e '.[test]'), else from PATH."""
+    cand = BIN / name
+    return str(cand) if cand.exists() else (shutil.which(name) or name)
+
+
+def _run(cmd: list[str], timeout: int = 900, **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PY_COLORS": "0", "ANSIBLE_FORCE_COLOR": "0", "NO_COLOR": "1"}
+    env.update(kw.pop("env", {}))
+    return subprocess.run(cmd, cwd=kw.pop("cwd", ROOT), capture_output=True, text=True, timeout=timeout,
+                          env=env, check=False, **kw)
+
+
+def _tail(proc: subprocess.CompletedProcess, n: int = 80) -> str:
+    return "\n".join((proc.stdout + proc.stderr).splitlines()[-n:])
+
+
+def _lab_prereqs() -> str | None:
+    if os.geteuid() != 0:
+        return "test hosts need root"
+    missing = [t for t in ("systemd-nspawn", "debootstrap", "ip", "ssh") if shutil.which(t) is None]
+    if missing:
+        return f"missing {', '.join(missing)}: run sudo bash scripts/install-deps.sh"
+    return None
+
+
+# --- static checks -------------------------------------------------------------------
+
+
+def test_every_role_has_a_scenario_and_argument_specs():
+    assert set(ROLES) == {"gpu_host", "sglang", "hs_patch", "sglang_service", "sample_shipping"}
+    assert "default" in SCENARIOS, "molecule test (no -s) needs molecule/default"
+    for role in ROLES:
+        assert role in SCENARIOS, f"no molecule scenario for role {role}"
+        specs = yaml.safe_load((ROOT / "roles" / role / "meta/argument_specs.yml").read_text())
+        options = specs["argument_specs"]["main"]["options"]
+        defaults = yaml.safe_load((ROOT / "roles" / role / "defaults/main.yml").read_text())
+        assert set(options) == set(defaults), f"{role}: argument_specs and defaults/main.yml disagree"
+        for name, spec in options.items():
+            assert name.startswith(role + "_"), f"{role}: variable {name} is not role-prefixed"
+            assert spec["description"] and spec["description"] != name, f"{role}: {name} undocumented"
+
+
+def test_yamllint():
+    proc = _run([_tool("yamllint"), "--strict", "."])
+    assert proc.returncode == 0, _tail(proc)
+
+
+def test_ansible_lint_production_profile():
+    proc = _run([_tool("ansible-lint"), "--profile", "production"], timeout=600)
+    assert proc.returncode == 0, _tail(proc)
+    assert "Profile 'production' was required, and it passed" in proc.stdout + proc.stderr
+
+
+def test_site_syntax_check():
+    proc = _run([_tool("ansible-playbook"), "site.yml", "--syntax-check"])
+    assert proc.returncode == 0, _tail(proc)
+
+
+def _tasks(tasks: list) -> list:
+    """Every task of a list, those inside block/rescue/always too."""
+    out = []
+    for t in tasks:
+        out.append(t)
+        for key in ("block", "rescue", "always"):
+            out += _tasks(t.get(key, []))
+    return out
+
+
+def test_upgrade_runs_the_roles_as_the_stage_playbooks_do():
+    """upgrade.yml hands the sglang and sglang_service roles what sglang.yml and services.yml hand them, but
+    for the upgrade's own settings: a drift would upgrade a host to a release configured unlike site.yml's."""
+    def stage(playbook: str, role: str) -> dict:
+        plays = yaml.safe_load((ROOT / "playbooks" / playbook).read_text())
+        (entry,) = [r for p in plays for r in p.get("roles", []) if r["role"] == role]
+        return {k: v for k, v in entry.items() if k != "role"}
+
+    plays = yaml.safe_load((ROOT / "playbooks/upgrade.yml").read_text())
+    tasks = _tasks([t for p in plays for t in p.get("tasks", [])])
+    imports = {t["ansible.builtin.import_role"]["name"]: t.get("vars", {}) for t in tasks
+               if "ansible.builtin.import_role" in t and "tasks_from" not in t["ansible.builtin.import_role"]}
+    assert imports["sglang"] == {**stage("sglang.yml", "sglang"), "sglang_activate": False}
+    assert imports["sglang_service"] == {**stage("services.yml", "sglang_service"), "sglang_service_start": True}
+    assert imports["hs_patch"] == {"hs_patch_venv": "{{ hs_upgrade_new_venv }}", "hs_patch_state": "patched"}
+
+
+# --- pre-flight ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def local_inventory(tmp_path: Path) -> Path:
+    """gpu_hosts = this machine over the local connection, with the production group_vars."""
+    inv = tmp_path / "inventory"
+    inv.mkdir()
+    (inv / "group_vars").symlink_to(ROOT / "inventory" / "group_vars")
+    (inv / "hosts.yml").write_text(yaml.safe_dump({"all": {"children": {"gpu_hosts": {"hosts": {
+        "preflight-local": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}}}}}}))
+    return inv
+
+
+def _preflight(inv: Path, tmp_path: Path, extra: dict) -> subprocess.CompletedProcess:
+    # Fits this machine's memory and names a storage host: the defaults are for the GPU host.
+    base = {"hs_dump_budget_gib": 1, "hs_shm_headroom_gib": 1, "hs_storage_host": "storage.example"}
+    varfile = tmp_path / "extra.json"
+    varfile.write_text(json.dumps({**base, **extra}))
+    return _run([_tool("ansible-playbook"), "-i", str(inv), "-e", f"@{varfile}", "playbooks/preflight.yml"],
+                timeout=300)
+
+
+def test_preflight_accepts_the_defaults(local_inventory, tmp_path):
+    proc = _preflight(local_inventory, tmp_path, {})
+    assert proc.returncode == 0, _tail(proc)
+    assert "failed=0" in proc.stdout
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"hs_sglang_version": "0.5.10"}, "naming a release hs-patch supports"),
+    ({"hs_sglang_version": 0.6}, "must be a quoted string"),
+    ({"hs_sglang_install_source": "conda"}, "must be pypi or wheelhouse"),
+    ({"hs_sglang_install_source": "wheelhouse", "hs_sglang_wheelhouse": "/nonexistent/wh"},
+     "is not an absolute path to a directory on the control node"),
+    ({"hs_sglang_install_source": "wheelhouse", "hs_sglang_wheelhouse": "wheelhouse"},
+     "is not an absolute path to a directory on the control node"),
+    ({"hs_model_path": "models/kimi"}, "hs_model_path must be an absolute path"),
+    ({"hs_dump_dir": "/dev/shm/my dumps"}, "hs_dump_dir must be an absolute path without spaces"),
+    ({"hs_model_architecture": "LlamaForCausalLM"}, "is not served by SGLang's deepseek_v2.py"),
+    ({"hs_tp_size": 3}, "hs_tp_size a power of two"),
+    ({"hs_tp_size": 16}, "hs_tp_size a power of two no larger than it"),
+    ({"hs_gpu_count": "8"}, "hs_gpu_count must be an integer"),
+    ({"hs_capture_layers": [2, 2, 58]}, "distinct non-negative integers"),
+    ({"hs_capture_layers": "2,30,58,60"}, "hs_capture_layers must be a non-empty list"),
+    ({"hs_capture_final": "after"}, "hs_capture_final one of pre, post, both, none"),
+    ({"hs_dump_budget_gib": 100000}, "fit in 80% of"),
+    ({"hs_server_port": 80}, "hs_server_port must be an integer 1024-65535"),
+    ({"hs_nvidia_driver_branch": "570"}, "580 or newer (NVIDIA supports the RTX PRO 6000 from R580"),
+    ({"hs_service_user": "root"}, "not root"),
+    ({"hs_nccl_env": {"P2P_DISABLE": "1"}}, "hs_nccl_env must map NCCL_* names to values"),
+    ({"hs_nccl_env": "NCCL_P2P_DISABLE=1"}, "hs_nccl_env must map NCCL_* names to values"),
+    ({"hs_venv_releases_dir": "venvs"}, "hs_venv_releases_dir an absolute path"),
+    ({"hs_storage_host": ""}, "set hs_storage_host"),
+    ({"hs_storage_managed": False}, "hs_storage_host_key to its SSH host key"),
+    ({"sglang_service_host": "0.0.0.0"}, "set sglang_service_allow_non_loopback: true"),
+    ({"sglang_service_host": "198.51.100.10"}, "the SGLang server would answer every host"),
+])
+def test_preflight_refuses_bad_inventory(local_inventory, tmp_path, extra, message):
+    proc = _preflight(local_inventory, tmp_path, extra)
+    assert proc.returncode != 0, f"{extra} was accepted"
+    flat = " ".join((proc.stdout + proc.stderr).split())
+    assert message in flat, _tail(proc)
+
+
+def test_preflight_lets_an_exposed_server_through_only_when_allowed(local_inventory, tmp_path):
+    proc = _preflight(local_inventory, tmp_path, {"sglang_service_host": "0.0.0.0",
+                                                  "sglang_service_allow_non_loopback": True})
+    assert proc.returncode == 0, _tail(proc)
+
+
+def test_preflight_skips_storage_when_shipping_is_off(local_inventory, tmp_path):
+    proc = _preflight(local_inventory, tmp_path, {"hs_storage_host": "", "hs_ship_enabled": False})
+    assert proc.returncode == 0, _tail(proc)
+
+
+# --- the test-host lab ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_testhosts_up_down_leaves_nothing(tmp_path):
+    """Two hosts reach each other over SSH; down removes every netns, link, mount and process."""
+    if reason := _lab_prereqs():
+        pytest.skip(reason)
+    from lab.testhosts import Lab
+
+    def snapshot():
+        netns = set(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else set()
+        links = set(_run(["ip", "-o", "link", "show"]).stdout.split("\n"))
+        links = {line.split(":")[1].strip().split("@")[0] for line in links if line.strip()}
+        mounts = {line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()}
+        # iproute2's first 'ip netns add' on a machine bind-mounts /run/netns onto itself and
+        # keeps it (by design, for every later netns): not something a lab leaves behind
+        return netns, links, mounts - {"/run/netns"}
+
+    before = snapshot()
+    lab = Lab(tmp_path / "lab")
+    try:
+        old_umask = os.umask(0o077)  # a hardened shell's umask must not lock the guests' daemons out
+        try:
+            desc = lab.up([("gpu", "203.0.113.10"), ("storage", "203.0.113.11")], gateway="203.0.113.1/24")
+        finally:
+            assert os.umask(old_umask) == 0o077, "up restores the caller's umask"
+        assert [h["address"] for h in desc["hosts"]] == ["203.0.113.10", "203.0.113.11"]
+        state = lab.load()
+        pids = [h["pid"] for h in state["hosts"]]
+        assert lab.ssh("gpu", "hostname").stdout.strip() == "gpu"
+        assert lab.ssh("storage", "systemctl is-system-running").stdout.strip() in ("running", "degraded")
+        # host to host over the lab bridge (storage's sshd answers; no key needed to prove reachability)
+        probe = lab.ssh("gpu", "python3 -c \"import socket; s = socket.create_connection(('storage', 22), 5); "
+                               "print(s.recv(64).decode().split('-')[0])\"", check=False)
+        assert probe.stdout.strip() == "SSH", probe.stderr
+        # one pinned host key per host (the lab keeps strict host key checking on)
+        known = Path(desc["known_hosts"]).read_text()
+        assert known.count("ssh-ed25519") == 2
+    finally:
+        lab.down()
+    after = snapshot()
+    assert after[0] == before[0], "network namespaces left behind"
+    assert after[1] == before[1], "network links left behind"
+    assert after[2] == before[2], "mounts left behind"
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    assert not (tmp_path / "lab" / "lab.json").exists()
+
+
+def test_lab_waits_for_a_busy_gateway_then_names_its_owner(tmp_path, monkeypatch):
+    """Two labs on one gateway would collide: up waits for the other to go, and says whose it is."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and ip")
+    import ipaddress
+    import threading
+
+    from lab import gateway
+
+    gw = ipaddress.ip_interface("203.0.113.129/25")  # a gateway no lab of this project uses
+    bridge = f"hsbw{os.getpid() % 0xffff:04x}"
+    assert _run(["ip", "link", "add", bridge, "type", "bridge"]).returncode == 0
+    try:
+        assert _run(["ip", "addr", "add", str(gw), "dev", bridge]).returncode == 0
+        gateway.OWNERS_DIR.mkdir(parents=True, exist_ok=True)
+        (gateway.OWNERS_DIR / bridge).write_text(f"{tmp_path}/other-lab\n")
+        monkeypatch.setattr(gateway, "GATEWAY_WAIT_S", 1)
+        with pytest.raises(gateway.LabError, match=f"{bridge} \\(lab in {tmp_path}/other-lab\\)"):
+            with gateway.gateway_claimed(gw):
+                pytest.fail("claimed a gateway another lab holds")
+        monkeypatch.setattr(gateway, "GATEWAY_WAIT_S", 60)
+        threading.Timer(3, lambda: _run(["ip", "link", "del", bridge])).start()
+        started = time.monotonic()
+        with gateway.gateway_claimed(gw):
+            waited = time.monotonic() - started
+            assert not gateway.gateway_user(gw)
+        assert waited >= 2, "claimed before the other lab went"
+    finally:
+        _run(["ip", "link", "del", bridge])  # gone already when the timer ran
+        (gateway.OWNERS_DIR / bridge).unlink(missing_ok=True)
+
+
+# --- molecule scenarios -----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_molecule_scenario(scenario):
+    """destroy, syntax, create, prepare, check, converge, idempotence, side_effect, verify, destroy."""
+    if reason := _lab_prereqs():
+        pytest.skip(reason)
+    started = time.monotonic()
+    # the default scenario exactly as typed at the repository root: `molecule test`
+    args = [] if scenario == "default" else ["--scenario-name", scenario]
+    proc = _run([_tool("molecule"), "test", *args], timeout=900, env={"PATH": f"{BIN}:{os.environ.get('PATH', '')}"})
+    took = time.monotonic() - started
+    print(f"molecule {scenario}: {took:.0f}s")
+    assert proc.returncode == 0, _tail(proc, 150)
+    out = proc.stdout + proc.stderr
+    # default: site.yml whole, fast; check mode and negative cases are the role scenarios' job.
+    # upgrade: its dry run is upgrade.yml --check, in the side effect (molecule/upgrade/molecule.yml).
+    steps = ("converge", "idempotence", "verify") if scenario == "default" else \
+        ("converge", "idempotence", "side_effect", "verify") if scenario == "upgrade" else \
+        ("check", "converge", "idempotence", "side_effect", "verify")
+    for step in steps:
+        assert f"{scenario} > {step}: Executed: Successful" in out, f"{scenario}: step {step} did not run successfully"

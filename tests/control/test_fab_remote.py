@@ -1,0 +1,183 @@
+"""fab's remote steps against a stub connection that runs each command in a real local shell.
+
+Every program the steps call is a recorder on PATH (it writes its argv as JSON and exits
+0), so what the host's shell would do with each command line is exactly what happens
+here. Hostile names (the issue's ``x.jsonl; touch FILE #``, ``$(...)``, backticks,
+quotes, newlines, option-like values) must reach the programs as single, intact
+arguments and never run anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from hs_patch.control import remote
+from hs_patch.control.inventory import Target
+from hs_patch.control.shell import RemoteError, Shell
+
+HOSTILE = ["x.jsonl; touch PWNED_semicolon #", "$(touch PWNED_subst)", "`touch PWNED_backtick`",
+           "a'b\"c; touch PWNED_quotes", "line\ntouch PWNED_newline", "-oProxyCommand=touch PWNED_option"]
+PROGRAMS = ("sudo", "install", "systemctl", "journalctl", "stat", "sha256sum", "df", "cat", "ls", "head", "find",
+            "nvidia-smi", "systemd-run", "mktemp", "rm", "ssh", "python", "hs-patch", "hs-extract")
+
+RECORDER = """#!{python}
+import json, os, sys
+with open({log!r}, "a") as f:
+    f.write(json.dumps([os.path.basename(sys.argv[0])] + sys.argv[1:]) + "\\n")
+name = os.path.basename(sys.argv[0])
+if name == "sudo":  # run what follows '--' (or the options) for real, as root would
+    args = sys.argv[1:]
+    rest = args[args.index("--") + 1:] if "--" in args else args
+    os.execvp(rest[0], rest)
+if name == "mktemp":
+    print({tmp!r})
+elif name == "stat":
+    print("600 sglang" if "%a %U" in sys.argv else "1234")
+elif name == "hs-extract":
+    print(json.dumps({{"run": "r"}}))
+"""
+
+
+class LocalShellConnection:
+    """A fabric Connection stand-in: ``run`` hands the command line to bash, ``put`` copies."""
+
+    def __init__(self, workdir: Path, path: str):
+        self.host, self.workdir, self.path, self.lines, self.puts = "stub", workdir, path, [], []
+
+    def run(self, command: str, **kw) -> SimpleNamespace:
+        self.lines.append(command)
+        p = subprocess.run(["bash", "-c", command], cwd=self.workdir, capture_output=True, text=True, timeout=30,
+                           env={"PATH": self.path, "HOME": str(self.workdir)})
+        return SimpleNamespace(ok=p.returncode == 0, failed=p.returncode != 0, exited=p.returncode,
+                               stdout=p.stdout, stderr=p.stderr)
+
+    def put(self, local: str, remote_path: str) -> None:
+        self.puts.append((local, remote_path))
+        shutil.copy(local, remote_path)
+
+
+@pytest.fixture
+def lab(tmp_path: Path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    log = tmp_path / "argv.jsonl"
+    work = tmp_path / "work"
+    work.mkdir()
+    upload_tmp = tmp_path / "upload.tmp"
+
+    def recorder(path: Path) -> None:
+        path.write_text(RECORDER.format(python=sys.executable, log=str(log), tmp=str(upload_tmp)))
+        path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+    for name in PROGRAMS:
+        recorder(fake / name)
+    # every hostile string is a path component of the venv: its bin/ holds recorders too
+    venv = tmp_path / ("venv " + " ".join(HOSTILE).replace("\n", "_").replace("/", "_"))
+    plain = tmp_path / "venv x; touch PWNED_venv #"  # no '$': one that systemd-run may be given
+    for d in (venv, plain):
+        (d / "bin").mkdir(parents=True, exist_ok=True)
+        for name in ("python", "hs-patch", "hs-extract"):
+            recorder(d / "bin" / name)
+    path = f"{fake}:/usr/bin:/bin"
+    conn = LocalShellConnection(work, path)
+
+    def argv() -> list[list[str]]:
+        return [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+
+    return SimpleNamespace(conn=conn, argv=argv, work=work, venv=venv, plain_venv=plain, tmp=tmp_path)
+
+
+def hostile_target(venv: Path, become: bool) -> Target:
+    return Target(host="stub", user="ubuntu" if become else "root", become=become,
+                  become_password="pw; touch PWNED_pw" if become else None, venv=str(venv), service=HOSTILE[0],
+                  service_user=HOSTILE[1], model_path="/m/" + HOSTILE[2], dump_dir="/dev/shm/" + HOSTILE[3],
+                  storage_alias=HOSTILE[5], storage_dir="/s/" + HOSTILE[4], state_root="/r/" + HOSTILE[0],
+                  samples_root="/dev/shm/" + HOSTILE[1], api_key_file="/k/" + HOSTILE[2], server_port=30000)
+
+
+def pwned(lab) -> list[str]:
+    return sorted(str(p) for p in lab.tmp.rglob("PWNED*"))
+
+
+@pytest.mark.parametrize("become", [False, True], ids=["root", "sudo"])
+def test_hostile_names_stay_single_arguments(lab, become):
+    t = hostile_target(lab.venv, become)
+    c = Shell(lab.conn, t)
+    run = HOSTILE[0]  # fab validates run names; the remote steps quote them anyway
+    dataset = lab.tmp / "data.jsonl"
+    dataset.write_text('{"input_ids": [1, 2]}\n')
+
+    remote.remote_size(c, "/data/" + HOSTILE[0])
+    remote.estimate_bytes(c, t, 1000)
+    remote.preflight(c, t, estimated_bytes=1, bytes_per_token=1)
+    remote.prepare(c, t, run)
+    remote.upload(c, t, run, dataset)
+    remote.start_server(c, t, 5, lambda m: None)
+    with pytest.raises(remote.RemoteError, match=r"holds '\$'"):  # systemd would expand $(...) at start
+        remote.start_jobs(c, t, run, ["--data", "/data/" + HOSTILE[0]])
+    remote.start_jobs(c, replace(t, venv=str(lab.plain_venv), service_user="sglang", samples_root="/dev/shm/y",
+                                  api_key_file="/k/k"),
+                      "r1", ["--data", "/data/" + HOSTILE[0]])
+    remote.snapshot(c, t, run)
+    remote.runs(c, t)
+    remote.stop(c, t, run, server=True)
+    remote.ship_now(c, t, run)
+
+    assert not pwned(lab), f"a hostile name ran as shell code: {pwned(lab)}"
+    calls = lab.argv()
+    flat = [a for call in calls for a in call]
+    for value in ["/data/" + HOSTILE[0], f"/m/{HOSTILE[2]}/config.json", "/dev/shm/" + HOSTILE[3],
+                  f"/r/{HOSTILE[0]}/{run}", HOSTILE[1], f"{HOSTILE[0]}.service"]:
+        assert value in flat, f"{value!r} did not arrive as one argument"
+    stat_calls = [call for call in calls if call[:4] == ["stat", "-c", "%s", "--"]]
+    assert stat_calls == [["stat", "-c", "%s", "--", "/data/" + HOSTILE[0]]]
+    ssh = next(call for call in calls if call[0] == "ssh")
+    assert ssh[ssh.index("--") + 1] == HOSTILE[5], "the alias comes after '--': never an ssh option"
+    assert ssh[-1] == "df -Pk " + __import__("shlex").quote("/s/" + HOSTILE[4]), "one quoted line for the far shell"
+    assert any(call[0] == "install" and call[-1].endswith("/data/data.jsonl") for call in calls)
+    drive = next(call for call in calls if call[0] == "systemd-run" and "--unit=hs-drive-r1" in call)
+    assert "--api-key-file" in drive and drive[drive.index("--api-key-file") + 1] == "/k/k"
+    if become:
+        sudo_lines = [line for line in lab.conn.lines if not line.startswith(("mktemp", "rm "))]
+        assert all(line.startswith("sudo -S -p ") for line in sudo_lines), "every root step goes through sudo"
+        assert not any("pw; touch" in line for line in lab.conn.lines), "the sudo password is never on a command line"
+
+
+def test_sudo_without_password_is_non_interactive(lab):
+    t = replace(hostile_target(lab.venv, True), become_password=None)
+    c = Shell(lab.conn, t)
+    c.run(["systemctl", "stop", "a b.service"])
+    assert lab.conn.lines[-1] == "sudo -n -H -- sh -c 'systemctl stop '\"'\"'a b.service'\"'\"''"
+    assert lab.argv()[-1] == ["systemctl", "stop", "a b.service"]
+
+
+def test_sandbox_of_the_job_units():
+    t = Target(host="h")
+    drive = remote.unit_hardening(t, "r1", "drive")
+    ship = remote.unit_hardening(t, "r1", "ship")
+    for props in (drive, ship):
+        for p in ("NoNewPrivileges=yes", "ProtectSystem=strict", "PrivateTmp=yes", "CapabilityBoundingSet=",
+                  "ProtectHome=read-only", "PrivateDevices=yes"):
+            assert f"--property={p}" in props
+        assert not any("RemoveIPC" in p for p in props), "RemoveIPC would delete the user's /dev/shm files"
+    # one writable path holds both the capture dir and the samples dir: rename(2) between two
+    # ReadWritePaths= mounts fails with EXDEV (the e2e run's driver adopted nothing before this)
+    assert "--property=ReadWritePaths=/var/lib/hs-patch/runs/r1 /dev/shm" in drive
+    assert "--property=ReadWritePaths=/var/lib/hs-patch/runs/r1 /dev/shm/hs-runs/r1" in ship
+    assert "--property=IPAddressDeny=any" in drive and "--property=IPAddressDeny=any" not in ship
+    deep = replace(t, dump_dir="/srv/hs/capture/", samples_root="/srv/hs/runs")
+    assert "--property=ReadWritePaths=/var/lib/hs-patch/runs/r1 /srv/hs" in remote.unit_hardening(deep, "r1", "drive")
+    for apart in (replace(t, samples_root="/var/tmp/runs"), replace(t, dump_dir="/dev/hs", samples_root="/dev/runs")):
+        with pytest.raises(RemoteError, match="are apart: set hs_dump_dir and hs_runs_samples_root under one"):
+            remote.unit_hardening(apart, "r1", "drive")
+    assert os.sep == "/"

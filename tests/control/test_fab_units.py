@@ -1,0 +1,183 @@
+"""fab's pieces that need no host: its command line, run names, snapshot, dashboard."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from hs_patch.control import dashboard
+from hs_patch.host.driver import snapshot
+from hs_patch.control.inventory import ConfigError, check_run_name
+from lab.snapshots import SNAP
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _fab(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["fab", *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_fab_says_which_option_is_missing():
+    out = _fab("extract")
+    assert out.returncode == 1 and "give --host NAME" in out.stderr, out.stderr
+    assert "positional" not in out.stdout + out.stderr
+    out = _fab("extract", "--host", "gpu1")
+    assert out.returncode == 1 and "give --dataset FILE" in out.stderr, out.stderr
+    out = _fab("status")
+    assert "fab status: give --host NAME" in out.stderr
+
+
+def test_a_missing_local_dataset_is_found_before_connecting(tmp_path, monkeypatch):
+    import fabfile
+    from invoke import Context
+
+    def no(*a, **k):
+        raise AssertionError("fab read the inventory or connected before checking the dataset")
+
+    monkeypatch.setattr(fabfile, "_target", no)
+    monkeypatch.setattr(fabfile, "_connect", no)
+    for dataset, why in ((tmp_path / "missing.jsonl", "not found here"), (tmp_path, "is a directory")):
+        with pytest.raises(SystemExit, match=why):
+            fabfile.extract(Context(), host="gpu1", dataset=str(dataset))
+    with pytest.raises(SystemExit, match="must be an absolute path on the host"):
+        fabfile.extract(Context(), host="gpu1", dataset="data/x.jsonl", remote_dataset=True)
+
+
+def test_inventory_option_takes_a_file(tmp_path):
+    inv = tmp_path / "hosts.yml"
+    inv.write_text("all:\n  hosts:\n    gpu1:\n      ansible_host: 127.0.0.1\n      ansible_port: 1\n")
+    data = tmp_path / "d.jsonl"
+    data.write_text("{}\n")
+    out = _fab("extract", "-h", "gpu1", "-i", str(inv), "-d", str(data))
+    assert "no inventory" not in out.stderr and "cannot reach 127.0.0.1:1" in out.stderr, out.stderr
+    out = _fab("extract", "-h", "gpu1", "-i", str(tmp_path / "nope.yml"), "-d", str(data))
+    assert f"no inventory at {tmp_path / 'nope.yml'}:" in out.stderr, out.stderr
+
+
+def test_run_names():
+    assert check_run_name("kimi-2026.12_02") == "kimi-2026.12_02"
+    for bad in ("", "../x", "a b", "-x", "x" * 65):
+        with pytest.raises(ConfigError):
+            check_run_name(bad)
+
+
+def test_snapshot_reads_what_is_there(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "status.json").write_text(json.dumps({"state": "running", "samples": {"total": 10, "done": 4}}))
+    (state / "rejects.jsonl").write_text('{"line": 3, "reason": "bad json"}\n{"torn')
+    snap = snapshot.take("r1", str(state), str(tmp_path / "s"), str(tmp_path / "cap"), "sglang")
+    assert snap["driver"]["samples"]["done"] == 4 and snap["shipper"] is None and snap["hook"] is None
+    assert snap["rejects"] == [{"line": 3, "reason": "bad json"}]
+    assert snap["dump"]["total"] > 0
+
+
+def test_dashboard_shows_progress_rates_gpus_and_problems():
+    out = io.StringIO()
+    console = Console(file=out, width=120, force_terminal=False)
+    code = dashboard.watch(lambda: SNAP, "gpu1", "r1", once=True, console=console)
+    text = out.getvalue()
+    assert code == 0
+    for needle in ("40 done / 100", "PAUSED", "2,048", "5.80 GB", "30 (4.40 GB)", "chat.jsonl:5", "RTX PRO 6000", "97%",
+                   "no assistant turn", "timeout on line 7", "81.0% used"):
+        assert needle in text, needle
+    assert not dashboard.done(SNAP)
+    finished = {**SNAP, "units": {"hs-drive-r1": {"ActiveState": "inactive"}, "hs-ship-r1": {"ActiveState": "inactive"}}}
+    assert dashboard.done(finished)
+
+
+def test_a_driver_that_stops_short_ends_the_dashboard_with_exit_1_while_the_shipper_follows():
+    """A driver stopped by its failures leaves the shipper following (for a resume): fab must not wait for it."""
+    snap = {**SNAP, "driver": {**SNAP["driver"], "state": "stopped", "message": "stopped after 20 consecutive failures"},
+            "units": {"hs-drive-r1": {"ActiveState": "failed", "ExecMainStatus": "4"},
+                      "hs-ship-r1": {"ActiveState": "active"}}}
+    assert dashboard.stopped_short(snap) and dashboard.done(snap)
+    out = io.StringIO()
+    assert dashboard.watch(lambda: snap, "gpu1", "r1", interval=0.01,
+                           console=Console(file=out, width=200, force_terminal=False)) == 1
+    assert "driver stopped" in out.getvalue() and "20 consecutive failures" in out.getvalue()
+    assert "run the same fab extract again to resume" in out.getvalue()
+    running = {**snap, "units": {**snap["units"], "hs-drive-r1": {"ActiveState": "active"}}}
+    assert not dashboard.done(running), "a driver still running (state stopped is only final once its unit ends)"
+
+
+def test_h_alone_is_the_tasks_help_and_a_bad_number_is_one_line():
+    for name in ("extract", "status", "ship"):
+        out = _fab(name, "-h")
+        assert out.returncode == 0 and f"fab [--core-opts] {name} [--options]" in out.stdout, out.stderr
+        assert "--known-hosts" in out.stdout and "needed value" not in out.stderr
+    out = _fab("extract", "--host", "gpu1", "--limit", "abc")
+    assert out.returncode == 1 and out.stderr.strip() == "--limit takes a whole number, not 'abc'", out.stderr
+
+
+def test_each_option_has_the_same_short_flag_in_every_task():
+    import fabfile
+
+    shorts: dict[str, set[str]] = {}
+    for name in ("extract", "status", "stop", "ship", "verify"):
+        for arg in getattr(fabfile, name).get_arguments():
+            shorts.setdefault(arg.names[0], set()).update(arg.names[1:] or ["(none)"])
+    assert all(len(s) == 1 for s in shorts.values()), shorts
+    letters = [s for v in shorts.values() for s in v if s != "(none)"]
+    assert len(letters) == len(set(letters)), f"one letter, one option: {shorts}"
+    assert shorts["host"] == {"h"} and shorts["hosts"] == {"o"} and shorts["inventory"] == {"i"}
+
+
+def test_a_run_the_host_does_not_have_is_refused_naming_the_runs_it_has(monkeypatch):
+    import fabfile
+    from hs_patch.control import remote
+    from hs_patch.control.inventory import Target
+
+    t = Target(host="gpu1", state_root="/var/lib/hs-patch/runs")
+    monkeypatch.setattr(remote, "runs", lambda c, target: ["kimi-v2", "kimi-v1"])
+    with pytest.raises(SystemExit, match=r"no run 'nope' on gpu1 \(under /var/lib/hs-patch/runs\); its runs, newest "
+                                         r"first: kimi-v2, kimi-v1"):
+        fabfile._pick_run(None, t, "nope")
+    assert fabfile._pick_run(None, t, "kimi-v1") == "kimi-v1" and fabfile._pick_run(None, t, None) == "kimi-v2"
+    monkeypatch.setattr(remote, "runs", lambda c, target: [])
+    with pytest.raises(SystemExit, match="no run 'nope' on gpu1 .*none yet; start one with fab extract"):
+        fabfile._pick_run(None, t, "nope")
+
+
+def test_both_dashboards_follow_until_done_and_detach_on_a_lost_link_or_ctrl_c():
+    from hs_patch.control.fleet_dashboard import Row, watch as fleet_watch
+
+    out = io.StringIO()
+    console = Console(file=out, width=120, force_terminal=False)
+    views = iter([OSError("timed out")] * 4 + [{"n": 1}, OSError("reset")] + [{"n": 2}])
+
+    def fetch():
+        v = next(views)
+        if isinstance(v, Exception):
+            raise v
+        return v
+
+    got = dashboard.follow(fetch, lambda v: str(v), lambda v: v["n"] == 2, console=console, interval=0,
+                           gone=lambda why: f"gone: {why}", detached="detached")
+    assert got == {"n": 2}, "four failures, then a view: the count starts again"
+
+    def down():
+        raise OSError("Connection refused")
+
+    assert dashboard.watch(down, "gpu1", "r1", interval=0, console=console) == 2
+    assert "lost the connection to gpu1 (Connection refused). The job goes on there; reattach with: fab status " \
+           "--host gpu1 --run r1" in " ".join(out.getvalue().split())
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    assert dashboard.watch(interrupted, "gpu1", "r1", interval=0, console=console) == 2
+    assert "detached; the job goes on on gpu1" in out.getvalue()
+    rows = [Row("gpu1", "gpu1", "r1", "0/2"), Row("gpu2", "gpu2", "r1", "1/2")]
+    down_hosts = {"gpu1": OSError("no route"), "gpu2": OSError("no route")}
+    assert fleet_watch(lambda: down_hosts, rows, "r1", "fab status --hosts gpu --run r1", interval=0,
+                       console=console) == 2
+    assert "no host answers. The jobs go on there; reattach with: fab status --hosts gpu --run r1" in \
+        " ".join(out.getvalue().split())

@@ -1,0 +1,80 @@
+"""``fab extract --hosts`` and ``fab status --hosts`` as the operator runs them, against two
+loopback sshd's standing for two GPU hosts that are not provisioned: preflight runs on
+every host and fails, so nothing starts on any; the plan is fixed at the first start."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lab import loopback_sshd
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    servers = [loopback_sshd.start(tmp_path_factory.mktemp(f"sshd{i}")) for i in range(2)]
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+def inventory(tmp_path: Path, servers, names) -> Path:
+    known = tmp_path / "known_hosts"
+    known.write_text("".join(s.known_hosts.read_text() for s in servers))
+    hosts = {n: {"ansible_host": "127.0.0.1", "ansible_port": s.port, "ansible_user": s.host.split("@")[0],
+                 "ansible_ssh_private_key_file": str(s.key), "hs_ship_enabled": False}
+             for n, s in zip(names, servers)}
+    inv = tmp_path / "inv"
+    inv.mkdir(exist_ok=True)
+    (inv / "hosts.yml").write_text(yaml.safe_dump({"all": {"children": {"gpu_hosts": {"hosts": hosts}}}}))
+    return inv
+
+
+def fab(tmp_path: Path, inv: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HS_FLEET_DIR": str(tmp_path / "plans"), "PYTHONPATH": str(ROOT)}
+    return subprocess.run(["fab", *args, "--inventory", str(inv), "--known-hosts", str(tmp_path / "known_hosts")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_preflight_runs_on_every_host_and_one_failure_starts_nothing(hosts, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3]}\n')
+    inv = inventory(tmp_path, hosts, ["gpu-b", "gpu-a"])
+    r = fab(tmp_path, inv, "extract", "--hosts", "--dataset", str(data), "--run", "f1")
+    assert r.returncode != 0
+    assert "preflight failed on gpu-a, gpu-b; nothing was started on any host" in r.stderr, r.stderr
+    for name, shard in (("gpu-a", "0/2"), ("gpu-b", "1/2")):
+        assert f"{name} (run f1, shard {shard})" in r.stdout and f"{name:12} ok   ssh" in r.stdout, r.stdout
+        assert f"{name:12} FAIL patch" in r.stdout
+    plan = json.loads((tmp_path / "plans" / "f1.json").read_text())
+    assert plan["shards"] == {"gpu-a": 0, "gpu-b": 1}
+
+    # a host added to the group later takes no shard; --host of a fleet run runs that host's shard only
+    inv = inventory(tmp_path, hosts, ["gpu-b", "gpu-c"])
+    r = fab(tmp_path, inv, "extract", "--hosts", "gpu_hosts", "--dataset", str(data), "--run", "f1")
+    assert "gpu-c joined the group after run f1 started: it takes no shard" in r.stdout, r.stdout
+    assert "gpu-a is not in the group: its shard 0/2 is not being extracted" in r.stdout
+    assert "gpu-b (run f1, shard 1/2)" in r.stdout and "gpu-c (run" not in r.stdout
+    r = fab(tmp_path, inv, "extract", "--host", "gpu-b", "--dataset", str(data), "--run", "f1")
+    assert "gpu-b (run f1, shard 1/2)" in r.stdout and "preflight failed on gpu-b;" in r.stderr, r.stdout + r.stderr
+
+
+def test_fleet_options_that_cannot_work_are_refused_with_what_to_give(hosts, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3]}\n')
+    inv = inventory(tmp_path, hosts, ["gpu-a", "gpu-b"])
+    r = fab(tmp_path, inv, "extract", "--hosts", "--dataset", str(data))
+    assert "a fleet run needs --run NAME" in r.stderr
+    r = fab(tmp_path, inv, "extract", "--reassign", "gpu-a", "--host", "gpu-b", "--dataset", str(data), "--run", "f2")
+    assert "run f2 has no fleet plan" in r.stderr and "fab extract --hosts GROUP" in r.stderr, r.stderr
+    r = fab(tmp_path, inv, "status", "--hosts", "--run", "f2")
+    assert "run f2 has no fleet plan" in r.stderr
+    r = fab(tmp_path, inv, "extract", "--hosts", "nogroup", "--dataset", str(data), "--run", "f3")
+    assert "group 'nogroup' is not in inventory" in r.stderr, r.stderr

@@ -1,0 +1,197 @@
+"""The offline wheelhouse builder (hs_patch.control.wheelhouse).
+
+- Offline: real pip against a local index of small stand-in wheels carrying the real
+  names, versions and platform tags of the packages that matter (sglang 0.5.9 -> torch
+  2.9.1 -> nvidia-cudnn-cu12==9.10.2.21, and 0.5.9's cuDNN override): the lock, the
+  override, the download with --require-hashes, stale-file removal, and the refusals.
+- Slow: the REAL resolution on PyPI of every supported pin for CPython 3.12 / x86_64
+  (metadata only: nothing of the gigabytes is downloaded), timed.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import sys
+import time
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from hs_patch.control import wheelhouse as wh
+from hs_patch.releases import RELEASES
+
+def _wheel(dirpath: Path, name: str, version: str, tag: str, requires: list[str] = ()) -> Path:
+    dist = f"{name.replace('-', '_')}-{version}"
+    path = dirpath / f"{dist}-{tag}.whl"
+    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(
+        f"Requires-Dist: {r}\n" for r in requires)
+    files = {f"{dist}.dist-info/METADATA": meta,
+             f"{dist}.dist-info/WHEEL": f"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: false\nTag: {tag}\n"}
+    record = []
+    with zipfile.ZipFile(path, "w") as z:
+        for arc, text in files.items():
+            z.writestr(arc, text)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+            record.append(f"{arc},sha256={digest},{len(text)}")
+        z.writestr(f"{dist}.dist-info/RECORD", "\n".join(record + [f"{dist}.dist-info/RECORD,,"]) + "\n")
+    return path
+
+
+@pytest.fixture
+def index(tmp_path: Path) -> Path:
+    d = tmp_path / "index"
+    d.mkdir()
+    _wheel(d, "sglang", "0.5.9", "py3-none-any", ["torch==2.9.1", "ninja"])
+    _wheel(d, "torch", "2.9.1", "cp312-cp312-manylinux_2_28_x86_64",
+           ['nvidia-cudnn-cu12==9.10.2.21; platform_system == "Linux" and platform_machine == "x86_64"',
+            'nvidia-cublas-cu12==12.8.4.1; platform_system == "Linux"', 'pywin32; sys_platform == "win32"'])
+    _wheel(d, "torch", "2.9.1", "cp311-cp311-manylinux_2_28_x86_64", ["nvidia-cudnn-cu12==9.10.2.21"])
+    _wheel(d, "nvidia-cudnn-cu12", "9.10.2.21", "py3-none-manylinux_2_27_x86_64", ["nvidia-cublas-cu12"])
+    _wheel(d, "nvidia-cudnn-cu12", "9.16.0.29", "py3-none-manylinux_2_27_x86_64", ["nvidia-cublas-cu12"])
+    _wheel(d, "nvidia-cublas-cu12", "12.8.4.1", "py3-none-manylinux_2_27_x86_64")
+    _wheel(d, "ninja", "1.13.2", "py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64")
+    return d
+
+
+def _build(index: Path, dest: Path, **kw):
+    return wh.build(["0.5.9"], dest, index_args=["--no-index", "--find-links", str(index)], **kw)
+
+
+@pytest.fixture(autouse=True)
+def _clean_pip_env(monkeypatch):
+    """pip as the builder runs it, but blind to this machine's pip configuration (a local
+    find-links and a constraints file that caps torch): the resolution must be the index's alone."""
+    for k in [k for k in os.environ if k.startswith("PIP_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+
+
+def test_lock_holds_the_complete_set_with_the_cudnn_override(index, tmp_path):
+    (summary,) = _build(index, tmp_path / "wh", resolve_only=True)
+    pin = tmp_path / "wh" / "0.5.9"
+    lines = [x for x in (pin / wh.LOCK).read_text().splitlines() if not x.startswith("#")]
+    names = {x.split("==")[0]: x.split("==")[1].split()[0] for x in lines}
+    assert names == {"sglang": "0.5.9", "torch": "2.9.1", "nvidia-cudnn-cu12": "9.16.0.29",
+                     "nvidia-cublas-cu12": "12.8.4.1", "ninja": "1.13.2"}
+    assert all(" --hash=sha256:" in x for x in lines)
+    assert summary["packages"] == 5 and summary["overrides"] == ["nvidia-cudnn-cu12==9.16.0.29"]
+    assert "manylinux_2_28_x86_64" in summary["platform_tags_used"] and "any" in summary["platform_tags_used"]
+    # the cp312 torch, not the cp311 one; resolve-only downloads nothing
+    assert "torch-2.9.1-cp312-cp312-manylinux_2_28_x86_64.whl" in json.loads((pin / wh.REPORT).read_text())["files"]
+    assert not list(pin.glob("*.whl"))
+
+
+def test_download_fetches_exactly_the_locked_files_and_drops_stale_ones(index, tmp_path):
+    pin = tmp_path / "wh" / "0.5.9"
+    pin.mkdir(parents=True)
+    (pin / "torch-2.8.0-cp312-cp312-manylinux_2_28_x86_64.whl").write_bytes(b"old build")
+    (summary,) = _build(index, tmp_path / "wh")
+    got = sorted(p.name for p in pin.glob("*.whl"))
+    assert got == sorted(json.loads((pin / wh.REPORT).read_text())["files"])
+    assert "nvidia_cudnn_cu12-9.16.0.29-py3-none-manylinux_2_27_x86_64.whl" in got
+    assert "nvidia_cudnn_cu12-9.10.2.21-py3-none-manylinux_2_27_x86_64.whl" not in got
+    assert summary["removed_stale"] == ["torch-2.8.0-cp312-cp312-manylinux_2_28_x86_64.whl"]
+
+
+def test_a_damaged_download_is_refused(index, tmp_path, monkeypatch):
+    real = wh._pip
+
+    def corrupting(pip, args, timeout):
+        proc = real(pip, args, timeout)
+        if args[0] == "download":
+            (tmp_path / "wh" / "0.5.9" / "ninja-1.13.2-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl"
+             ).write_bytes(b"truncated")
+        return proc
+
+    monkeypatch.setattr(wh, "_pip", corrupting)
+    with pytest.raises(wh.WheelhouseError, match="is not the locked"):
+        _build(index, tmp_path / "wh")
+
+
+def test_an_override_whose_needs_the_set_lacks_is_refused(index, tmp_path):
+    (index / "nvidia_cudnn_cu12-9.16.0.29-py3-none-manylinux_2_27_x86_64.whl").unlink()
+    _wheel(index, "nvidia-cudnn-cu12", "9.16.0.29", "py3-none-manylinux_2_27_x86_64", ["nvidia-cublas-cu12>=12.9"])
+    with pytest.raises(wh.WheelhouseError, match=r"needs nvidia-cublas-cu12>=12.9, the set has nvidia-cublas-cu12==12.8"):
+        _build(index, tmp_path / "wh", resolve_only=True)
+
+
+def test_a_torch_that_disagrees_with_releases_is_refused(index, tmp_path):
+    for p in index.glob("sglang-*"):
+        p.unlink()
+    _wheel(index, "sglang", "0.5.9", "py3-none-any", ["torch==2.9.0"])
+    _wheel(index, "torch", "2.9.0", "cp312-cp312-manylinux_2_28_x86_64")
+    with pytest.raises(wh.WheelhouseError, match="resolved torch 2.9.0, hs_patch.releases says 2.9.1"):
+        _build(index, tmp_path / "wh", resolve_only=True)
+
+
+def test_an_unsupported_pin_and_an_unresolvable_set_say_what_to_do(index, tmp_path):
+    with pytest.raises(wh.WheelhouseError, match="not a release hs-patch supports"):
+        wh.build(["0.5.10"], tmp_path / "wh", resolve_only=True)
+    (index / "nvidia_cublas_cu12-12.8.4.1-py3-none-manylinux_2_27_x86_64.whl").unlink()
+    with pytest.raises(wh.WheelhouseError, match="pip failed"):
+        _build(index, tmp_path / "wh", resolve_only=True)
+
+
+def test_platform_tags_cover_every_manylinux_level_up_to_the_host_glibc():
+    tags = wh.Target().platforms()
+    assert tags[0] == "manylinux_2_39_x86_64" and "manylinux_2_17_x86_64" in tags
+    assert {"manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"} <= set(tags)
+    assert len(tags) == 23 + 3
+
+
+def _unmet(wheels: list[wh.Wheel], target: wh.Target, overridden: set[str]) -> list[str]:
+    """The requirements of ``wheels`` (on ``target``) the set does not meet, but those on an overridden package."""
+    from packaging.requirements import Requirement
+
+    have = {wh._norm(w.name): w.version for w in wheels}
+    env = target.marker_env()
+    unmet = []
+    for w in wheels:
+        for spec in w.requires:
+            req = Requirement(spec)
+            name = wh._norm(req.name)
+            if (req.marker is not None and not req.marker.evaluate(env)) or name in overridden:
+                continue
+            if name not in have or not req.specifier.contains(have[name], prereleases=True):
+                unmet.append(f"{w.name} {w.version} needs {spec}, the set has {have.get(name, 'none')}")
+    return unmet
+
+
+def _installable(filename: str, target: wh.Target) -> bool:
+    """A wheel pip installs on ``target``: its python, abi and platform tags (PEP 425)."""
+    py, abi, plat = filename[:-4].split("-")[-3:]
+    cp = "cp" + target.python_version.replace(".", "")
+    pys, abis, plats = set(py.split(".")), set(abi.split(".")), set(plat.split("."))
+    py_ok = bool(pys & {"py3", cp}) or any(p.startswith("cp3") and int(p[3:]) <= int(cp[3:]) for p in pys)
+    return py_ok and bool(abis & {"none", "abi3", cp}) and bool(plats & {"any", *target.platforms()})
+
+
+@pytest.mark.slow
+def test_every_supported_pin_resolves_on_pypi_for_python_3_12():
+    """The real complete set of each pin, metadata only (no wheel downloaded), all pins at once: every
+    requirement met inside the set, every wheel installable on the GPU host, the overrides in."""
+    target = wh.Target()
+
+    def one(pin: str):
+        started = time.monotonic()
+        wheels, s = wh.resolve_pin(pin, target, pip=(sys.executable, "-m", "pip"))
+        return pin, wheels, s, time.monotonic() - started
+
+    with ThreadPoolExecutor(len(RELEASES)) as pool:
+        results = list(pool.map(one, sorted(RELEASES)))
+    for pin, wheels, s, took in results:
+        print(f"sglang {pin}: {s['packages']} wheels resolved in {took:.0f}s; tags {s['platform_tags_used']}")
+        lock = wh.lock_text(pin, wheels, s["overrides"])
+        assert f"sglang=={pin} --hash=sha256:" in lock
+        assert f"torch=={RELEASES[pin].torch} --hash" in lock
+        for override in RELEASES[pin].pip_overrides:
+            assert f"{override} --hash" in lock
+        overridden = {wh._norm(o.split("==")[0]) for o in RELEASES[pin].pip_overrides}
+        assert not _unmet(wheels, target, overridden), (pin, _unmet(wheels, target, overridden))
+        assert [w.filename for w in wheels if not _installable(w.filename, target)] == [], pin
+        assert len({wh._norm(w.name) for w in wheels}) == len(wheels) == s["packages"], "one wheel a package"

@@ -1,0 +1,121 @@
+"""Drafter serving ids: our rules per release equal what each release's real code does."""
+
+from __future__ import annotations
+
+import ast
+import json
+import types
+from pathlib import Path
+
+import pytest
+
+from hs_patch import serving
+from hs_patch.host.extract_cli import main
+from lab.sample_files import write_run
+
+TARGET = "sglang/srt/models/deepseek_v2.py"
+KIMI = "sglang/srt/models/kimi_k25.py"
+
+
+def real_setter(site: Path):
+    """``DeepseekV2ForCausalLM.set_eagle3_layers_to_capture`` compiled from the release's own source."""
+    tree = ast.parse((site / TARGET).read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DeepseekV2ForCausalLM")
+    fn = next(f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "set_eagle3_layers_to_capture")
+    fn.decorator_list, fn.returns = [], None
+    for a in fn.args.args:
+        a.annotation = None
+    ns: dict = {}
+    exec(compile(ast.fix_missing_locations(ast.Module(body=[fn], type_ignores=[])), "<real>", "exec"), ns)
+    return ns["set_eagle3_layers_to_capture"]
+
+
+def run_real(setter, ids, n: int) -> list[int]:
+    me = types.SimpleNamespace(pp_group=types.SimpleNamespace(is_last_rank=True), model=types.SimpleNamespace(),
+                               config=types.SimpleNamespace(num_hidden_layers=n))
+    setter(me, ids)
+    return list(me.model.layers_to_capture)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", ["0.5.9", "0.5.16", "0.5.23"])
+def test_rules_equal_the_releases_own_code(release_sources, version):
+    setter = real_setter(release_sources[version])
+    for ids in (None, [1, 29, 57], [2, 30, 58], [0, 5], [1], [3, 31, 59], [1, 2, 3]):
+        assert serving.layers_to_capture(version, ids, 61) == run_real(setter, ids, 61), (version, ids)
+    # the ids we hand out make the real code capture exactly our planes
+    for planes in ([2, 30, 58], [3, 31, 59], [5, 10]):
+        try:
+            ids = serving.eagle_ids(version, planes, 61, cuda_graph=False)
+        except serving.NotServable:
+            assert version != "0.5.9"
+            continue
+        assert run_real(setter, ids, 61) == planes
+    kimi = ast.parse((release_sources[version] / KIMI).read_text())
+    wrapper = next(n for n in kimi.body if isinstance(n, ast.ClassDef) and n.name == serving.KIMI_K25)
+    has = any(isinstance(f, ast.FunctionDef) and f.name == "set_eagle3_layers_to_capture" for f in wrapper.body)
+    assert has == serving.rule(version).serves_kimi_k25
+
+
+def test_the_default_capture_is_served_on_every_release_with_one_config():
+    for release in serving.SERVING_RULES:
+        assert serving.eagle_ids(release, [2, 30, 58], 61) == [1, 29, 57]
+    with pytest.raises(serving.NotServable, match="Kimi-K2.5"):
+        serving.eagle_ids("0.5.9", [2, 30, 58], 61, "KimiK25ForConditionalGeneration")
+    assert serving.eagle_ids("0.5.16", [2, 30, 58], 61, "KimiK25ForConditionalGeneration") == [1, 29, 57]
+    with pytest.raises(serving.NotServable, match="CUDA-graph"):
+        serving.eagle_ids("0.5.9", [3, 31, 59], 61)
+    assert serving.eagle_ids("0.5.9", [3, 31, 59], 61, cuda_graph=False) == [2, 30, 58]
+    assert serving.eagle_ids("0.5.23", [3, 31, 59], 61) == [3, 31, 59]
+    with pytest.raises(serving.NotServable, match="layer.1 cannot lead"):
+        serving.eagle_ids("0.5.16", [1, 30, 58], 61)
+    with pytest.raises(serving.NotServable, match="not been read"):
+        serving.eagle_ids("0.5.12", [2, 30, 58], 61)
+
+
+def test_cli_writes_the_block_into_a_drafter_config(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 7168}))
+    assert main(["drafter-config", "--serve-release", "0.5.23", "--layers", "2,30,58", "--num-layers", "61",
+                 "--into", str(cfg)]) == 0
+    assert json.loads(capsys.readouterr().out) == {
+        "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [1, 29, 57]}}
+    written = json.loads(cfg.read_text())
+    assert written["hidden_size"] == 7168 and written["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 29, 57]
+    assert main(["drafter-config", "--serve-release", "0.5.9", "--layers", "2,30,58", "--num-layers", "61",
+                 "--architecture", "KimiK25ForConditionalGeneration"]) == 2
+    assert "cannot serve an EAGLE-3 drafter on Kimi-K2.5" in capsys.readouterr().err
+
+
+def test_cli_reads_the_layers_of_an_export_and_of_samples(tmp_path, capsys):
+    from hs_patch.host.export.run import export
+    from hs_patch.host.export.spec import ExportSpec
+
+    kimi = tmp_path / "kimi"   # what export and drafter-config read of a model dir: its config.json
+    kimi.mkdir()
+    (kimi / "config.json").write_text(json.dumps({"architectures": ["KimiK25ForConditionalGeneration"], "text_config": {
+        "num_hidden_layers": 61, "hidden_size": 32, "vocab_size": 512}}))
+    src = tmp_path / "run"
+    write_run(src, 2, shipped=True)                       # layers 2, 30, 58
+    s = export(src, tmp_path / "sf", ExportSpec("specforge", model=str(kimi)))
+    table = s.info["serving"]["releases"]                 # recorded in export.json
+    assert "cannot serve an EAGLE-3 drafter on Kimi-K2.5" in table["0.5.9"]["refused"]
+    assert all(table[r] == {"eagle_aux_hidden_state_layer_ids": [1, 29, 57]} for r in ("0.5.14", "0.5.16", "0.5.23"))
+    assert json.loads((tmp_path / "sf" / "export.json").read_text())["serving"]["releases"] == table
+    assert main(["drafter-config", "--serve-release", "0.5.23", "--export", str(tmp_path / "sf")]) == 0
+    assert json.loads(capsys.readouterr().out)["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 29, 57]
+    assert main(["drafter-config", "--serve-release", "0.5.9", "--export", str(tmp_path / "sf")]) == 2
+    assert main(["drafter-config", "--serve-release", "0.5.16", "--samples", str(src), "--num-layers", "61"]) == 0
+    assert json.loads(capsys.readouterr().out)["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 29, 57]
+
+
+def test_hs_patch_status_prints_the_serving_ids(release_sources, capsys, monkeypatch):
+    from hs_patch.host.patch_cli import main as patch_main
+
+    monkeypatch.setenv("HS_CAPTURE_LAYERS", "2,30,58")
+    assert patch_main(["status", "--site", str(release_sources["0.5.16"])]) == 0
+    assert "eagle_aux_hidden_state_layer_ids [1, 29, 57] feed layers [2, 30, 58]" in capsys.readouterr().out
+    assert patch_main(["status", "--site", str(release_sources["0.5.16"]), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["serving"] == {"release": "0.5.16", "eagle_aux_hidden_state_layer_ids": [1, 29, 57],
+                             "checked_with_model": False}

@@ -1,0 +1,285 @@
+"""hs-extract export: every tensor the trainers' OWN readers load equals the source, bit for bit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hs_patch import reader, store
+from hs_patch.host.export import layout
+from hs_patch.host.export.run import export
+from hs_patch.host.export.spec import ExportRefused, ExportSpec
+from lab.sample_files import flip_byte, write_finished, write_run
+from lab.trainers import need
+
+LAYERS = (2, 30, 58)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's raw bits, so equality is bit equality (NaN == NaN, -0 != +0)."""
+    t = t.contiguous()
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}
+                                                                     [t.element_size()])
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def sources(src: Path) -> dict[str, reader.Sample]:
+    return {s.key: s for s in reader.iter_samples(src)}
+
+
+@pytest.fixture
+def src(tmp_path: Path) -> Path:
+    d = tmp_path / "run"
+    write_run(d, 7, shipped=True)   # a shipped destination: manifest.jsonl + samples/<key>.safetensors
+    return d
+
+
+# --------------------------------------------------------------------------- SpecForge
+
+
+def specforge_samples(dst: Path) -> list[dict[str, torch.Tensor]]:
+    """What SpecForge 0.2.0 trains on: its offline reader's refs, its store's file read, its normalizer."""
+    need("specforge")
+    from specforge.algorithms.eagle3.data import normalize_offline_sample
+    from specforge.runtime.data_plane.feature_store import LocalFeatureStore
+    from specforge.runtime.data_plane.offline_reader import OfflineManifestReader
+
+    refs = OfflineManifestReader(str(dst), validate_files=True).read()
+    fs = LocalFeatureStore()
+    out = []
+    for ref in refs:
+        raw, handle = fs.get(ref)
+        out.append({"raw": raw, "norm": normalize_offline_sample(raw, max_len=4096), "path": ref.feature_store_uri})
+        fs.release(handle)
+    return out
+
+
+def test_specforge_reads_every_sample_bit_for_bit(src, tmp_path):
+    dst = tmp_path / "sf"
+    s = export(src, dst, ExportSpec("specforge"), workers=2)
+    assert s.state == "complete" and s.exported == 7 and not s.failed
+    got = specforge_samples(dst)
+    assert len(got) == 7
+    want = sources(src)
+    for g in got:
+        raw = g["raw"]
+        sample = want[Path(g["path"]).name[: -len(".ckpt")]]
+        n = sample.input_ids.shape[0]
+        assert same_bits(raw["input_ids"], sample.input_ids)
+        assert same_bits(raw["loss_mask"], sample.tensors["loss_mask"].to(torch.int64))
+        assert same_bits(raw["hidden_state"], sample.plane("final.post_norm").reshape(1, n, -1))
+        aux = torch.cat([sample.plane(f"layer.{i}") for i in LAYERS], dim=-1).reshape(1, n, -1)
+        assert same_bits(raw["aux_hidden_state"], aux)
+        # SpecForge's own normalizer sees the same values (it only zeroes the last loss position)
+        assert same_bits(g["norm"]["target"], raw["hidden_state"])
+        assert same_bits(g["norm"]["hidden_state"], aux)
+    info = json.loads((dst / "export.json").read_text())
+    assert info["state"] == "complete" and info["final"] == "post_norm" and info["samples"] == 7
+
+
+def test_specforge_refuses_what_it_cannot_hold(tmp_path):
+    four = tmp_path / "four"
+    write_run(four, 2, layers=(2, 30, 58, 60))
+    with pytest.raises(ExportRefused, match="exactly 3 aux layers"):
+        export(four, tmp_path / "a", ExportSpec("specforge"))
+    assert export(four, tmp_path / "b", ExportSpec("specforge", layers=[30, 58, 60])).state == "complete"
+    pre = tmp_path / "pre"
+    write_run(pre, 2, final="pre")
+    with pytest.raises(ExportRefused, match="AFTER the final norm"):
+        export(pre, tmp_path / "c", ExportSpec("specforge"))
+    with pytest.raises(ExportRefused, match="needs --model"):
+        export(pre, tmp_path / "d", ExportSpec("specforge", derive_post_norm=True))
+    with pytest.raises(ExportRefused, match="no fp8 reader"):
+        export(four, tmp_path / "e", ExportSpec("specforge", layers=[2, 30, 58], fp8=True))
+
+
+def test_derive_post_norm_uses_the_models_norm_weight(tmp_path, tiny_model_dir):
+    from hs_patch.host.model_files import model_info, read_tensor, rms_norm
+
+    pre = tmp_path / "pre"
+    write_run(pre, 3, final="pre", layers=(1, 2, 3), hidden=64)
+    dst = tmp_path / "sf"
+    assert export(pre, dst, ExportSpec("specforge", derive_post_norm=True, model=str(tiny_model_dir))).state == \
+        "complete"
+    w, eps = read_tensor(tiny_model_dir, "model.norm.weight"), model_info(tiny_model_dir).rms_norm_eps
+    want = sources(pre)
+    for g in specforge_samples(dst):
+        sample = want[Path(g["path"]).name[: -len(".ckpt")]]
+        derived = rms_norm(sample.plane("final.pre_norm"), w, eps)
+        assert same_bits(g["raw"]["hidden_state"][0], derived)
+
+
+# --------------------------------------------------------------------------- speculators
+
+
+def speculators_rows(dst: Path, *, fp8: bool = False) -> list[dict[str, torch.Tensor]]:
+    """speculators 0.9.0's ArrowDataset over the export (on_missing=raise: nothing generated)."""
+    need("speculators")
+    from hs_connectors import FP8Transfer
+    from speculators.train.data import ArrowDataset
+
+    transfer = FP8Transfer(dst / "hidden_states_fp8") if fp8 else None
+    ds = ArrowDataset(max_len=4096, datapath=str(dst), transfer=transfer, on_missing="raise")
+    rows = [ds[i] for i in range(len(ds))]
+    assert all(isinstance(r, dict) for r in rows), "speculators found a row unavailable"
+    return rows
+
+
+def stacked(sample: reader.Sample) -> torch.Tensor:
+    return torch.stack([sample.plane(f"layer.{i}") for i in LAYERS] + [sample.plane("final.pre_norm")], dim=1)
+
+
+def test_speculators_reads_every_row_bit_for_bit(src, tmp_path):
+    dst = tmp_path / "sp"
+    assert export(src, dst, ExportSpec("speculators"), workers=2).state == "complete"
+    by_ids = {tuple(s.input_ids.tolist()): s for s in sources(src).values()}
+    rows = speculators_rows(dst)
+    assert len(rows) == 7
+    for r in rows:
+        sample = by_ids[tuple(r["input_ids"].tolist())]
+        st = stacked(sample)
+        assert same_bits(r["hidden_states"], st[:, :-1].flatten(1))              # [L, 3H]
+        assert same_bits(r["verifier_last_hidden_states"], st[:, -1])            # pre-norm final
+        assert same_bits(r["loss_mask"], sample.tensors["loss_mask"].to(torch.int64))
+        assert same_bits(r["input_ids"], sample.input_ids)
+        assert int(r["lengths"]) == sample.input_ids.shape[0]
+    import datasets
+
+    table = datasets.load_from_disk(str(dst))
+    assert table.column_names == ["input_ids", "loss_mask", "seq_len"]
+    assert [int(x) for x in table.with_format(None)["seq_len"]] == [len(r["input_ids"]) for r in rows]
+
+
+def test_speculators_fp8_is_hs_connectors_quantizer_bit_for_bit(src, tmp_path):
+    need("hs_connectors")
+    from hs_connectors.fp8_utils import dequantize_fp8_tensor, quantize_tensor_to_fp8
+    from safetensors.torch import load_file
+
+    dst = tmp_path / "sp8"
+    assert export(src, dst, ExportSpec("speculators", fp8=True)).state == "complete"
+    assert not (dst / "hidden_states").exists(), "fp8 files must not sit where the default file backend reads"
+    entries = layout.live_entries(dst)
+    want = sources(src)
+    rel_err = []
+    for key, e in entries.items():
+        raw = load_file(str(dst / e["file"]))
+        q, scale = quantize_tensor_to_fp8(stacked(want[key]))    # hs_connectors' own quantizer
+        assert same_bits(raw["hidden_states"], q) and same_bits(raw["hidden_states_scales"], scale)
+        assert set(raw) == {"token_ids", "hidden_states", "hidden_states_scales"}
+        deq = dequantize_fp8_tensor(q, scale)
+        rel_err.append(float((deq.float() - stacked(want[key]).float()).norm() / stacked(want[key]).float().norm()))
+    rows = speculators_rows(dst, fp8=True)            # FP8Transfer dequantizes transparently
+    by_ids = {tuple(s.input_ids.tolist()): s for s in want.values()}
+    for r in rows:
+        st = stacked(by_ids[tuple(r["input_ids"].tolist())])
+        deq = dequantize_fp8_tensor(*quantize_tensor_to_fp8(st))
+        assert same_bits(r["hidden_states"], deq[:, :-1].flatten(1))
+        assert same_bits(r["verifier_last_hidden_states"], deq[:, -1])
+    assert max(rel_err) < 0.05   # e4m3 with per-token scales: ~2-3% relative error on Gaussian states
+
+
+def test_speculators_refuses_post_norm_only(tmp_path):
+    post = tmp_path / "post"
+    write_run(post, 2, final="post")
+    with pytest.raises(ExportRefused, match="cannot be derived"):
+        export(post, tmp_path / "x", ExportSpec("speculators"))
+
+
+# --------------------------------------------------------------------------- resume, idempotence, stale files
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "speculators"])
+def test_rerun_redoes_only_damage_and_leaves_nothing_stale(src, tmp_path, fmt):
+    dst = tmp_path / fmt
+    assert export(src, dst, ExportSpec(fmt)).exported == 7
+    again = export(src, dst, ExportSpec(fmt))
+    assert (again.exported, again.kept, again.state) == (0, 7, "complete")
+    entries = layout.live_entries(dst)
+    victim = sorted(entries)[3]
+    path = dst / entries[victim]["file"]
+    flip_byte(path, -3, 0x40)
+    stray = dst / ("samples/old-run.ckpt" if fmt == "specforge" else "hidden_states/hs_99.safetensors")
+    stray.write_bytes(b"left by an older export")
+    fixed = export(src, dst, ExportSpec(fmt))
+    assert (fixed.exported, fixed.kept, fixed.swept) == (1, 6, 1) and not stray.exists()
+    assert store.verify_entry(dst, layout.live_entries(dst)[victim]) is None
+    # a sample removed from the source leaves the export; speculators' rows stay dense
+    gone = sorted(entries)[1]
+    store.Manifest(src).remove(gone)
+    write_finished(src, [9, 8, 7, 6], seed=99, shipped=True)
+    after = export(src, dst, ExportSpec(fmt))
+    assert after.removed == 1 and after.exported == 1 and after.state == "complete"
+    live = layout.live_entries(dst)
+    assert gone not in live and len(live) == 7
+    if fmt == "specforge":
+        assert len(specforge_samples(dst)) == 7 and not (dst / f"samples/{gone}.ckpt").exists()
+    else:
+        assert sorted(e["row"] for e in live.values()) == list(range(7))
+        assert len(list((dst / "hidden_states").glob("hs_*.safetensors"))) == 7
+        rows = speculators_rows(dst)     # its own token-id check pairs every row with its file
+        assert sorted(tuple(r["input_ids"].tolist()) for r in rows) == \
+            sorted(tuple(s.input_ids.tolist()) for s in sources(src).values())
+
+
+def test_damaged_source_fails_that_sample_only(src, tmp_path):
+    entries = store.read_manifest(src)
+    key = sorted(entries)[0]
+    p = src / entries[key]["file"]
+    flip_byte(p, -1, 1)
+    s = export(src, tmp_path / "sf", ExportSpec("specforge"))
+    assert s.state == "incomplete" and list(s.failed) == [key] and "damaged" in s.failed[key]
+    assert s.exported == 6
+    assert json.loads((tmp_path / "sf" / "export.json").read_text())["state"] == "incomplete"
+
+
+def test_destination_must_be_new_or_the_same_export(src, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(ExportRefused, match="not empty"):
+        export(src, other, ExportSpec("specforge"))
+    dst = tmp_path / "sp"
+    export(src, dst, ExportSpec("speculators"))
+    with pytest.raises(ExportRefused, match="another export"):
+        export(src, dst, ExportSpec("speculators", fp8=True))
+
+
+def test_raw_capture_without_loss_mask_is_refused(tmp_path):
+    raw = tmp_path / "raw"
+    t = torch.tensor([1, 2, 3])
+    key = store.sample_key(t)
+    planes = store.plane_names([2, 30, 58], "both")
+    w = store.write_tensors(raw, key, {"input_ids": t, **{p: torch.zeros(3, 8, dtype=torch.bfloat16) for p in planes}},
+                            {"format": store.FORMAT, "key": key, "num_tokens": "3", "planes": ",".join(planes),
+                             "layers": "2,30,58", "final": "both", "dtype": "bfloat16", "hidden_size": "8"})
+    store.Manifest(raw).add(w)
+    s = export(raw, tmp_path / "x", ExportSpec("specforge"))
+    assert s.state == "incomplete" and "no loss_mask" in s.failed[key]
+
+
+def test_cli_export_and_exit_codes(src, tmp_path, capsys):
+    from hs_patch.host.extract_cli import main
+
+    assert main(["export", "--format", "speculators", "--json", "--workers", "1", str(src), str(tmp_path / "sp")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["state"] == "complete" and out["exported"] == 7
+    assert main(["export", "--format", "specforge", "--layers", "2,30", str(src), str(tmp_path / "sf")]) == 1
+    assert "exactly 3" in capsys.readouterr().err
+
+
+def test_cli_export_of_a_missing_or_empty_source_says_which(tmp_path, capsys):
+    from hs_patch.host.extract_cli import main
+
+    (tmp_path / "file").write_text("")
+    (tmp_path / "empty").mkdir()
+    for src, says in (("missing", "missing does not exist"), ("file", "file is not a directory"),
+                      ("empty", "no samples in manifest.jsonl")):
+        assert main(["export", "--format", "speculators", str(tmp_path / src), str(tmp_path / "out")]) == 1
+        assert says in capsys.readouterr().err, src
+    assert not (tmp_path / "out").exists(), "nothing is written for a refused source"

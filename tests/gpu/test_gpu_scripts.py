@@ -1,0 +1,96 @@
+"""The GPU proof's extraction phase, rehearsed on the CPU against stand-in servers.
+
+CI has no GPU, so tests/gpu/ runs only by hand; this runs its extraction code path (two
+servers, three rows in rotating order, a real ``hs-extract drive`` subprocess per round)
+with the stand-in server as the launcher, so a broken script is found here, not on the
+lent machine. It checks the mechanics, not the speeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+
+import common  # noqa: E402
+import extract  # noqa: E402
+
+
+def free_port_block(n: int) -> int:
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n < 65000 and all(_free(base + i) for i in range(n)):
+            return base
+    raise RuntimeError("no free port block")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+@pytest.fixture
+def standin_site(release_sources, tmp_path, monkeypatch) -> Path:
+    """A copy of 0.5.16's sources to patch, the stand-in as the scripts' server, their record under tmp_path."""
+    site = tmp_path / "site"
+    shutil.copytree(release_sources["0.5.16"], site)
+    monkeypatch.setattr(common.Server, "LAUNCHER", [sys.executable, str(ROOT / "tests/lab/standin_server.py"),
+                                                   "--accept-sglang-flags", "--release", "0.5.16", "--threads", "1"])
+    common.REC.out, common.REC.logs = tmp_path / "out", tmp_path / "logs"
+    common.REC.out.mkdir()
+    common.REC.logs.mkdir()
+    return site
+
+
+@pytest.mark.slow
+def test_extraction_phase_runs_end_to_end_on_standins(standin_site, tiny_model_dir, tmp_path):
+    a = argparse.Namespace(site=str(standin_site), work=str(tmp_path / "work"), dump_root=str(tmp_path / "dumps"),
+                           prompts=5, tokens=40, long_prompts=1, long_tokens=150, concurrency=3, chunk=64, reps=1,
+                           port=free_port_block(4) - 1, mem_fraction=0.3, tp_size=1,
+                           warmup_prompts=2, round_offset=1)
+    res = extract.extraction(a, str(tiny_model_dir), "cpu")
+    assert [len(res[r]["tok_s"]) for r in extract.ROWS] == [1, 1, 1]
+    assert res["order"] == [["driver", "pristine", "capture"]]  # round 1, two places on: a second call's round
+    runs = res["driver"]["runs"]
+    assert all(run["exit_code"] == 0 and run["samples_clean"] for run in runs)
+    assert [run["done"] for run in runs] == [2, 5]  # the shorter warm-up round, then a measured one
+    assert set(res["ratios"]) == {"capture/pristine", "driver/pristine"}
+    assert res["hook_status"]["errors"] == 0 and res["hook_status"]["with_intent"] > 0
+    extract.summarize_extraction("extract_cpu", res)
+
+
+@pytest.mark.slow
+def test_tp_phase_runs_end_to_end_and_catches_a_server_that_is_not_tp(standin_site, tiny_model_dir, tmp_path):
+    """The TP phase's mechanics on CPU stand-ins. The stand-in ignores --tp-size, so its "TP=2" server is
+    TP=1: planes, files and top-1 agree, and the rank and metadata checks must say it was not TP=2."""
+    import tp_compare
+
+    a = argparse.Namespace(site=str(standin_site), work=str(tmp_path / "work"), dump_root=str(tmp_path / "dumps"),
+                           port=free_port_block(1), mem_fraction=0.3, tp_size=2, tp_chunk=64,
+                           tp_lengths="40,150,7,90", layers=3, envelope_factor=4.0)
+    res = tp_compare.tp_compare(a, str(tiny_model_dir), "cpu")
+    assert res["planes_ok"] and all(t["rel_tpN_vs_tp1_max"] == 0.0 for t in res["planes"]), res["planes"]
+    assert [t["plane"] for t in res["planes"]] == ["layer.0", "layer.1", "layer.2", "final.pre_norm",
+                                                   "final.post_norm"]
+    # the envelope is measured, not assumed; layer.0 is the embedding, exact in both dtypes (bf16 weights)
+    assert [t["bf16_envelope_max"] > 0 for t in res["planes"]] == [False, True, True, True, True], res["planes"]
+    assert res["top1"]["ok"] and res["top1"]["positions"] == 40 + 150 + 7 + 90
+    f = res["files"]
+    assert (f["prompts_in_manifest"], f["inspect_clean"]) == (4, True) and f["sample_files"] == f["manifest_entries"]
+    assert f["metadata_tp"] == [("1", "0")] and not f["ok"], "samples written at TP=1 must not pass as TP=2"
+    assert res["ranks"] == {"capturing": [(0, 1)], "silent": [], "ok": False}
+    assert not res["ok"]
+    tp_compare.summarize_tp("cpu", res)

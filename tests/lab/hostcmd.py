@@ -1,0 +1,80 @@
+"""Commands, processes and mounts on this machine, as the test-host lab runs and watches them.
+
+Processes are known by pid AND start time (a reused pid is not ours); nothing is found or killed
+by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+class LabError(RuntimeError):
+    """Raised with a message that says what to do."""
+
+
+def run(cmd: list[str], check: bool = True, **kw) -> subprocess.CompletedProcess:
+    kw.setdefault("stdout", subprocess.PIPE)
+    kw.setdefault("stderr", subprocess.PIPE)
+    kw.setdefault("text", True)
+    proc = subprocess.run(cmd, check=False, **kw)
+    if check and proc.returncode != 0:
+        raise LabError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr or ''}{proc.stdout or ''}")
+    return proc
+
+
+@contextlib.contextmanager
+def umask(mask: int):
+    """Run the block under ``mask``, restoring the caller's umask after."""
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def log(msg: str) -> None:
+    print(f"testhosts: {msg}", file=sys.stderr, flush=True)
+
+
+def proc_start_time(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def alive(pid: int | None, start: str | None) -> bool:
+    """True if ``pid`` still is the process we started (pid reuse guarded by start time)."""
+    if not pid:
+        return False
+    now = proc_start_time(pid)
+    if now is None:
+        return False
+    if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+        return False
+    return start is None or now == start
+
+
+def wait_gone(pid: int, start: str | None, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    for _ in range(int(timeout * 10) + 1):
+        if not alive(pid, start):
+            return True
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    return not alive(pid, start)
+
+
+def is_mount(path: Path) -> bool:
+    target = str(path.resolve())
+    with open("/proc/self/mounts") as f:
+        return any(line.split()[1] == target for line in f)

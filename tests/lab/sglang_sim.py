@@ -1,0 +1,301 @@
+"""Run the REAL patched ``DeepseekV2Model.forward`` of each SGLang release on the CPU.
+
+SGLang cannot be imported here (it needs a GPU stack), so this harness executes the
+patched method's source, taken from the release's real ``deepseek_v2.py`` after
+``hs-patch``'s edits, against a stand-in model whose layers replay a tiny random
+``transformers`` DeepseekV3 computed on the same tokens. The stand-in keeps SGLang's
+conventions that matter to the capture:
+
+- the residual stream is ``hidden_states + residual`` and the layer input norm adds
+  them IN PLACE into ``residual`` (``fused_add_rmsnorm``), so a capture that keeps a
+  reference instead of a copy reads a later value;
+- 0.5.9 with flashinfer all-reduce fusion: a layer returns a per-rank partial sum of
+  its MLP output and the NEXT layer's ``prepare_attn`` completes the all-reduce (the
+  DESIGN.md trap: ``hidden_states + residual`` in the model loop is then wrong);
+- 0.5.16's ``prepare_attn_and_capture_last_layer_outputs`` (clone unless the residual
+  is fresh) and 0.5.23's ``capture_gathered.capture(value, owned=...)`` and
+  ``residual_batch.final_norm(..., capture=)``; 0.5.23's ``AuxHiddenStatePacker`` is the
+  release's own class, loaded from its wheel;
+- for 0.5.9 the patched ``DeepseekV2DecoderLayer.forward`` itself runs too.
+
+Each request in a pass is looked up by the id the test gives it, so batched, chunked
+and prefix-cached passes can be played exactly as SGLang's scheduler would send them.
+"""
+
+from __future__ import annotations
+
+import ast
+import types
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from lab.hf_reference import Reference, reference  # noqa: F401  (re-exported for tests)
+
+# ----------------------------------------------------------------------------- batches
+
+
+@dataclass
+class Part:
+    """One request's slice in a pass: tokens [start, start+n) of request ``req``."""
+
+    req: str
+    start: int
+    n: int
+
+
+class ForwardMode:
+    def __init__(self, name: str):
+        self.name = name
+
+    def is_idle(self) -> bool:
+        return self.name == "IDLE"
+
+    def is_extend(self) -> bool:
+        return self.name in ("EXTEND", "MIXED", "DRAFT_EXTEND", "TARGET_VERIFY")
+
+
+@dataclass
+class ForwardBatch:
+    forward_mode: ForwardMode
+    input_ids: torch.Tensor
+    extend_seq_lens_cpu: list[int]
+    extend_prefix_lens_cpu: list[int]
+    parts: list[Part]
+    rids: list[str] | None = None
+    orig_seq_lens: Any = None   # int32 [bs]: each request's whole prompt length (SGLang's ScheduleBatch)
+    can_run_tbo: bool = False
+    residual_stream: Any = None
+
+
+# ----------------------------------------------------------------------------- stand-ins
+
+
+def rmsnorm(norm: Any, x: torch.Tensor) -> torch.Tensor:
+    return norm(x.unsqueeze(0))[0]
+
+
+class FusedNorm:
+    """SGLang's RMSNorm: ``norm(x)``, or ``norm(x, residual)`` adding x into residual IN PLACE."""
+
+    def __init__(self, hf_norm: Any):
+        self.hf = hf_norm
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, *a: Any):
+        if residual is None:
+            return rmsnorm(self.hf, x)
+        residual.add_(x)
+        return rmsnorm(self.hf, residual), residual
+
+
+class Sim:
+    """A stand-in DeepseekV2Model for ``release`` whose layers replay ``refs``."""
+
+    def __init__(self, release: str, patched_source: str, model: Any, refs: dict[str, Reference],
+                 *, fusion: bool = False, layers_to_capture: tuple[int, ...] = (), hook: Any = None,
+                 aux_module: Any = None):
+        self.release, self.refs, self.fusion = release, refs, fusion
+        cfg = model.config
+        self.n_layers = cfg.num_hidden_layers
+        ns = self._namespace(aux_module)
+        tree = ast.parse(patched_source)
+        cls = {c.name: c for c in tree.body if isinstance(c, ast.ClassDef)}
+        self.model_forward = _function(cls["DeepseekV2Model"], "forward", ns)
+        layer_forward = _function(cls["DeepseekV2DecoderLayer"], "forward", ns) if release == "0.5.9" else None
+        m = types.SimpleNamespace(
+            _hs_capture=hook, start_layer=0, end_layer=self.n_layers, first_k_dense_replace=1,
+            layers_to_capture=list(layers_to_capture), enable_a2a_moe=False, gemm_output_zero_allocator_size=0,
+            llama_4_scaling_config=None, cp_size=None, config=cfg, use_dsa=False, dsa_enable_prefill_cp=False,
+            mla_enable_prefill_cp=False, next_full_attention_layer_id={},
+            pp_group=types.SimpleNamespace(is_first_rank=True, is_last_rank=True),
+            embed_tokens=lambda ids: model.model.embed_tokens(ids),
+            norm=FusedNorm(model.model.norm), _dsa_forward_uses_topk=lambda: False)
+        m.layers = [self._layer(i, layer_forward, model.model.layers[i]) for i in range(self.n_layers)]
+        self.m = m
+        self.sglang_aux: Any = None
+
+    # -- the names the patched forward methods read from their module
+    def _namespace(self, aux_module: Any) -> dict[str, Any]:
+        class _Recorder:
+            def with_current_layer(self, i: int) -> Any:
+                return nullcontext()
+
+        class _Phase:
+            PREFILL, DECODE = "prefill", "decode"
+
+        class _Backend:
+            TC_PIECEWISE, FULL, BREAKABLE, DISABLED = "tc_piecewise", "full", "breakable", "disabled"
+
+        class _IndexTopK:
+            def __init__(self, fb: Any, initial: Any):
+                self.topk_indices = initial
+
+            def update(self, t: Any) -> None:
+                self.topk_indices = t
+
+        sim = self
+
+        class _ResidualBatch:  # 0.5.23's residual stream API, as the model forward uses it
+            @staticmethod
+            def start(fb: ForwardBatch) -> None:
+                fb.residual_stream = {"residual": None, "pending": None}
+
+            @staticmethod
+            def complete_output(h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+                return sim._complete(h)
+
+            @staticmethod
+            def final_norm(h: torch.Tensor, fb: ForwardBatch, norm: FusedNorm, capture: Any = None) -> torch.Tensor:
+                residual = fb.residual_stream["residual"]
+                fb.residual_stream = None
+                if residual is None:
+                    if capture is not None:
+                        capture(h)
+                    return norm(h)
+                out, residual = norm(h, residual)
+                if capture is not None:
+                    capture(residual)
+                return out
+
+        ns: dict[str, Any] = {
+            "torch": torch, "nullcontext": nullcontext, "Optional": Optional, "Union": Any, "Any": Any,
+            "List": list, "ForwardBatch": ForwardBatch, "BumpAllocator": lambda **kw: None,
+            "PPProxyTensors": dict, "get_global_expert_distribution_recorder": _Recorder,
+            "get_global_server_args": lambda: types.SimpleNamespace(enable_piecewise_cuda_graph=False),
+            "nsa_use_prefill_cp": lambda fb: False, "dsa_use_prefill_cp": lambda fb, flag: False,
+            "mla_use_prefill_cp": lambda fb, flag: False, "is_cp_v2_active": lambda fb: False,
+            "check_cuda_graph_backend": lambda phase, backend: False, "Phase": _Phase, "Backend": _Backend,
+            "IndexTopKShareState": _IndexTopK, "residual_batch": _ResidualBatch,
+            "_is_gfx95_supported": False, "DeepseekV2MLP": type("DeepseekV2MLP", (), {}),
+            "DeepseekV2MoE": type("DeepseekV2MoE", (), {}),
+        }
+        if aux_module is not None:
+            ns["AuxHiddenStatePacker"] = aux_module.AuxHiddenStatePacker
+        return ns
+
+    # -- replayed per-token values of the current pass
+    def _gather(self, fb: ForwardBatch, pick: Any) -> torch.Tensor:
+        return torch.cat([pick(self.refs[p.req])[p.start:p.start + p.n] for p in fb.parts])
+
+    def _complete(self, h: torch.Tensor) -> torch.Tensor:
+        """Finish a deferred all-reduce: add the other ranks' share of the MLP output."""
+        rest = getattr(h, "_sim_rest", None)
+        return h if rest is None else h + rest
+
+    def _mlp_out(self, fb: ForwardBatch, i: int, fuse: bool) -> torch.Tensor:
+        full = self._gather(fb, lambda r: r.mlp_out[i])
+        if not fuse:
+            return full
+        part = full * 0.5  # exact in floating point, and part + (full - part) == full exactly
+        part._sim_rest = full - part
+        return part
+
+    def _fuse(self, i: int) -> bool:
+        return self.fusion and i < self.n_layers - 1
+
+    def _layer(self, i: int, layer_forward: Any, hf_layer: Any) -> Any:
+        sim = self
+
+        def prepare_attn(h: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch, *a: Any):
+            if residual is None:
+                return rmsnorm(hf_layer.input_layernorm, h), h
+            if getattr(h, "_sglang_needs_allreduce_fusion", False):
+                residual = residual + sim._complete(h)  # flashinfer writes a fresh residual_out
+                return rmsnorm(hf_layer.input_layernorm, residual), residual
+            residual.add_(h)
+            return rmsnorm(hf_layer.input_layernorm, residual), residual
+
+        def prepare_mlp(h: torch.Tensor, residual: torch.Tensor, fb: ForwardBatch):
+            if sim.fusion:  # flashinfer's fused all-reduce + add + norm writes a fresh residual_out
+                residual = residual + h
+            else:
+                residual.add_(h)
+            return rmsnorm(hf_layer.post_attention_layernorm, residual), residual
+
+        def attention(**kw: Any) -> torch.Tensor:
+            return sim._gather(kw["forward_batch"], lambda r: r.attn_out[i])
+
+        if layer_forward is not None:  # 0.5.9: run the patched DeepseekV2DecoderLayer.forward
+            comm = types.SimpleNamespace(
+                prepare_attn=prepare_attn, prepare_mlp=prepare_mlp,
+                should_fuse_mlp_allreduce_with_next_layer=lambda fb: sim._fuse(i),
+                should_use_reduce_scatter=lambda fb: False,
+                postprocess_layer=lambda h, r, fb: (h, r))
+            layer = types.SimpleNamespace(
+                layer_communicator=comm, self_attn=attention, nsa_enable_prefill_cp=False,
+                mlp=lambda h, fb, fuse, rs, gz: sim._mlp_out(fb, i, fuse))
+            return lambda *a, **kw: layer_forward(layer, *a, **kw)
+
+        def layer_0_5_16(positions, h, fb, residual, za, gz, l4, prev_topk_indices=None,
+                         captured_last_layer_outputs=None, next_full_attention_layer_id=None):
+            h, residual = prepare_attn(h, residual, fb)
+            if captured_last_layer_outputs is not None:  # communicator.py, 0.5.16: clone unless
+                # prepare_mlp leaves the residual alone (_post_attn_residual_is_read_only)
+                captured_last_layer_outputs.append(residual if sim.fusion else residual.clone())
+            h = attention(forward_batch=fb)
+            h, residual = prepare_mlp(h, residual, fb)
+            h = sim._mlp_out(fb, i, sim._fuse(i))
+            if sim._fuse(i):
+                h._sglang_needs_allreduce_fusion = True
+            return h, residual, None
+
+        def layer_0_5_23(positions, h, fb, za, gz, l4, prev_topk_indices=None,
+                         captured_last_layer_outputs=None, next_full_attention_layer_id=None):
+            stream = fb.residual_stream
+            h, stream["residual"] = prepare_attn(h, stream["residual"], fb)
+            if captured_last_layer_outputs is not None:  # layer_boundary/stage.py, 0.5.23
+                captured_last_layer_outputs.capture(stream["residual"], owned=False)
+            h = attention(forward_batch=fb)
+            h, stream["residual"] = prepare_mlp(h, stream["residual"], fb)
+            h = sim._mlp_out(fb, i, sim._fuse(i))
+            if sim._fuse(i):
+                h._sglang_needs_allreduce_fusion = True
+            return h, None
+
+        return layer_0_5_16 if self.release == "0.5.16" else layer_0_5_23
+
+    # -- one forward pass
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Run the patched forward; returns what it returns (post-norm states, or with aux)."""
+        positions = torch.cat([torch.arange(p.start, p.start + p.n) for p in fb.parts])
+        out = self.model_forward(self.m, fb.input_ids, positions, fb)
+        if isinstance(out, tuple):
+            out, self.sglang_aux = out
+        return out
+
+
+def _function(cls: ast.ClassDef, name: str, ns: dict[str, Any]) -> Any:
+    fn = next(f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == name)
+    fn = ast.fix_missing_locations(ast.Module(body=[_strip(fn)], type_ignores=[]))
+    code = compile(fn, f"<patched {cls.name}.{name}>", "exec")
+    local: dict[str, Any] = {}
+    exec(code, ns, local)
+    return local[name]
+
+
+def _strip(fn: ast.FunctionDef) -> ast.FunctionDef:
+    """Drop decorators and annotations (they name SGLang types we do not load)."""
+    fn.decorator_list = []
+    fn.returns = None
+    for a in fn.args.args + fn.args.kwonlyargs:
+        a.annotation = None
+    return fn
+
+
+def load_aux_module(site: Path) -> Any:
+    """0.5.23's ``sglang/srt/layers/aux_hidden_states.py`` (torch only), loaded standalone."""
+    path = site / "sglang/srt/layers/aux_hidden_states.py"
+    mod = types.ModuleType("aux_hidden_states")
+    mod.__dict__["__name__"] = "aux_hidden_states"
+    exec(compile(path.read_text(), str(path), "exec"), mod.__dict__)
+    return mod
+
+
+def make_batch(sim_refs: dict[str, Reference], parts: list[Part], *, mode: str = "EXTEND",
+               rids: bool = True) -> ForwardBatch:
+    ids = torch.cat([sim_refs[p.req].ids[p.start:p.start + p.n] for p in parts])
+    return ForwardBatch(ForwardMode(mode), ids, [p.n for p in parts], [p.start for p in parts], parts,
+                        rids=[p.req for p in parts] if rids else None,
+                        orig_seq_lens=torch.tensor([len(sim_refs[p.req].ids) for p in parts], dtype=torch.int32))

@@ -1,0 +1,107 @@
+"""hs-patch inspect on what operators point it at: a shipped run at the destination, a samples dir,
+broken manifests, empty or missing paths; each outcome has its own exit code."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hs_patch import reader, store
+from hs_patch.host import patch_cli
+from hs_patch.host.shipping import link as ship_link, shipper
+from lab.ship_runs import make_samples
+from lab.sample_files import flip_byte
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def inspect(capsys, *args: str) -> tuple[int, dict]:
+    code = patch_cli.main(["inspect", "--json", *args])
+    out = capsys.readouterr().out.strip().splitlines()
+    return code, json.loads(out[-1]) if out else {}
+
+
+@pytest.fixture
+def shipped(tmp_path) -> Path:
+    """A run shipped to a (local) destination: DEST/samples/*.safetensors + DEST/manifest.jsonl."""
+    samples, state, dest = tmp_path / "samples", tmp_path / "state", tmp_path / "dest"
+    make_samples(samples, 6, tokens=64, hidden=256)
+    assert shipper.ship(shipper.ShipConfig(samples, state, ship_link.parse_dest(str(dest)))) == shipper.EXIT_OK
+    return dest
+
+
+def flip_a_tensor_byte(path: Path) -> None:
+    flip_byte(path, -5, 0x01)  # inside the last plane's data: the size and the header stay right
+
+
+def test_a_shipped_run_is_verified_deeply_in_parallel(shipped, capsys):
+    code, res = inspect(capsys, "--deep", "--workers", "4", str(shipped))
+    assert code == patch_cli.EXIT_OK and res["ok"] == 6 and res["clean"] and res["mode"] == "deep"
+    victim = sorted((shipped / "samples").iterdir())[2]
+    flip_a_tensor_byte(victim)
+    code, res = inspect(capsys, "--workers", "4", str(shipped))
+    assert code == patch_cli.EXIT_VERIFY and list(res["bad"]) == [victim.stem] and "sha256" in res["bad"][victim.stem]
+    # --quick says what it checks, and does not claim to find this
+    code, res = inspect(capsys, "--quick", str(shipped))
+    assert code == patch_cli.EXIT_OK and "sizes + headers only" in res["message"]
+    help_text = subprocess.run([sys.executable, "-m", "hs_patch.host.patch_cli", "inspect", "--help"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout
+    assert "a flipped byte inside the tensor data is NOT found" in " ".join(help_text.split())
+
+
+def test_quick_finds_what_it_claims_to(shipped, capsys):
+    files = sorted((shipped / "samples").iterdir())
+    with open(files[0], "r+b") as f:  # truncated
+        f.truncate(files[0].stat().st_size - 10)
+    data = bytearray(files[1].read_bytes())
+    at = data.index(b'"key":"') + 8
+    data[at] = ord("0") if data[at] != ord("0") else ord("1")  # a flipped byte in the header (the key)
+    files[1].write_bytes(bytes(data))
+    code, res = inspect(capsys, "--quick", str(shipped))
+    assert code == patch_cli.EXIT_VERIFY and set(res["bad"]) == {files[0].stem, files[1].stem}
+
+
+def test_a_manifest_line_without_key_is_reported_with_file_and_line(shipped, capsys):
+    with open(shipped / store.MANIFEST, "a") as f:
+        f.write(json.dumps({"op": "add", "file": "samples/x.safetensors", "bytes": 1, "sha256": "0"}) + "\n")
+        f.write(json.dumps({"op": "remove"}) + "\n")
+        f.write(json.dumps({"op": "add", "key": "k", "file": "samples/k.safetensors", "bytes": "1",
+                            "sha256": "0"}) + "\n")
+    code, res = inspect(capsys, str(shipped))
+    assert code == patch_cli.EXIT_VERIFY and res["ok"] == 6
+    assert res["manifest_problems"] == ["manifest.jsonl:7: an add line without a valid 'key'",
+                                        "manifest.jsonl:8: a remove line without a valid 'key'",
+                                        "manifest.jsonl:9: an add line without a valid 'bytes'"]
+
+
+def test_empty_unlisted_and_missing_paths_have_their_own_exit_codes(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    code = patch_cli.main(["inspect", str(tmp_path / "empty")])
+    assert code == patch_cli.EXIT_NOTHING and "has no manifest.jsonl" in capsys.readouterr().err
+    (tmp_path / "stray").mkdir()
+    (tmp_path / "stray" / "a.safetensors").write_bytes(b"x")
+    assert patch_cli.main(["inspect", str(tmp_path / "stray")]) == patch_cli.EXIT_NOTHING
+    for missing in (tmp_path / "nope", tmp_path / "nope.safetensors"):
+        code = patch_cli.main(["inspect", str(missing)])
+        assert code == patch_cli.EXIT_NOT_FOUND and "does not exist" in capsys.readouterr().err
+    rep = reader.check_dir(tmp_path / "empty")
+    assert rep.no_manifest and not rep.clean
+
+
+def test_a_local_samples_dir_whose_samples_all_shipped_is_clean(tmp_path, capsys):
+    samples, state, dest = tmp_path / "samples", tmp_path / "state", tmp_path / "dest"
+    make_samples(samples, 2)
+    assert shipper.ship(shipper.ShipConfig(samples, state, ship_link.parse_dest(str(dest)))) == shipper.EXIT_OK
+    code, res = inspect(capsys, str(samples))
+    assert code == patch_cli.EXIT_OK and res["ok"] == 0 and res["clean"]
+
+
+def test_progress_goes_to_stderr_and_workers_must_be_positive(shipped, capsys):
+    assert patch_cli.main(["inspect", "--progress", "--workers", "2", str(shipped)]) == patch_cli.EXIT_OK
+    assert "6 ok" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        patch_cli.main(["inspect", "--workers", "0", str(shipped)])

@@ -1,0 +1,187 @@
+"""hs-patch apply/verify/revert/status against the real sources of every supported release."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import SUPPORTED, UNSUPPORTED, extract_site
+from hs_patch.host import patch_cli as cli
+from hs_patch.host.patching import patcher
+from hs_patch.releases import RELEASES, TARGET, apply_edits
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def run_cli(*args: str, capsys) -> tuple[int, dict]:
+    code = cli.main([*args, "--json"])
+    out = capsys.readouterr().out.strip().splitlines()
+    return code, json.loads(out[-1])
+
+
+@pytest.mark.parametrize("site", SUPPORTED, indirect=True)
+def test_apply_verify_idempotent_revert(site: Path, capsys):
+    target = site / TARGET
+    pristine = target.read_bytes()
+    release = RELEASES[next(v for v in SUPPORTED if RELEASES[v].pristine_sha256 == sha(target))]
+    pycache = target.parent / "__pycache__" / "deepseek_v2.cpython-311.pyc"
+    pycache.parent.mkdir()
+    pycache.write_bytes(b"stale")
+    os.chmod(target, 0o640)
+
+    assert run_cli("verify", "--site", str(site), capsys=capsys)[0] == cli.EXIT_VERIFY  # not yet patched
+    code, res = run_cli("apply", "--site", str(site), capsys=capsys)
+    assert code == 0 and res["changed"] is True and res["release"] == release.version
+    assert res["files"][0]["sha256"] == release.patched_sha256 == sha(target)
+    assert not pycache.exists(), "a stale .pyc of the patched module must not survive"
+    assert os.stat(target).st_mode & 0o777 == 0o640
+    compile(target.read_text(), str(target), "exec")
+    assert run_cli("verify", "--site", str(site), capsys=capsys)[0] == 0
+
+    before = (target.read_bytes(), os.stat(target).st_mtime_ns)
+    code, res = run_cli("apply", "--site", str(site), capsys=capsys)
+    assert code == 0 and res["changed"] is False and "already applied" in res["message"]
+    assert (target.read_bytes(), os.stat(target).st_mtime_ns) == before
+
+    code, res = run_cli("status", "--site", str(site), capsys=capsys)
+    assert res["state"] == "patched" and res["release"] == release.version
+    assert "--disable-radix-cache" in res["required_server_flags"]
+
+    code, res = run_cli("revert", "--site", str(site), capsys=capsys)
+    assert code == 0 and res["changed"] is True
+    assert target.read_bytes() == pristine, "revert must restore the byte-identical original"
+    assert os.stat(target).st_mode & 0o777 == 0o640
+    assert not list(target.parent.glob("*.hs_patch.*")), "no backup or temp file may be left"
+    code, res = run_cli("revert", "--site", str(site), capsys=capsys)
+    assert code == 0 and res["changed"] is False
+
+
+@pytest.mark.parametrize("site", SUPPORTED, indirect=True)
+def test_hand_edited_file_is_refused_untouched(site: Path, capsys):
+    target = site / TARGET
+    target.write_bytes(target.read_bytes().replace(b"self.layers_to_capture = []", b"self.layers_to_capture = [1]"))
+    edited = target.read_bytes()
+    code, res = run_cli("apply", "--site", str(site), capsys=capsys)
+    assert code == cli.EXIT_REFUSED and res["changed"] is False
+    assert str(target) in res["error"] and sha(target) in res["error"] and "0.5.9, 0.5.16, 0.5.23" in res["error"]
+    assert "Nothing was written" in res["error"]
+    assert target.read_bytes() == edited
+    assert sorted(p.name for p in target.parent.iterdir()) == ["deepseek_v2.py", "kimi_k25.py"]
+    assert run_cli("revert", "--site", str(site), capsys=capsys)[0] == cli.EXIT_REFUSED
+    assert run_cli("verify", "--site", str(site), capsys=capsys)[0] == cli.EXIT_VERIFY
+
+
+@pytest.mark.parametrize("site", [UNSUPPORTED], indirect=True)
+def test_unknown_release_is_refused(site: Path, capsys):
+    target = site / TARGET
+    before = target.read_bytes()
+    code, res = run_cli("apply", "--site", str(site), capsys=capsys)
+    assert code == cli.EXIT_REFUSED
+    assert f"SGLang {UNSUPPORTED} is installed; install one of 0.5.9, 0.5.16, 0.5.23" in res["error"]
+    assert target.read_bytes() == before
+    assert not list(target.parent.glob("*hs_patch*"))
+
+
+@pytest.mark.parametrize("site", ["0.5.9"], indirect=True)
+def test_damaged_patch_fails_verify_and_revert_needs_no_backup(site: Path, capsys):
+    target = site / TARGET
+    pristine = target.read_bytes()
+    assert run_cli("apply", "--site", str(site), capsys=capsys)[0] == 0
+    backup = target.with_name(target.name + patcher.BACKUP_SUFFIX)
+    backup.unlink()  # lost keepsake: revert rebuilds the original from the patched text
+    assert run_cli("revert", "--site", str(site), capsys=capsys)[0] == 0
+    assert target.read_bytes() == pristine
+    assert run_cli("apply", "--site", str(site), capsys=capsys)[0] == 0
+    target.write_text(target.read_text().replace("_hs.finish(hidden_states)", "pass"))
+    code, res = run_cli("verify", "--site", str(site), capsys=capsys)
+    assert code == cli.EXIT_VERIFY and "patched and then changed" in res["error"]
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_ast_check_rejects_a_misplaced_hook(version, release_sources):
+    """verify's syntax-tree checks catch a hook in the wrong place even if it compiles."""
+    release = RELEASES[version]
+    text = apply_edits(release, (release_sources[version] / TARGET).read_text())
+    patcher.check_patched(text, release)
+    mutations = {
+        "finish after the return": text.replace(
+            "        if _hs is not None:  # hs_patch: hand the pass to the writer\n"
+            "            _hs.finish(hidden_states)\n", "").replace(
+            "    def get_input_embeddings(self) -> nn.Embedding:",
+            "    def _x(self, _hs, hidden_states):\n        _hs.finish(hidden_states)\n\n"
+            "    def get_input_embeddings(self) -> nn.Embedding:", 1),
+        "unguarded import": text.replace('        if _hs_os.environ.get("HS_CAPTURE", "") not in ("", "0"):\n'
+                                         '            from hs_patch.server.hook import attach as _hs_attach\n',
+                                         '        from hs_patch.server.hook import attach as _hs_attach\n'
+                                         '        if _hs_os.environ.get("HS_CAPTURE", "") not in ("", "0"):\n'),
+        "collector on another argument": text.replace("_hs.collector(i, None)", "_hs.collector(0, None)").replace(
+            "else _hs.collector(  # hs_patch\n                        i,",
+            "else _hs.collector(  # hs_patch\n                        0,"),
+        "something else changed": text.replace("self.capture_aux_hidden_states = False",
+                                               "self.capture_aux_hidden_states = True"),
+    }
+    for what, bad in mutations.items():
+        assert bad != text, what
+        with pytest.raises(patcher.VerifyFailed):
+            patcher.check_patched(bad, release)
+
+
+@pytest.mark.parametrize("site", ["0.5.16"], indirect=True)
+def test_default_site_found_without_importing_sglang(site: Path):
+    """Without --site, hs-patch finds sglang/ on the interpreter's path and never imports it."""
+    (site / "sglang" / "__init__.py").write_text("raise ImportError('importing sglang needs a GPU')\n")
+    env = {**os.environ, "PYTHONPATH": f"{site}:{ROOT}"}
+    out = subprocess.run([sys.executable, "-m", "hs_patch.host.patch_cli", "apply", "--json"], env=env,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert res["changed"] and res["site"] == str(site)
+    help_text = subprocess.run([sys.executable, "-m", "hs_patch.host.patch_cli", "--help"], env=env,
+                               capture_output=True, text=True).stdout
+    assert "HS_CAPTURE_LAYERS" in help_text and "0.5.23" in help_text
+
+
+def test_mixed_install_is_refused(release_sources, tmp_path, capsys):
+    """A 0.5.16 deepseek_v2.py inside a site whose dist-info says 0.5.9."""
+    site = extract_site("0.5.9", tmp_path / "site")
+    (site / TARGET).write_bytes((release_sources["0.5.16"] / TARGET).read_bytes())
+    code, res = run_cli("apply", "--site", str(site), capsys=capsys)
+    assert code == cli.EXIT_REFUSED and "mixed install" in res["error"]
+
+
+def test_missing_target_explains_site(tmp_path, capsys):
+    code, res = run_cli("apply", "--site", str(tmp_path), capsys=capsys)
+    assert code == cli.EXIT_REFUSED and "directory that contains sglang/" in res["error"]
+
+
+@pytest.mark.parametrize("site", SUPPORTED, indirect=True)
+def test_a_file_patched_by_the_earlier_layout_is_upgraded_by_apply(site: Path, capsys):
+    """hs-patch 0.1.0 imported the hook from hs_patch.hook: verify fails on such a file (the
+    module is gone), apply upgrades it to today's patch, revert gives the pristine file back."""
+    target = site / TARGET
+    pristine = target.read_bytes()
+    release = next(r for r in RELEASES.values() if r.pristine_sha256 == sha(target))
+    earlier = apply_edits(release, pristine.decode()).replace(
+        "from hs_patch.server.hook import attach", "from hs_patch.hook import attach").replace(
+        "(see hs_patch.server.hook)", "(see hs_patch.hook)")
+    target.write_text(earlier)
+    code, res = run_cli("status", "--site", str(site), capsys=capsys)
+    assert res["state"] == "outdated" and res["release"] == release.version
+    code, res = run_cli("verify", "--site", str(site), capsys=capsys)
+    assert code == cli.EXIT_VERIFY and "hs-patch apply" in res["error"]
+    code, res = run_cli("apply", "--site", str(site), capsys=capsys)
+    assert code == 0 and res["changed"] and sha(target) == release.patched_sha256
+    assert run_cli("verify", "--site", str(site), capsys=capsys)[0] == 0
+    target.write_text(earlier)
+    code, res = run_cli("revert", "--site", str(site), capsys=capsys)
+    assert code == 0 and target.read_bytes() == pristine
