@@ -10,6 +10,20 @@
   ``releases``) import only the standard library at module level (``reader`` is shared too:
   safetensors).
 - The patch's injected import names a module and function that exist.
+
+``hs_patch/host/`` is in rooms by job (``driver/``, ``fidelity/``, ``readiness/``, ``patching/``,
+``drafter/``, ``export/``, ``shipping/``); at its top only the two CLIs and ``model_files``:
+
+- the driver is imported, outside its room, by the CLI and by two modules that truly need a
+  piece of it: the fidelity check reads the server's ``/generate`` answer with
+  ``driver.client``, and the shipper follows ``driver.runstate``'s file names (the driver's
+  done marker, ``shipped.jsonl``), the contract between the two;
+- the readiness checks are copied alone to the host by the services role and run there with
+  the host's Python, without this package: the standard library only at module level, torch
+  (and tvm-ffi) only inside the GPU checks, nothing of ours; a lone copy answers ``--help``
+  under ``python3 -I -S`` (no site-packages);
+- the control node (``hs_patch/control/``, ``fabfile.py``) imports only its own modules and the
+  shared ones, never the host's or the server's.
 """
 
 from __future__ import annotations
@@ -53,13 +67,70 @@ def _is_module(name: str) -> bool:
     return (PKG.parent / (name.replace(".", "/") + ".py")).is_file() or (PKG.parent / name.replace(".", "/")).is_dir()
 
 
+ROOMS = ("drafter", "driver", "export", "fidelity", "patching", "readiness", "shipping")
+# outside the driver's room, who imports which of its modules, and why (the module docstring says it too)
+DRIVER_USERS = {
+    "hs_patch/host/extract_cli.py": {"cli", "snapshot"},    # hs-extract: the drive and snapshot subcommands
+    "hs_patch/host/fidelity/check.py": {"client"},          # the server's /generate answer: generated token, top-1
+    "hs_patch/host/shipping/batches.py": {"runstate"},      # the driver's done marker and shipped.jsonl's name
+}
+READINESS_LAZY = {"torch", "tvm_ffi"}  # imported inside the GPU checks only, by the venv's Python
+
+
 def test_subpackages_are_the_places_code_runs():
-    for sub in ("server", "host", "host/shipping", "control"):
+    for sub in ("server", "host", "control", *(f"host/{room}" for room in ROOMS)):
         assert (PKG / sub / "__init__.py").is_file(), sub
     top = sorted(p.stem for p in PKG.glob("*.py"))
     assert top == ["__init__", "files", "flags", "intent", "names", "reader", "releases", "serving", "shard",
                    "store"], \
         f"only shared modules at the top: {top}"
+    host = sorted(p.name for p in (PKG / "host").iterdir() if p.name != "__pycache__")
+    assert host == sorted(["__init__.py", "extract_cli.py", "model_files.py", "patch_cli.py", *ROOMS]), \
+        f"hs_patch/host/ holds its rooms, the two CLIs and model_files, nothing else: {host}"
+
+
+def test_only_the_cli_and_what_truly_needs_it_import_the_driver():
+    bad = []
+    for path in sorted((PKG / "host").rglob("*.py")) + sorted((PKG / "control").glob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        if rel.startswith("hs_patch/host/driver/"):
+            continue
+        used = {name.split(".")[3] for _, name in _imports(path)
+                if name.startswith("hs_patch.host.driver.") and _is_module(".".join(name.split(".")[:4]))}
+        if not used <= DRIVER_USERS.get(rel, set()):
+            bad.append(f"{rel}: hs_patch.host.driver.{sorted(used - DRIVER_USERS.get(rel, set()))}")
+    assert not bad, "imports of the driver from outside its room (only the CLI and DRIVER_USERS):\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (PKG / "host" / "readiness").glob("*.py")
+                                          if p.name != "__init__.py"))
+def test_readiness_scripts_run_alone_with_the_standard_library_only(script, tmp_path):
+    path = PKG / "host" / "readiness" / script
+    tree = ast.parse(path.read_text())
+    top_level = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    for line, name in _imports(path):
+        root = name.split(".")[0]
+        assert root in STDLIB or root in READINESS_LAZY, f"{script}:{line}: {name} (the host runs it without it)"
+    for node in top_level:
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        assert all(n.split(".")[0] in STDLIB for n in names), f"{script}:{node.lineno}: {names} at module level"
+    lone = tmp_path / script   # as the services role installs it: one file in sglang_service_check_dir
+    lone.write_bytes(path.read_bytes())
+    out = subprocess.run([sys.executable, "-I", "-S", str(lone), "--help"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and "usage:" in out.stdout, out.stderr
+    tasks = (ROOT / "roles" / "sglang_service" / "tasks" / "main.yml").read_text()
+    assert "hs_patch/host/readiness/{{ item }}" in tasks and script in tasks, "the services role copies it"
+
+
+def test_the_control_node_imports_only_its_own_and_the_shared_modules():
+    bad = []
+    for path in sorted((PKG / "control").glob("*.py")) + [ROOT / "fabfile.py"]:
+        for line, name in _imports(path):
+            if name.startswith("hs_patch") and not (name.startswith("hs_patch.control") or name == "hs_patch"
+                                                    or any(name == m or name.startswith(m + ".") for m in SHARED)):
+                bad.append(f"{path.relative_to(ROOT)}:{line}: {name}")
+    assert not bad, "the control node has neither the host's nor the server's code:\n" + "\n".join(bad)
 
 
 def test_server_code_imports_only_stdlib_torch_sglang_and_its_own_subpackage():
