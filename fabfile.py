@@ -14,8 +14,9 @@ The host and its settings come from the Ansible inventory, read by Ansible itsel
 ansible.cfg's, else inventory/), ``-e/--extra-vars`` as ansible-playbook takes them, vault
 with ``--vault-password-file``/``--ask-vault-pass``. A non-root ``ansible_user`` becomes
 root with sudo. SSH host keys are checked strictly against ``~/.ssh/known_hosts`` (or
-``--known-hosts FILE``, or the inventory's UserKnownHostsFile). ``fab --help TASK`` lists
-each task's options. Fleets (``--hosts``, ``--reassign``): docs/fleet.md.
+``--known-hosts FILE``, or the inventory's UserKnownHostsFile). ``fab --help TASK`` (or
+``fab TASK -h``) lists each task's options; an option has the same short flag in every task
+(hs_patch/control/fab_options.py). Fleets (``--hosts``, ``--reassign``): docs/fleet.md.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any, Callable
 from fabric import Connection, task
 
 from hs_patch.control import dashboard, extraction, fleet, fleet_run, remote
+from hs_patch.control.fab_options import FabTask
 from hs_patch.control.inventory import ConfigError, Inventory, Target, check_run_name, load
 from hs_patch.control.shell import RemoteError, Shell
 
@@ -53,6 +55,12 @@ def _errors(body: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(body)
     def wrapper(c: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("host") is True:  # -h (--host) without a value: the task's help, as -h means elsewhere
+            from fabric.main import program
+
+            program.run(["fab", "--search-root", str(Path(__file__).resolve().parent), "--help", body.__name__],
+                        exit=False)
+            sys.exit(0)
         if not kwargs.get("host") and not kwargs.get("hosts"):
             group = " or --hosts GROUP" if "hosts" in kwargs else ""
             sys.exit(f"fab {body.__name__}: give --host NAME (the GPU host's name or address in the inventory)"
@@ -91,17 +99,21 @@ def _connect(t: Target) -> Shell:
 
 
 def _pick_run(c: Shell, t: Target, run: str | None) -> str:
-    run = run or remote.latest_run(c, t)
-    if not run:
+    """--run NAME if the host has that run, else the newest run there; refused saying which runs there are."""
+    found = remote.runs(c, t)
+    if run and check_run_name(run) not in found:
+        there = f"its runs, newest first: {', '.join(found[:10])}" if found else "none yet; start one with fab extract"
+        sys.exit(f"fab: no run {run!r} on {t.host} (under {t.state_root}); {there}")
+    if not (run or found):
         sys.exit(f"fab: no run on {t.host} under {t.state_root}; start one with fab extract")
-    return check_run_name(run)
+    return run or found[0]
 
 
 def _say(msg: str) -> None:
     print(f"[fab] {msg}", flush=True)
 
 
-@task(iterable=ITERABLE, optional=["hosts"], help={
+@task(klass=FabTask, iterable=ITERABLE, optional=["host", "hosts"], help={
     **COMMON, **FLEET, "dataset": "JSONL dataset on this machine (copied to the host), or an absolute path on the host "
                                   "with --remote-dataset (required)",
     "reassign": "with --host OTHER: OTHER finishes the shard of this (dead or removed) host of a fleet run, shipping "
@@ -157,7 +169,7 @@ def extract(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vau
     sys.exit(dashboard.watch(lambda: remote.snapshot(conn, t, run), host, run, interval=float(interval)))
 
 
-@task(iterable=ITERABLE, optional=["hosts"], help={
+@task(klass=FabTask, iterable=ITERABLE, optional=["host", "hosts"], help={
     **COMMON, **FLEET, "once": "print one snapshot and exit", "interval": "refresh in seconds"})
 @_errors
 def status(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_password_file=None,
@@ -181,7 +193,7 @@ def status(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vaul
                              once=bool(once)))
 
 
-@task(iterable=ITERABLE, help={**COMMON, "server": "stop the SGLang server unit too"})
+@task(klass=FabTask, iterable=ITERABLE, optional=["host"], help={**COMMON, "server": "stop the SGLang server unit too"})
 @_errors
 def stop(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_password_file=None,
          ask_vault_pass=False, run=None, server=False):
@@ -193,7 +205,7 @@ def stop(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_
     _say(f"stopped: {states}; resume with the same fab extract --run {run}, drain with fab ship")
 
 
-@task(iterable=ITERABLE, help=COMMON)
+@task(klass=FabTask, iterable=ITERABLE, optional=["host"], help=COMMON)
 @_errors
 def ship(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_password_file=None,
          ask_vault_pass=False, run=None):
@@ -206,7 +218,7 @@ def ship(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_
     sys.exit(code)
 
 
-@task(iterable=ITERABLE, help={k: v for k, v in COMMON.items() if k != "run"})
+@task(klass=FabTask, iterable=ITERABLE, optional=["host"], help={k: v for k, v in COMMON.items() if k != "run"})
 @_errors
 def verify(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_password_file=None,
            ask_vault_pass=False):

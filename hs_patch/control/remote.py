@@ -26,7 +26,7 @@ from hs_patch.control.inventory import Target
 from hs_patch.control.shell import RemoteError, Shell, cmd
 
 __all__ = ["RemoteError", "Check", "preflight", "estimate_bytes", "prepare", "upload", "start_server",
-           "destination", "start_jobs", "unit_hardening", "snapshot", "latest_run", "stop", "ship_now", "units"]
+           "destination", "start_jobs", "unit_hardening", "snapshot", "runs", "stop", "ship_now", "units"]
 from hs_patch.flags import args_violations
 
 # Installed by the services role (sglang_service_check_dir): hs_patch/host/readiness/gpu_ready.py with the
@@ -345,9 +345,9 @@ def snapshot(c: Shell, t: Target, run: str) -> dict[str, Any]:
     return json.loads(r.stdout)
 
 
-def latest_run(c: Shell, t: Target) -> str | None:
-    r = c.run(cmd("ls", "-t", "--", t.state_root) + " 2>/dev/null | head -1")
-    return r.stdout.strip() or None
+def runs(c: Shell, t: Target) -> list[str]:
+    """The runs on the host (their state dirs under ``state_root``), newest first."""
+    return c.run(cmd("ls", "-t", "--", t.state_root) + " 2>/dev/null").stdout.split()
 
 
 def stop(c: Shell, t: Target, run: str, *, server: bool = False) -> dict[str, str]:

@@ -230,7 +230,10 @@ class CaptureHook:
         return s
 
     def close(self, timeout: float = 60.0) -> None:
-        """Drain the writer and let go of the capture directory (tests, benchmarks; the server just exits)."""
+        """Drain the writer and let go of the capture directory (tests, benchmarks; the server just exits).
+        Once only: the exit handler's close of a hook closed already does nothing."""
+        if self._lock_fd < 0:
+            return
         try:
             self.writer.close(timeout)
         finally:

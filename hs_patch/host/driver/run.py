@@ -87,6 +87,8 @@ class Driver(SampleSteps):
         cfg = self.cfg
         if self.capture_dir.resolve() == self.samples_dir.resolve():
             raise runstate.RunError("--capture-dir and --samples-dir must differ (the driver empties the first)")
+        dataset.check_sources(cfg.data)  # the input first: a refused run leaves no directory behind
+        chat.check_model_dir(cfg.model)
         for d, what in ((self.state_dir, "--state-dir"), (self.samples_dir, "--samples-dir"),
                         (self.capture_dir, "--capture-dir")):
             try:
@@ -94,8 +96,6 @@ class Driver(SampleSteps):
             except OSError as e:
                 raise runstate.RunError(f"cannot create {what} {d}: {e.strerror}; choose a writable "
                                         "directory") from None
-        dataset.check_sources(cfg.data)
-        chat.check_model_dir(cfg.model)
         if not same_filesystem(self.capture_dir, self.samples_dir):
             raise runstate.RunError(f"--capture-dir {self.capture_dir} and --samples-dir {self.samples_dir} are on "
                                     "different filesystems: samples are moved, not copied, into the samples dir; "

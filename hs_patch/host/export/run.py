@@ -106,6 +106,10 @@ def work(t: Task) -> dict[str, Any]:
 def source_entries(src: Path) -> dict[str, dict[str, Any]]:
     """The live samples of a samples dir or shipped destination, or of a whole fleet run
     (``RUN/HOST/`` parts, merged by :func:`hs_patch.reader.manifest_entries`)."""
+    if not src.is_dir():
+        raise ExportRefused(f"{src} {'is not a directory' if src.exists() else 'does not exist'}: give a driver's "
+                            "--samples-dir, a shipped run directory (RUN/ with manifest.jsonl and samples/) or a "
+                            "fleet run (RUN/HOST/ parts)")
     entries, problems = reader.manifest_entries(src)
     if problems:
         raise ExportRefused(f"{src}: {len(problems)} manifest problem(s), e.g. {problems[0]}; hs-patch inspect {src} "

@@ -1,0 +1,48 @@
+"""fab's options: one short flag per option in every task, and a bad value said in one line.
+
+Invoke gives each task's options the first free letter of their names, task by task, so one
+option got different letters in different tasks (``--hosts`` was ``-o`` in ``extract`` and
+``-s`` in ``status``, where ``-s`` was ``--server-timeout`` or ``--server`` elsewhere), and a
+value its type refuses (``--limit abc``) ended in a traceback. Tasks made with
+``@task(klass=FabTask)`` take their letters from :data:`SHORT` and report such a value as a
+parse error: one line saying what to give.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from fabric.tasks import Task
+from invoke.exceptions import ParseError
+from invoke.parser import Argument
+
+# option (the task function's parameter) -> its short flag, the same in every task
+SHORT = {
+    "host": "h", "hosts": "o", "inventory": "i", "extra_vars": "e", "vault_password_file": "v",
+    "ask_vault_pass": "a", "known_hosts": "k", "run": "r", "dataset": "d", "limit": "l", "regenerate": "g",
+    "remote_dataset": "m", "interval": "n", "detach": "t", "server_timeout": "w", "server": "s", "once": "p",
+}
+
+
+class _CheckedArgument(Argument):
+    def set_value(self, value: Any, cast: bool = True) -> None:
+        try:
+            super().set_value(value, cast)
+        except ValueError:
+            kind = "a whole number" if self.kind is int else f"a {getattr(self.kind, '__name__', 'value')}"
+            raise ParseError(f"--{self.name} takes {kind}, not {value!r}") from None
+
+
+class FabTask(Task):
+    """A fab task whose options have the short flags of :data:`SHORT` and parse errors in one line."""
+
+    def arg_opts(self, name: str, default: str, taken_names: set[str]) -> dict[str, Any]:
+        opts = super().arg_opts(name, default, taken_names)
+        opts["names"] = opts["names"][:1] + ([SHORT[name]] if name in SHORT else [])
+        return opts
+
+    def get_arguments(self, ignore_unknown_help: Optional[bool] = None) -> list[Argument]:
+        args = super().get_arguments(ignore_unknown_help)
+        for arg in args:  # Invoke builds plain Arguments; ours only adds the one-line refusal
+            arg.__class__ = _CheckedArgument
+        return args
