@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Driver throughput end to end against the stand-in server.
 
-Part A (end to end): the stand-in server (tests/standin_server.py: real patched forward +
+Part A (end to end): the stand-in server (tests/lab/standin_server.py: real patched forward +
 capture hook on a tiny DeepseekV3, a subprocess) and the driver (in this process) run a
 generated chat dataset at several concurrencies. Reports samples/s, tokens/s, MB/s of
 final samples, and the driver's own CPU time per sample (what the driver costs on the
@@ -35,8 +35,8 @@ import requests  # noqa: E402
 import torch  # noqa: E402
 
 from hs_patch.host.driver.run import DriveConfig, Driver  # noqa: E402
-from runcheck import assert_complete, write_chats  # noqa: E402
-from tiny_model import make_tiny_model_dir  # noqa: E402
+from lab.runcheck import assert_complete, write_chats  # noqa: E402
+from lab.tiny_model import make_tiny_model_dir  # noqa: E402
 
 
 def free_port() -> int:
@@ -53,7 +53,7 @@ def part_a(base: Path, samples: int, words: int, concurrencies: list[int], hidde
     for conc in concurrencies:
         run = base / f"c{conc}"
         port = free_port()
-        server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "standin_server.py"), "--model", str(model),
+        server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "lab" / "standin_server.py"), "--model", str(model),
                                    "--port", str(port), "--capture-dir", str(run / "capture"), "--threads", "1"],
                                   stdout=open(base / "server.log", "ab"), stderr=subprocess.STDOUT)
         try:
@@ -99,12 +99,10 @@ def main() -> None:
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    base = Path(tempfile.mkdtemp(prefix="hs-bench-driver-", dir=a.dir))
-    try:
-        res = {"cpu_count": os.cpu_count()}
-        res["end_to_end"] = part_a(base, a.samples, a.words, [int(x) for x in a.concurrency.split(",")], a.hidden)
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="hs-bench-driver-", dir=a.dir, ignore_cleanup_errors=True) as tmp:
+        res = {"cpu_count": os.cpu_count(),
+               "end_to_end": part_a(Path(tmp), a.samples, a.words, [int(x) for x in a.concurrency.split(",")],
+                                    a.hidden)}
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
 

@@ -169,13 +169,11 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(1)
     counter = HashCounter()
-    base = Path(tempfile.mkdtemp(prefix="hs-bench-write-once-", dir=a.dir))
-    try:
+    with tempfile.TemporaryDirectory(prefix="hs-bench-write-once-", dir=a.dir, ignore_cleanup_errors=True) as tmp:
+        base = Path(tmp)
         res = {"cpu_count": os.cpu_count(),
                "write_amplification": part1(base, a.prompts, a.tokens, a.hidden, a.planes, counter),
                "driver_cpu": part2(base, a.adopt_samples, a.adopt_tokens, a.adopt_hidden, a.planes)}
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
 

@@ -22,7 +22,7 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 
 def write_all(fd: int, data: Any) -> int:
@@ -145,6 +145,26 @@ class JsonLog:
             append_line(self.path, line, mode=self.mode, fsync=self.fsync)
 
 
+UNREADABLE = object()  # what json_lines gives for a line that is not JSON
+
+
+def json_lines(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
+    """(line number, value) of each non-blank line of an append-only JSON-lines file, ``UNREADABLE``
+    for a line that is not JSON; a torn last line (a crash mid-append; the next append cuts it) is
+    passed over."""
+    lines = Path(path).read_bytes().split(b"\n")
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            value = json.loads(raw)
+        except (ValueError, RecursionError):
+            if n >= len(lines) - 1:
+                continue
+            value = UNREADABLE
+        yield n, value
+
+
 def read_jsonl(path: str | os.PathLike, *, strict: bool = True) -> list[dict[str, Any]]:
     """The records of an append-only JSON-lines log ([] if it does not exist).
 
@@ -156,18 +176,10 @@ def read_jsonl(path: str | os.PathLike, *, strict: bool = True) -> list[dict[str
     if not path.exists():
         return []
     records = []
-    lines = path.read_bytes().split(b"\n")
-    for n, raw in enumerate(lines, 1):
-        if not raw.strip():
-            continue
-        try:
-            rec = json.loads(raw)
-        except ValueError:
-            if n >= len(lines) - 1 or not strict:
-                continue
-            raise ValueError(f"{path}:{n}: unreadable line; it was not written by hs_patch") from None
+    for n, rec in json_lines(path):
         if isinstance(rec, dict):
             records.append(rec)
         elif strict:
-            raise ValueError(f"{path}:{n}: not a JSON object; it was not written by hs_patch")
+            why = "unreadable line" if rec is UNREADABLE else "not a JSON object"
+            raise ValueError(f"{path}:{n}: {why}; it was not written by hs_patch")
     return records

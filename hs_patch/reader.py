@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
+from hs_patch.files import UNREADABLE, json_lines
 from hs_patch.store import FORMATS_READ, MANIFEST, SUFFIX, SampleError, file_sha256, read_manifest, sample_key
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -139,15 +140,9 @@ def manifest_entries(directory: Path) -> tuple[Optional[dict[str, dict[str, Any]
         return run_entries(directory)
     entries: dict[str, dict[str, Any]] = {}
     problems: list[str] = []
-    lines = path.read_bytes().split(b"\n")
-    for n, raw in enumerate(lines, 1):
-        if not raw.strip():
-            continue
-        try:
-            rec = json.loads(raw)
-        except (ValueError, RecursionError):
-            if n < len(lines) - 1:
-                problems.append(f"{MANIFEST}:{n}: not JSON")
+    for n, rec in json_lines(path):
+        if rec is UNREADABLE:
+            problems.append(f"{MANIFEST}:{n}: not JSON")
             continue
         op = rec.get("op") if isinstance(rec, dict) else None
         if op == "add":

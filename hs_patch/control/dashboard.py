@@ -8,7 +8,7 @@ on as systemd units.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from rich.console import Console, Group
 from rich.panel import Panel
@@ -16,6 +16,7 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 from rich.table import Table
 
 FINISHED = ("inactive", "failed")
+T = TypeVar("T")
 
 
 def _gb(n: float | None) -> str:
@@ -118,12 +119,43 @@ def done(snap: dict[str, Any]) -> bool:
                                       for u in (f"hs-drive-{run}", f"hs-ship-{run}") if u in units)
 
 
+def follow(fetch: Callable[[], T], draw: Callable[[T], Any], finished: Callable[[T], bool], *, console: Console,
+           interval: float, gone: Callable[[str], str], detached: str,
+           lost: Callable[[T], str] = lambda got: "") -> T | None:
+    """Redraw what ``fetch`` returns every ``interval`` seconds until ``finished`` says so: then the last
+    view. A fetch that raises, or whose view ``lost`` says reached nothing (the reason; "": it did),
+    five times in a row: None after saying ``gone(reason)``; Ctrl-C: None after ``detached``. The
+    job goes on where it runs either way (both dashboards, one host or a fleet, follow with this)."""
+    from rich.live import Live
+
+    misses = 0
+    try:
+        with Live(console=console, refresh_per_second=4, transient=False) as live:
+            while True:
+                try:
+                    got: T | None = fetch()
+                except Exception as e:  # noqa: BLE001 - a flaky link must not end the job
+                    got, why = None, str(e)
+                else:
+                    live.update(draw(got))
+                    why = lost(got)
+                misses = misses + 1 if why else 0
+                if misses >= 5:
+                    live.stop()
+                    console.print(f"[yellow]{gone(why)}[/]")
+                    return None
+                if got is not None and finished(got):
+                    return got
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        console.print(f"\n[yellow]{detached}[/]")
+        return None
+
+
 def watch(fetch: Callable[[], dict[str, Any]], host: str, run: str, *, interval: float = 2.0,
           once: bool = False, console: Console | None = None) -> int:
     """Show the dashboard until the job finishes (0) or the driver stops short (1), or detach on
     Ctrl-C / lost link (2)."""
-    from rich.live import Live
-
     console = console or Console()
     reattach = f"fab status --host {host} --run {run}"
     progress = Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
@@ -133,28 +165,11 @@ def watch(fetch: Callable[[], dict[str, Any]], host: str, run: str, *, interval:
         snap = fetch()
         console.print(render(snap, host, progress, task))
         return 0
-    failures = 0
-    try:
-        with Live(console=console, refresh_per_second=4, transient=False) as live:
-            while True:
-                try:
-                    snap = fetch()
-                    failures = 0
-                except Exception as e:  # noqa: BLE001 - a flaky link must not end the job
-                    failures += 1
-                    if failures >= 5:
-                        live.stop()
-                        console.print(f"[yellow]lost the connection to {host} ({e}). The job goes on there; "
-                                      f"reattach with: {reattach}[/]")
-                        return 2
-                    time.sleep(interval)
-                    continue
-                live.update(render(snap, host, progress, task))
-                if done(snap):
-                    break
-                time.sleep(interval)
-    except KeyboardInterrupt:
-        console.print(f"\n[yellow]detached; the job goes on on {host}. Reattach with: {reattach}[/]")
+    snap = follow(fetch, lambda s: render(s, host, progress, task), done, console=console, interval=interval,
+                  gone=lambda why: f"lost the connection to {host} ({why}). The job goes on there; reattach with: "
+                                   f"{reattach}",
+                  detached=f"detached; the job goes on on {host}. Reattach with: {reattach}")
+    if snap is None:
         return 2
     d = snap.get("driver") or {}
     console.print()

@@ -18,7 +18,7 @@ from rich.console import Console, Group
 from rich.panel import Panel
 from rich.table import Table
 
-from hs_patch.control.dashboard import _gb, _state, done, stopped_short
+from hs_patch.control.dashboard import _gb, _state, done, follow, stopped_short
 
 
 @dataclass
@@ -111,30 +111,17 @@ def watch(fetch: Callable[[], dict[str, Any]], rows: list[Row], run: str, reatta
           interval: float = 2.0, once: bool = False, console: Console | None = None) -> int:
     """Show the fleet until every host's jobs finished (0) or ended with a driver stopped short
     (1, naming those hosts), or detach on Ctrl-C / lost hosts (2)."""
-    from rich.live import Live
-
     console = console or Console()
     rates = Rates()
     title = f"hs-patch fleet extraction {run}"
     if once:
         console.print(render(rows, fetch(), title, rates))
         return 0
-    lost = 0
-    try:
-        with Live(console=console, refresh_per_second=4, transient=False) as live:
-            while True:
-                snaps = fetch()
-                live.update(render(rows, snaps, title, rates))
-                lost = lost + 1 if all(not isinstance(s, dict) for s in snaps.values()) else 0
-                if lost >= 5:
-                    live.stop()
-                    console.print(f"[yellow]no host answers. The jobs go on there; reattach with: {reattach}[/]")
-                    return 2
-                if finished(snaps):
-                    break
-                time.sleep(interval)
-    except KeyboardInterrupt:
-        console.print(f"\n[yellow]detached; the jobs go on. Reattach with: {reattach}[/]")
+    snaps = follow(fetch, lambda s: render(rows, s, title, rates), finished, console=console, interval=interval,
+                   lost=lambda s: "no host answers" if all(not isinstance(x, dict) for x in s.values()) else "",
+                   gone=lambda why: f"{why}. The jobs go on there; reattach with: {reattach}",
+                   detached=f"detached; the jobs go on. Reattach with: {reattach}")
+    if snaps is None:
         return 2
     short = sorted(label for label, s in snaps.items() if stopped_short(s))
     if short:
