@@ -35,6 +35,8 @@ GPU_READY = "/usr/local/lib/hs-patch/gpu-ready"
 
 
 
+# A preflight finding. The readiness scripts on the host print the same fields as JSON and carry their
+# own Check: they run there alone, and the control node imports no host code.
 @dataclass
 class Check:
     name: str

@@ -41,6 +41,8 @@ HANG_HELP = ("RTX PRO 6000 boards are known to hang multi-GPU NCCL with PCIe pee
              "hs_nccl_env: {NCCL_P2P_DISABLE: \"1\"} (traffic through host memory, slower), then run the check again")
 
 
+# Copied to the host alone and run without this package, so this script carries its own Check (the
+# other readiness script and the control node's preflight, hs_patch.control.remote, have theirs).
 @dataclass
 class Check:
     name: str

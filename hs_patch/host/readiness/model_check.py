@@ -27,6 +27,8 @@ INDEX = "model.safetensors.index.json"
 MAX_HEADER = 100 << 20  # the safetensors format's own limit
 
 
+# Copied to the host alone and run without this package, so this script carries its own Check (the
+# other readiness script and the control node's preflight, hs_patch.control.remote, have theirs).
 @dataclass
 class Check:
     name: str
