@@ -163,12 +163,15 @@ def _unmet(wheels: list[wh.Wheel], target: wh.Target, overridden: set[str]) -> l
 
 
 def _installable(filename: str, target: wh.Target) -> bool:
-    """A wheel pip installs on ``target``: its python, abi and platform tags (PEP 425)."""
-    py, abi, plat = filename[:-4].split("-")[-3:]
+    """A wheel pip installs on ``target``: one of its tags is among the interpreter's (packaging.tags, pip's own)."""
+    from packaging import tags
+    from packaging.utils import parse_wheel_filename
+
+    version = tuple(int(x) for x in target.python_version.split("."))
     cp = "cp" + target.python_version.replace(".", "")
-    pys, abis, plats = set(py.split(".")), set(abi.split(".")), set(plat.split("."))
-    py_ok = bool(pys & {"py3", cp}) or any(p.startswith("cp3") and int(p[3:]) <= int(cp[3:]) for p in pys)
-    return py_ok and bool(abis & {"none", "abi3", cp}) and bool(plats & {"any", *target.platforms()})
+    supported = {*tags.cpython_tags(version, abis=[cp], platforms=target.platforms()),
+                 *tags.compatible_tags(version, cp, platforms=target.platforms())}
+    return bool(parse_wheel_filename(filename)[3] & supported)
 
 
 @pytest.mark.slow

@@ -108,7 +108,7 @@ def test_faults_lose_nothing(demo, tmp_path):
     watcher = subprocess.Popen(
         ["fab", "extract", "--dataset", str(data), "--run", run, "--host", GPU[0], "--inventory",
          str(demo.inventory), "--known-hosts", demo.lab.describe()["known_hosts"]],
-        cwd=Path(__file__).resolve().parents[2], stdout=log, stderr=subprocess.STDOUT)
+        cwd=Path(__file__).resolve().parents[2], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
     try:
         progress = lambda: (remote_json(demo, f"{state}/status.json") or {}).get("samples", {}).get("done", 0)  # noqa: E731
         wait("the run to start", lambda: progress() >= 20)

@@ -58,7 +58,7 @@ def fab(d: Demo, plan_dir: Path, *args: str, check: bool = True) -> subprocess.C
     cmd = ["fab", *args, "--inventory", str(d.inventory), "--known-hosts", d.lab.describe()["known_hosts"]]
     env = {**os.environ, "HS_FLEET_DIR": str(plan_dir), "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
     print("+ " + " ".join(cmd), flush=True)
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    r = subprocess.run(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=1200)
     print(r.stdout[-4000:], r.stderr[-2000:], flush=True)
     if check:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -82,6 +82,7 @@ def say(msg: str) -> None:
 
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     print("+ " + shlex.join(cmd), flush=True)
+    kw.setdefault("stdin", subprocess.DEVNULL)  # see Demo.fab
     return subprocess.run(cmd, check=True, **kw)
 
 
@@ -183,6 +184,8 @@ class Demo:
                "--known-hosts", self.lab.describe()["known_hosts"]]
         print("+ " + shlex.join(cmd), flush=True)
         kw.setdefault("timeout", 1200)  # bounded: a fab that never returns fails the test instead of hanging it
+        # its own stdin: an ssh killed earlier can leave an inherited one non-blocking, which Ansible refuses
+        kw.setdefault("stdin", subprocess.DEVNULL)
         return subprocess.run(cmd, cwd=ROOT, check=check, **kw)
 
     def fetch_destination(self, run_name: str, dest: Path) -> Path:
