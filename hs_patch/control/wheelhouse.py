@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from hs_patch.control.sglang_requires import ReplaceError, replaced_requirements
 from hs_patch.releases import RELEASES
 from hs_patch.store import file_sha256, write_text_atomic
 
@@ -150,29 +151,6 @@ def apply_overrides(wheels: list[Wheel], overrides: list[Wheel], target: Target)
     return sorted(by_name.values(), key=lambda w: _norm(w.name))
 
 
-def replaced_requirements(requires: Sequence[str], replaces: Sequence[str], target: Target,
-                          extras: str = "") -> list[str]:
-    """sglang's requirements that apply on ``target`` (with ``extras``), each named in ``replaces`` swapped for it."""
-    from packaging.requirements import Requirement  # pip's own dependency; on every control node
-
-    swap = {_norm(Requirement(r).name): r for r in replaces}
-    wanted = {e.strip() for e in extras.strip("[]").split(",") if e.strip()}
-    out, seen = [], set()
-    for spec in requires:
-        req = Requirement(spec)
-        if req.marker is not None and not any(req.marker.evaluate({**target.marker_env(), "extra": e})
-                                               for e in (wanted or {""})):
-            continue
-        name = _norm(req.name)
-        seen.add(name)
-        out.append(swap.get(name) or str(req).split(";")[0].strip())
-    missing = sorted(set(swap) - seen)
-    if missing:
-        raise WheelhouseError(f"sglang does not require {', '.join(missing)}: drop it from the release's replaces "
-                              "in hs_patch/releases.py")
-    return out
-
-
 def lock_text(pin: str, wheels: list[Wheel], overrides: Sequence[str], replaces: Sequence[str] = ()) -> str:
     head = [f"# sglang=={pin}: the complete wheel set, written by python3 -m hs_patch.control.wheelhouse.",
             "# Install with: pip install --no-index --find-links DIR --no-deps --require-hashes -r requirements.txt"]
@@ -190,7 +168,10 @@ def resolve_pin(pin: str, target: Target, *, pip: Sequence[str], index_args: Seq
     started = time.monotonic()
     if release.replaces:
         sglang = resolve([f"sglang{extras}=={pin}"], target, pip=pip, index_args=index_args, no_deps=True)
-        needs = replaced_requirements(sglang[0].requires, release.replaces, target, extras)
+        try:
+            needs = replaced_requirements(sglang[0].requires, release.replaces, target.marker_env(), extras)
+        except ReplaceError as e:
+            raise WheelhouseError(str(e)) from None
         wheels = sorted(sglang + resolve(needs, target, pip=pip, index_args=index_args), key=lambda w: _norm(w.name))
     else:
         wheels = resolve([f"sglang{extras}=={pin}"], target, pip=pip, index_args=index_args)
