@@ -23,7 +23,7 @@ from typing import Mapping
 
 TARGET = "sglang/srt/models/deepseek_v2.py"
 # The regions of deepseek_v2.py the patch touches or depends on, compared by hs-patch status
-# for a file no release has: (class, method).
+# for a file no release has (hs_patch.host.patching.nearest): (class, method).
 REGIONS = (("DeepseekV2DecoderLayer", "forward"), ("DeepseekV2Model", "__init__"), ("DeepseekV2Model", "forward"),
            ("DeepseekV2ForCausalLM", "set_eagle3_layers_to_capture"))
 
@@ -386,29 +386,6 @@ def anchor_lines(release: Release, text: str) -> tuple[int, ...]:
             raise PatchError(f"edit {n} of {release.version}: anchor found {count} times, expected once")
         out.append(text[: text.index(edit.anchor)].count("\n") + 1)
     return tuple(out)
-
-
-def region_sources(text: str) -> dict[str, str]:
-    """The source of each of REGIONS in ``text`` ("Class.method" -> lines; absent ones left out)."""
-    import ast
-
-    lines = text.splitlines(keepends=True)
-    out = {}
-    for node in ast.parse(text).body:
-        if isinstance(node, ast.ClassDef):
-            for fn in node.body:
-                if isinstance(fn, ast.FunctionDef) and (node.name, fn.name) in REGIONS:
-                    out[f"{node.name}.{fn.name}"] = "".join(lines[fn.lineno - 1: fn.end_lineno])
-    return out
-
-
-def region_digests(text: str) -> tuple[str, ...]:
-    """sha256[:16] of each of REGIONS' source in ``text`` ("-" where it is absent)."""
-    import hashlib
-
-    src = region_sources(text)
-    return tuple(hashlib.sha256(src[f"{c}.{m}"].encode()).hexdigest()[:16] if f"{c}.{m}" in src else "-"
-                 for c, m in REGIONS)
 
 
 def apply_edits(release: Release, text: str) -> str:

@@ -61,8 +61,8 @@ def default_layers(num_layers: int) -> list[int]:
 def rule(release: str) -> ServingRule:
     r = SERVING_RULES.get(release.split()[0])
     if r is None:
-        raise NotServable(f"SGLang {release}: its set_eagle3_layers_to_capture has not been read; the releases "
-                          f"whose rules are known are {', '.join(SERVING_RULES)}")
+        raise NotServable(f"SGLang {release}: its set_eagle3_layers_to_capture has not been read; the rules of every "
+                          f"release from {next(iter(SERVING_RULES))} to {list(SERVING_RULES)[-1]} are known")
     return r
 
 
