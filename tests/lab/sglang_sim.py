@@ -3,20 +3,24 @@
 SGLang cannot be imported here (it needs a GPU stack), so this harness executes the
 patched method's source, taken from the release's real ``deepseek_v2.py`` after
 ``hs-patch``'s edits, against a stand-in model whose layers replay a tiny random
-``transformers`` DeepseekV3 computed on the same tokens. The stand-in keeps SGLang's
-conventions that matter to the capture:
+``transformers`` DeepseekV3 computed on the same tokens. What runs of each release's own
+code, per family (hs_patch.releases):
 
-- the residual stream is ``hidden_states + residual`` and the layer input norm adds
-  them IN PLACE into ``residual`` (``fused_add_rmsnorm``), so a capture that keeps a
-  reference instead of a copy reads a later value;
-- 0.5.9 with flashinfer all-reduce fusion: a layer returns a per-rank partial sum of
-  its MLP output and the NEXT layer's ``prepare_attn`` completes the all-reduce (the
-  DESIGN.md trap: ``hidden_states + residual`` in the model loop is then wrong);
-- 0.5.16's ``prepare_attn_and_capture_last_layer_outputs`` (clone unless the residual
-  is fresh) and 0.5.23's ``capture_gathered.capture(value, owned=...)`` and
-  ``residual_batch.final_norm(..., capture=)``; 0.5.23's ``AuxHiddenStatePacker`` is the
-  release's own class, loaded from its wheel;
-- for 0.5.9 the patched ``DeepseekV2DecoderLayer.forward`` itself runs too.
+- layer-point (0.5.9 .. 0.5.13.post1): the patched ``DeepseekV2DecoderLayer.forward`` too;
+- communicator (0.5.14 .. 0.5.20): the release's own
+  ``LayerCommunicator.prepare_attn_and_capture_last_layer_outputs`` (communicator.py), which
+  decides whether the collector gets a clone (``_post_attn_residual_is_read_only``, and from
+  0.5.17 the collector's ``copies_on_append``);
+- layer-boundary (0.5.21 .. 0.5.23): a stand-in for ``layer_boundary/stage.py``'s
+  ``capture(value, owned=)`` and ``residual_batch``'s final norm callback;
+- from 0.5.17 the release's own ``AuxHiddenStatePacker`` (aux_hidden_states.py).
+
+The stand-in keeps SGLang's conventions that matter to the capture: the residual stream is
+``hidden_states + residual`` and the layer input norm adds them IN PLACE into ``residual``
+(``fused_add_rmsnorm``), so a capture that keeps a reference instead of a copy reads a later
+value; and with flashinfer all-reduce fusion a layer returns a per-rank partial sum of its MLP
+output that the NEXT layer's input step completes (the DESIGN.md trap: ``hidden_states +
+residual`` in the model loop is then wrong).
 
 Each request in a pass is looked up by the id the test gives it, so batched, chunked
 and prefix-cached passes can be played exactly as SGLang's scheduler would send them.
@@ -33,6 +37,8 @@ from typing import Any, Optional
 
 import torch
 from lab.hf_reference import Reference, reference  # noqa: F401  (re-exported for tests)
+
+from hs_patch.releases import RELEASES
 
 # ----------------------------------------------------------------------------- batches
 
@@ -94,16 +100,25 @@ class Sim:
     """A stand-in DeepseekV2Model for ``release`` whose layers replay ``refs``."""
 
     def __init__(self, release: str, patched_source: str, model: Any, refs: dict[str, Reference],
-                 *, fusion: bool = False, layers_to_capture: tuple[int, ...] = (), hook: Any = None,
-                 aux_module: Any = None):
+                 *, code: Optional["ReleaseCode"] = None, fusion: bool = False,
+                 layers_to_capture: tuple[int, ...] = (), hook: Any = None):
+        """``code``: the release's own files the harness runs besides ``patched_source`` (ReleaseCode.read)."""
         self.release, self.refs, self.fusion = release, refs, fusion
+        self.family = RELEASES[release].family.name
         cfg = model.config
         self.n_layers = cfg.num_hidden_layers
-        ns = self._namespace(aux_module)
+        ns = self._namespace(code.aux if code is not None else None)
         tree = ast.parse(patched_source)
         cls = {c.name: c for c in tree.body if isinstance(c, ast.ClassDef)}
         self.model_forward = _function(cls["DeepseekV2Model"], "forward", ns)
-        layer_forward = _function(cls["DeepseekV2DecoderLayer"], "forward", ns) if release == "0.5.9" else None
+        layer_forward = _function(cls["DeepseekV2DecoderLayer"], "forward", ns) if self.family == "layer-point" else None
+        self.comm_capture = None
+        if self.family == "communicator":
+            if code is None or code.communicator is None:
+                raise ValueError(f"SGLang {release}: the communicator family runs its own communicator.py; pass code=")
+            tree = ast.parse(code.communicator)
+            node = next(c for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and c.name == "LayerCommunicator")
+            self.comm_capture = _function(node, "prepare_attn_and_capture_last_layer_outputs", ns)
         m = types.SimpleNamespace(
             _hs_capture=hook, start_layer=0, end_layer=self.n_layers, first_k_dense_replace=1,
             layers_to_capture=list(layers_to_capture), enable_a2a_moe=False, gemm_output_zero_allocator_size=0,
@@ -159,17 +174,27 @@ class Sim:
                     capture(residual)
                 return out
 
+            @staticmethod  # 0.5.21's name and keyword for the same step
+            def norm(h: torch.Tensor, fb: ForwardBatch, norm: FusedNorm, capture_output: Any = None) -> torch.Tensor:
+                return _ResidualBatch.final_norm(h, fb, norm, capture_output)
+
+        class _AttnTpContext:  # 0.5.13 .. 0.5.13.post1's decoder layer clears the attention inputs
+            def clear_attn_inputs(self) -> None:
+                pass
+
         ns: dict[str, Any] = {
             "torch": torch, "nullcontext": nullcontext, "Optional": Optional, "Union": Any, "Any": Any,
             "List": list, "ForwardBatch": ForwardBatch, "BumpAllocator": lambda **kw: None,
             "PPProxyTensors": dict, "get_global_expert_distribution_recorder": _Recorder,
-            "get_global_server_args": lambda: types.SimpleNamespace(enable_piecewise_cuda_graph=False),
+            "get_global_server_args": lambda: types.SimpleNamespace(enable_piecewise_cuda_graph=False,
+                                                                    disable_piecewise_cuda_graph=True),
+            "get_attn_tp_context": _AttnTpContext,
             "nsa_use_prefill_cp": lambda fb: False, "dsa_use_prefill_cp": lambda fb, flag: False,
             "mla_use_prefill_cp": lambda fb, flag: False, "is_cp_v2_active": lambda fb: False,
             "check_cuda_graph_backend": lambda phase, backend: False, "Phase": _Phase, "Backend": _Backend,
             "IndexTopKShareState": _IndexTopK, "residual_batch": _ResidualBatch,
             "_is_gfx95_supported": False, "DeepseekV2MLP": type("DeepseekV2MLP", (), {}),
-            "DeepseekV2MoE": type("DeepseekV2MoE", (), {}),
+            "DeepseekV2MoE": type("DeepseekV2MoE", (), {}), "AuxHiddenStateAccumulator": Any,
         }
         if aux_module is not None:
             ns["AuxHiddenStatePacker"] = aux_module.AuxHiddenStatePacker
@@ -217,23 +242,27 @@ class Sim:
         def attention(**kw: Any) -> torch.Tensor:
             return sim._gather(kw["forward_batch"], lambda r: r.attn_out[i])
 
-        if layer_forward is not None:  # 0.5.9: run the patched DeepseekV2DecoderLayer.forward
+        if layer_forward is not None:  # layer-point: run the patched DeepseekV2DecoderLayer.forward
             comm = types.SimpleNamespace(
                 prepare_attn=prepare_attn, prepare_mlp=prepare_mlp,
                 should_fuse_mlp_allreduce_with_next_layer=lambda fb: sim._fuse(i),
                 should_use_reduce_scatter=lambda fb: False,
                 postprocess_layer=lambda h, r, fb: (h, r))
             layer = types.SimpleNamespace(
-                layer_communicator=comm, self_attn=attention, nsa_enable_prefill_cp=False,
+                layer_communicator=comm, self_attn=attention, nsa_enable_prefill_cp=False, dsa_enable_prefill_cp=False,
+                mla_enable_prefill_cp=False, layer_scatter_modes=None,
                 mlp=lambda h, fb, fuse, rs, gz: sim._mlp_out(fb, i, fuse))
             return lambda *a, **kw: layer_forward(layer, *a, **kw)
 
-        def layer_0_5_16(positions, h, fb, residual, za, gz, l4, prev_topk_indices=None,
-                         captured_last_layer_outputs=None, next_full_attention_layer_id=None):
-            h, residual = prepare_attn(h, residual, fb)
-            if captured_last_layer_outputs is not None:  # communicator.py, 0.5.16: clone unless
-                # prepare_mlp leaves the residual alone (_post_attn_residual_is_read_only)
-                captured_last_layer_outputs.append(residual if sim.fusion else residual.clone())
+        # communicator: the release's prepare_attn_and_capture_last_layer_outputs, on this layer's steps
+        comm = types.SimpleNamespace(
+            prepare_attn=lambda h, r, fb, quant_format="", post_residual_addition=None: prepare_attn(h, r, fb),
+            _communicate_simple_fn=lambda hidden_states, forward_batch, context: hidden_states, _context=None,
+            _post_attn_residual_is_read_only=lambda residual: sim.fusion)  # only the fused path writes afresh
+
+        def layer_communicator(positions, h, fb, residual, za, gz, l4, prev_topk_indices=None,
+                               captured_last_layer_outputs=None, next_full_attention_layer_id=None):
+            h, residual = sim.comm_capture(comm, h, residual, fb, captured_last_layer_outputs=captured_last_layer_outputs)
             h = attention(forward_batch=fb)
             h, residual = prepare_mlp(h, residual, fb)
             h = sim._mlp_out(fb, i, sim._fuse(i))
@@ -241,11 +270,11 @@ class Sim:
                 h._sglang_needs_allreduce_fusion = True
             return h, residual, None
 
-        def layer_0_5_23(positions, h, fb, za, gz, l4, prev_topk_indices=None,
-                         captured_last_layer_outputs=None, next_full_attention_layer_id=None):
+        def layer_boundary(positions, h, fb, za, gz, l4, prev_topk_indices=None,
+                           captured_last_layer_outputs=None, next_full_attention_layer_id=None):
             stream = fb.residual_stream
             h, stream["residual"] = prepare_attn(h, stream["residual"], fb)
-            if captured_last_layer_outputs is not None:  # layer_boundary/stage.py, 0.5.23
+            if captured_last_layer_outputs is not None:  # layer_boundary/stage.py, 0.5.21 .. 0.5.23
                 captured_last_layer_outputs.capture(stream["residual"], owned=False)
             h = attention(forward_batch=fb)
             h, stream["residual"] = prepare_mlp(h, stream["residual"], fb)
@@ -254,7 +283,7 @@ class Sim:
                 h._sglang_needs_allreduce_fusion = True
             return h, None
 
-        return layer_0_5_16 if self.release == "0.5.16" else layer_0_5_23
+        return layer_communicator if self.family == "communicator" else layer_boundary
 
     # -- one forward pass
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
@@ -284,9 +313,24 @@ def _strip(fn: ast.FunctionDef) -> ast.FunctionDef:
     return fn
 
 
+@dataclass
+class ReleaseCode:
+    """A release's own files the harness runs besides its patched ``deepseek_v2.py``."""
+
+    aux: Any = None                    # aux_hidden_states.py as a module (0.5.17 on: AuxHiddenStatePacker)
+    communicator: Optional[str] = None  # communicator.py's source (the communicator family's capture step)
+
+    @classmethod
+    def read(cls, site: Path) -> "ReleaseCode":
+        comm = site / "sglang/srt/layers/communicator.py"
+        return cls(load_aux_module(site), comm.read_text() if comm.is_file() else None)
+
+
 def load_aux_module(site: Path) -> Any:
-    """0.5.23's ``sglang/srt/layers/aux_hidden_states.py`` (torch only), loaded standalone."""
+    """The release's ``aux_hidden_states.py`` (torch only) loaded standalone; None before 0.5.17, which has none."""
     path = site / "sglang/srt/layers/aux_hidden_states.py"
+    if not path.is_file() or "class AuxHiddenStatePacker" not in path.read_text():
+        return None
     mod = types.ModuleType("aux_hidden_states")
     mod.__dict__["__name__"] = "aux_hidden_states"
     exec(compile(path.read_text(), str(path), "exec"), mod.__dict__)
