@@ -38,7 +38,9 @@ BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w:-]+) -->\n)(?P<body>.*?)(<!--
 def _fmt_default(value: Any) -> str:
     if value == "":
         return '""'
-    return value if isinstance(value, str) else json.dumps(value)
+    if isinstance(value, dict) and len(json.dumps(value)) > 200:  # a table of its own: the row would drown
+        return f"{{{len(value)} entries: {', '.join(list(value)[:2])}, ..., {list(value)[-1]}}}"
+    return (value if isinstance(value, str) else json.dumps(value)).replace("|", "\\|")
 
 
 def _cell(text: str) -> str:
@@ -83,7 +85,11 @@ def role_defaults(role: str) -> str:
              "# defaults there); docs/deployment.md shows the same table.", ""]
     for name, default, desc in role_variables(role):
         lines += ["# " + line for line in textwrap.wrap(" ".join(desc.split()), 100)]
-        lines += [f"{name}: {json.dumps(default)}", ""]
+        flow = f"{name}: {json.dumps(default)}"
+        if len(flow) > 120 and isinstance(default, list):  # a block list keeps yamllint's line length
+            lines += [f"{name}:", *(f"  - {json.dumps(item)}" for item in default), ""]
+        else:
+            lines += [flow, ""]
     return "\n".join(lines[:-1]) + "\n"
 
 
