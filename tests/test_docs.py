@@ -3,7 +3,6 @@ distinctly, the README a short front door whose links resolve, help texts readab
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys

@@ -3,7 +3,7 @@
 Run on any machine that reaches the package index (the control node is fine):
 
     python3 -m hs_patch.control.wheelhouse --pin 0.5.9 --dest wheelhouse
-    python3 -m hs_patch.control.wheelhouse --pin 0.5.9 --pin 0.5.16 --dest wheelhouse --resolve-only
+    python3 -m hs_patch.control.wheelhouse --pin 0.5.9 --pin 0.5.21 --dest wheelhouse --resolve-only
 
 For each pin it resolves ``sglang==PIN`` with pip for the GPU host's interpreter and
 platform (CPython 3.12, x86_64, every manylinux tag from 2_17 to the host's glibc, 2_39 on

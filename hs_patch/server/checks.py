@@ -39,9 +39,9 @@ def _prefill_graph(args: Any) -> str:
 
 
 def _getter(args: Any) -> Any:
-    """Read a setting as the release resolved it: 0.5.23 keeps raw input on the record and
-    the resolved values apart (its deprecated ``enable_dp_attention`` stays false while
-    ``--attn-dp-size`` turns attention DP on), earlier releases resolve in place."""
+    """Read a setting as the release resolved it: 0.5.19 on keep raw input on the record and
+    the resolved values apart (from 0.5.22 the deprecated ``enable_dp_attention`` stays false
+    while ``--attn-dp-size`` turns attention DP on), earlier releases resolve in place."""
     if hasattr(args, "resolved_dict"):
         resolved = args.resolved_dict()
         return lambda name, default=None: resolved.get(name, getattr(args, name, default))

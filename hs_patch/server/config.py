@@ -21,7 +21,7 @@ ENV_DOCS = (
      "errors.jsonl, hook_status.json."),
     ("HS_CAPTURE_LAYERS", "2,30,58", "Decoder layers whose INPUT is captured (layer.<i> = residual stream "
      "entering layer i = output of layer i-1), ascending, separated by commas or spaces. The default is what "
-     "SGLang feeds an EAGLE-3 drafter of a 61-layer model (eagle ids [1,29,57] on 0.5.9/0.5.16/0.5.23)."),
+     "SGLang feeds an EAGLE-3 drafter of a 61-layer model (eagle ids [1,29,57] on every release)."),
     ("HS_CAPTURE_FINAL", "both", "The last layer's output to store: pre (before the final norm: speculators), "
      "post (after it, what the LM head reads: SpecForge), both, or none. both: a default run feeds both "
      "trainers exactly; 5 planes = 71,689 bytes per token at hidden 7168."),
