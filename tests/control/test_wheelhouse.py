@@ -257,3 +257,21 @@ def test_every_pin_has_a_wheel_for_the_host_and_the_stack_releases_py_names():
         for replaced in RELEASES[pin].replaces:
             name, version = replaced.split("==")
             assert pins[wh._norm(name)].startswith("==") and pins[wh._norm(name)] != f"=={version}", (pin, replaced)
+
+
+def test_the_role_reads_sglangs_own_requirements_with_the_replacements(release_sources):
+    """What the sglang role runs on the host after installing sglang 0.5.18 alone (pypi source): the
+    release's requirements, markers evaluated there, cuda-tile's stub-only pin swapped; a replacement
+    sglang does not ask for stops the install with what to do."""
+    import subprocess
+
+    script = Path(wh.__file__).with_name("sglang_requires.py")
+    env = {**os.environ, "PYTHONPATH": str(release_sources["0.5.18"])}
+    out = subprocess.run([sys.executable, str(script), "", json.dumps(list(RELEASES["0.5.18"].replaces))], env=env,
+                         capture_output=True, text=True, check=True)
+    reqs = json.loads(out.stdout)
+    assert "cuda-tile==1.6.0" in reqs and "torch==2.13.0" in reqs
+    assert not [r for r in reqs if "1.6.0rc5" in r or ";" in r]
+    bad = subprocess.run([sys.executable, str(script), "", '["not-a-dependency==1"]'], env=env,
+                         capture_output=True, text=True)
+    assert bad.returncode == 1 and "sglang does not require not-a-dependency" in bad.stderr
