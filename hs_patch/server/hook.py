@@ -52,7 +52,7 @@ def attach(model: torch.nn.Module, config: Any, release: str) -> Optional["Captu
     cfg = capture_config.from_env()
     if not cfg.enabled:
         return None
-    cfg.check_layers(int(config.num_hidden_layers))
+    cfg = cfg.for_model(int(config.num_hidden_layers))
     settings = server_checks.read_settings()
     problems = server_checks.refusals(settings) + server_checks.capture_refusals(cfg, settings)
     if problems:
