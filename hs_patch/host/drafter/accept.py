@@ -65,9 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=0, metavar="N", help="only the first N conversations (0: all)")
     p.add_argument("--concurrency", type=int, default=16, metavar="N", help="requests in flight (default: "
                    "%(default)s; SGLang batches them as it would in production)")
-    p.add_argument("--tie-margin", type=float, default=0.1, metavar="NATS", help="a difference is a near-tie when "
+    p.add_argument("--tie-margin", type=float, default=0.25, metavar="NATS", help="a difference is a near-tie when "
                    "the plain server's log-probabilities of the two tokens differ by at most this (default: "
-                   "%(default)s)")
+                   "%(default)s: two bf16 units of a logit between 16 and 32; seen on the H200: every "
+                   "difference within 0.125)")
     p.add_argument("--api-key-file", metavar="FILE", help="the servers' API key (else $SGLANG_API_KEY)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code (Kimi)")
     p.add_argument("--chat-template-kwargs", default="{}", metavar="JSON", help="extra chat template variables")
