@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -52,7 +53,7 @@ from loop import corpus, drafters, features, serving, target  # noqa: E402
 PHASES = ("corpus", "target", "extract", "launch", "variants", "launch_variants", "specforge", "drafters", "serve",
           "table")
 ESTIMATE_S = {"corpus": 45, "target": 60, "extract": 220, "launch": 15, "variants": 100, "launch_variants": 10,
-              "specforge": 200, "drafters": 90, "serve": 280, "table": 5}
+              "specforge": 300, "drafters": 90, "serve": 280, "table": 5}
 VARIANTS = ("hf", "late", "prenorm", "untrained")
 
 
@@ -247,52 +248,43 @@ class Loop:
         return {"runs": ["hf", "late", "prenorm"]}
 
     def specforge(self) -> dict:
-        site514 = Path("/tmp/site514")
-        if not (site514 / ".ok").exists():
-            shutil.rmtree(site514, ignore_errors=True)
-            subprocess.run(["cp", "-al", self.a.site, str(site514)], check=True)
-            for pkg in ("sglang", "sgl_kernel", "flashinfer", "tvm_ffi", "transformers"):
-                shutil.rmtree(site514 / pkg, ignore_errors=True)
-            for dist in site514.glob("*.dist-info"):
-                if dist.name.split("-")[0].lower() in ("sglang", "sglang_kernel", "flashinfer_python",
-                                                         "apache_tvm_ffi", "transformers"):
-                    shutil.rmtree(dist)
-            subprocess.run(["tar", "-C", str(site514), "-xJf", str(self.carry / "site514.tar.xz")], check=True)
-            # flashinfer 0.6.12 imports cuda.tile (cuTile, not in the image) for one all-gather kernel SpecForge's
-            # single-GPU capture never calls: make that import optional
-            f = site514 / "flashinfer/comm/all_gather_matmul/all_gather_matmul.py"
-            line = "from .all_gather_matmul_cutile import all_gather_matmul_cutile"
-            out = []
-            for ln in f.read_text().splitlines():  # a new list: the file's lines are read once
-                if ln.strip() == line:
-                    ind = ln[: len(ln) - len(ln.lstrip())]
-                    out += [f"{ind}try:", f"{ind}    {line}", f"{ind}except ImportError:",
-                            f"{ind}    all_gather_matmul_cutile = None"]
-                else:
-                    out.append(ln)
-            f.write_text("\n".join(out) + "\n")
-            (site514 / ".ok").touch()
+        site514 = build_site514(Path(self.a.site), self.carry / "site514.tar.xz", Path("/tmp/site514"))
         self._install_specforge()
         out = self.work / "feat" / "specforge"
-        shutil.rmtree(out, ignore_errors=True)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-               str(self.carry / "prepare_hidden_states.py"), "--target-model-path", str(self.target),
-               "--data-path", str(self.work / "drafter_chats_sharegpt.jsonl"), "--output-path", str(out),
-               "--chat-template", "lfm", "--max-length", "2048", "--tp-size", "1", "--batch-size", "1",
-               "--draft-model-config", str(self.work / "draft.json"), "--sglang-attention-backend", "triton",
-               "--sglang-mem-fraction-static", "0.3", "--cache-dir", str(self.work / "sfcache"),
-               "--num-io-threads", "8"]
+        # the script's own caches are keyed by paths and options, not by what the files hold: a re-run after a
+        # new extract would read the old chats; its copy in work/specforge keeps its dataset cache
+        # (<script dir>/../cache) out of the repository checkout
+        sfdir, cache = self.work / "specforge", self.work / "sfcache"
+        for d in (out, sfdir, cache):
+            shutil.rmtree(d, ignore_errors=True)
+        (sfdir / "scripts").mkdir(parents=True)
+        script = shutil.copy(self.carry / "prepare_hidden_states.py", sfdir / "scripts")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", str(script),
+               *prepare_args(self.target, self.work / "drafter_chats_sharegpt.jsonl", out, self.work / "draft.json",
+                             cache)]
         t = time.time()
         log = self.work / "specforge-prepare.log"
         env = self.sf_env(str(site514))
         for k in ("TVM_FFI_CACHE_DIR",):  # 0.5.14's JIT modules apart from 0.5.16's
             env[k] = env.get(k, "/tmp/tvm") + "-514"
-        p = subprocess.run(cmd, cwd=self.work, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                           timeout=max(60, int(self.left()) - 30))
-        res = {"rc": p.returncode, "s": round(time.time() - t, 1),
-               "tail": log.read_text(errors="replace").splitlines()[-15:]}
-        if p.returncode:
-            raise RuntimeError(f"prepare_hidden_states.py failed: {res}")
+        with open(log, "w") as f:
+            p = subprocess.Popen(cmd, cwd=self.work, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                 start_new_session=True)  # its own group: a timeout ends torchrun's worker too
+            try:
+                rc = p.wait(timeout=max(60, int(self.left()) - 30))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGTERM)
+                try:
+                    rc = p.wait(30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    rc = p.wait()
+        shutil.copy(log, self.out / log.name)
+        lines = log.read_text(errors="replace").splitlines()
+        res = {"rc": rc, "s": round(time.time() - t, 1), "tail": lines[-8:],
+               "error": [ln for ln in lines if ln.startswith("[rank0]:")][-30:]}  # torchrun's tail hides the cause
+        if rc:
+            raise RuntimeError(f"prepare_hidden_states.py failed (log: {self.out / log.name}): {res}")
         res["features"] = features.summary(out)
         self._train("specforge", out, 0, self.a.draft_steps, self.a.draft_lr)
         return res
@@ -407,6 +399,68 @@ class Loop:
             self.save()
         self.log("all phases done")
         return 0
+
+
+SITE514_RECIPE = "kit 0.5.16 + site514.tar.xz + cuda.tile optional (1)"  # change it to rebuild /tmp/site514
+
+
+def build_site514(kit: Path, delta: Path, dst: Path) -> Path:
+    """SGLang 0.5.14 for SpecForge's capture: a hard-linked copy of the 0.5.16 kit site with sglang,
+    sgl_kernel, flashinfer, tvm_ffi and transformers (and their dist-info) replaced by the carried 0.5.14
+    delta (tests/gpu/loop/build_carry.sh). Made once per machine (``.ok`` holds the recipe)."""
+    ok = dst / ".ok"
+    if ok.exists() and ok.read_text() == SITE514_RECIPE:
+        return dst
+    shutil.rmtree(dst, ignore_errors=True)
+    subprocess.run(["cp", "-al", str(kit), str(dst)], check=True)
+    for pkg in ("sglang", "sgl_kernel", "flashinfer", "tvm_ffi", "transformers"):
+        shutil.rmtree(dst / pkg, ignore_errors=True)
+    for dist in dst.glob("*.dist-info"):
+        if dist.name.split("-")[0].lower() in ("sglang", "sglang_kernel", "flashinfer_python", "apache_tvm_ffi",
+                                                 "transformers"):
+            shutil.rmtree(dist)
+    # GNU tar unlinks a file before writing it: the kit's files the delta also has (tools/, triton_kernels/)
+    # are replaced, never written through their hard links
+    subprocess.run(["tar", "-C", str(dst), "-xJf", str(delta)], check=True)
+    # flashinfer 0.6.12 imports cuda.tile (cuTile, not in the GPU image) at import time for one all-gather
+    # kernel SpecForge's single-GPU capture never calls (the only cuda.tile import in the delta): optional
+    f = dst / "flashinfer/comm/all_gather_matmul/all_gather_matmul.py"
+    line = "from .all_gather_matmul_cutile import all_gather_matmul_cutile"
+    out, found = [], 0
+    for ln in f.read_text().splitlines():  # a new list: the file's lines are read once
+        if ln.strip() == line:
+            ind = ln[: len(ln) - len(ln.lstrip())]
+            out += [f"{ind}try:", f"{ind}    {line}", f"{ind}except ImportError:",
+                    f"{ind}    all_gather_matmul_cutile = None"]
+            found += 1
+        else:
+            out.append(ln)
+    if found != 1:
+        raise RuntimeError(f"{f}: expected the line {line!r} once, found it {found} times: the delta is not "
+                           "flashinfer 0.6.12; rebuild it with tests/gpu/loop/build_carry.sh")
+    f.write_text("\n".join(out) + "\n")
+    ok.write_text(SITE514_RECIPE)
+    return dst
+
+
+def prepare_args(target_dir: Path, sharegpt: Path, out: Path, draft_cfg: Path, cache: Path) -> list[str]:
+    """SpecForge's prepare_hidden_states.py options for one GPU shared with the running trainings.
+
+    - ``lfm``: SpecForge's template for ChatML without a system prompt, the target's; its token ids and
+      loss masks equal our driver's (tests/test_closed_loop.py), so the features pair by token ids.
+    - batch size 1: the script right-pads a batch with id 0 and captures the pads as tokens.
+    - ``--max-length 2048`` (longer than any chat here) also sizes the KV pool: max_total_tokens =
+      batch size x max length = 2048 tokens, whatever the fraction.
+    - mem fraction 0.8: SGLang 0.5.14 under SpecForge (its own init_torch_distributed) sizes the pool from
+      the FREE memory at start: it needs free_now - (1 - f) x free_at_start > 0 after loading the weights,
+      so f only bounds how much the trainings started just before may grow meanwhile (0.3 allowed 30%
+      of what was free); the pool stays 2048 tokens (about 20 MB here).
+    - triton attention: the backend our capture and the EAGLE-3 servers use on this GPU (the kit strips
+      FlashAttention-3; flashinfer's attention would JIT-compile for minutes)."""
+    return ["--target-model-path", str(target_dir), "--data-path", str(sharegpt), "--output-path", str(out),
+            "--chat-template", "lfm", "--max-length", "2048", "--tp-size", "1", "--batch-size", "1",
+            "--draft-model-config", str(draft_cfg), "--sglang-attention-backend", "triton",
+            "--sglang-mem-fraction-static", "0.8", "--cache-dir", str(cache), "--num-io-threads", "8"]
 
 
 def _count(items) -> dict:
