@@ -56,8 +56,8 @@ def hf_variants(model_dir: Path, ours: Path, out_hf: Path, out_late: Path, layer
 
     from transformers import AutoModelForCausalLM
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from hf_reference import reference
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for lab
+    from lab.hf_reference import reference
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).to(device).eval()
     n = model.config.num_hidden_layers

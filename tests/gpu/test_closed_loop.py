@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 
 import closed_loop  # noqa: E402
@@ -32,11 +32,11 @@ from test_gpu_scripts import free_port_block  # noqa: E402
 
 @pytest.fixture
 def loop_env(release_sources, tmp_path, monkeypatch):
-    from tiny_model import make_tiny_model_dir
+    from lab.tiny_model import make_tiny_model_dir
 
     site = tmp_path / "site"
     shutil.copytree(release_sources["0.5.16"], site)
-    monkeypatch.setattr(common.Server, "LAUNCHER", [sys.executable, str(ROOT / "tests/standin_server.py"),
+    monkeypatch.setattr(common.Server, "LAUNCHER", [sys.executable, str(ROOT / "tests/lab/standin_server.py"),
                                                    "--accept-sglang-flags", "--release", "0.5.16", "--threads", "1"])
     work = tmp_path / "work"
     make_tiny_model_dir(work / "target", layers=8)  # deep enough for three distinct default planes, and one late
@@ -102,17 +102,20 @@ def test_specforge_lfm_template_tokenizes_the_loops_chats_as_our_driver(tmp_path
     """The specforge phase runs SpecForge's preprocessing with ``--chat-template lfm`` on the chats our
     driver extracted; its features pair with ours by token ids and train on its loss mask, so both must be
     ours exactly: SpecForge's own build_eagle3_dataset over the ShareGPT file the loop writes, against
-    hs_patch.host.chat.encode_chat, with the target's tokenizer recipe (loop.target)."""
-    from trainers import need
+    hs_patch.host.driver.chat.encode_chat, with the target's tokenizer recipe (loop.target)."""
+    from lab.trainers import need
 
     pre = need("specforge.data.preprocessing")
     from datasets import Dataset
     from specforge.utils import safe_conversations_generator
 
-    from hs_patch.host.chat import encode_chat
+    from hs_patch.host.driver.chat import encode_chat
     from loop import target
 
-    train, held = corpus.build([Path(corpus.__file__).parent, Path(json.__file__).parent], workers=1)
+    import email
+
+    train, held = corpus.build([Path(corpus.__file__).parent, Path(json.__file__).parent,
+                                Path(email.__file__).parent], workers=1)
     chats = train + held
     chats.append({"messages": [{"role": "user", "content": "two turns"}, {"role": "assistant", "content": "one"},
                                {"role": "user", "content": "and again: naïve café"},
