@@ -451,10 +451,11 @@ def prepare_args(target_dir: Path, sharegpt: Path, out: Path, draft_cfg: Path, c
     - batch size 1: the script right-pads a batch with id 0 and captures the pads as tokens.
     - ``--max-length 2048`` (longer than any chat here) also sizes the KV pool: max_total_tokens =
       batch size x max length = 2048 tokens, whatever the fraction.
-    - mem fraction 0.8: SGLang 0.5.14 under SpecForge (its own init_torch_distributed) sizes the pool from
-      the FREE memory at start: it needs free_now - (1 - f) x free_at_start > 0 after loading the weights,
-      so f only bounds how much the trainings started just before may grow meanwhile (0.3 allowed 30%
-      of what was free); the pool stays 2048 tokens (about 20 MB here).
+    - mem fraction 0.8: SGLang 0.5.14 budgets from the memory FREE when it starts (what
+      init_torch_distributed measures, SpecForge's override too), after the other processes: it needs
+      free_now - (1 - f) x free_at_start > 0 once the weights are loaded, so f only bounds how much the
+      trainings started just before may grow meanwhile (0.3 allowed 30% of what was free); the pool
+      stays 2048 tokens (about 20 MB here) whatever f is.
     - triton attention: the backend our capture and the EAGLE-3 servers use on this GPU (the kit strips
       FlashAttention-3; flashinfer's attention would JIT-compile for minutes)."""
     return ["--target-model-path", str(target_dir), "--data-path", str(sharegpt), "--output-path", str(out),
