@@ -18,7 +18,7 @@ left before --deadline):
              as SpecForge's teacher (prenorm)
   launch     `specforge train` for every variant but SpecForge's own (in the background: they go on
              across calls while the machine stays)
-  specforge  SpecForge's own scripts/prepare_hidden_states.py under SGLang 0.5.14 (its pin), batch
+  specforge  SpecForge's own prepare_hidden_states.py (its repository) under SGLang 0.5.14 (its pin), batch
              size 1, then its drafter's training
   drafters   wait for every training, `specforge export --to sglang`, the eagle_config from
              `hs-extract drafter-config --into`, the teachers' argmax agreement with ours
@@ -447,7 +447,7 @@ def prepare_args(target_dir: Path, sharegpt: Path, out: Path, draft_cfg: Path, c
     """SpecForge's prepare_hidden_states.py options for one GPU shared with the running trainings.
 
     - ``lfm``: SpecForge's template for ChatML without a system prompt, the target's; its token ids and
-      loss masks equal our driver's (tests/test_closed_loop.py), so the features pair by token ids.
+      loss masks equal our driver's (tests/gpu/test_closed_loop.py), so the features pair by token ids.
     - batch size 1: the script right-pads a batch with id 0 and captures the pads as tokens.
     - ``--max-length 2048`` (longer than any chat here) also sizes the KV pool: max_total_tokens =
       batch size x max length = 2048 tokens, whatever the fraction.

@@ -37,6 +37,7 @@ rm -f "$STAGE"/sgl_kernel/flash_ops.abi3.so "$STAGE"/sgl_kernel/infllm_ops*.so
 rm -rf "$STAGE"/sgl_kernel/sm100 "$STAGE"/bin
 echo "sglang 0.5.14 delta built $(date -u +%FT%TZ)" > "$STAGE/SGLKIT514_VERSIONS.txt"
 tar -C "$STAGE" -cf - . | xz -6 -T0 > "$OUTD/site514.tar.xz"
-git -C "$SPECFORGE_REPO" show HEAD:scripts/prepare_hidden_states.py > "$OUTD/prepare_hidden_states.py"
+SCRIPT=prepare_hidden_states.py   # in the SpecForge repository's scripts folder
+git -C "$SPECFORGE_REPO" show "HEAD:scripts/$SCRIPT" > "$OUTD/$SCRIPT"
 git -C "$SPECFORGE_REPO" rev-parse HEAD > "$OUTD/prepare_hidden_states.commit"
 du -sh "$OUTD"/* 

@@ -10,7 +10,7 @@ the variants pair sample by sample:
 - ``late``: the same transformers run, every aux plane one layer late (layer.<i+1>); served with
   the right ids, the drafter is fed the planes one layer earlier than it learnt;
 - ``prenorm``: our samples' ``final.pre_norm`` where SpecForge wants the post-norm state;
-- ``specforge``: SpecForge's own ``scripts/prepare_hidden_states.py`` (made elsewhere; its own
+- ``specforge``: SpecForge's own ``prepare_hidden_states.py`` (made elsewhere; its own
   tokenization, file names and order: paired by token ids).
 
 ``agreement`` compares a variant's teacher (argmax of the LM head on ``hidden_state``) with

@@ -1,6 +1,6 @@
 """SGLang 0.5.16 serving each drafter with EAGLE-3 beside its target, and the measurement.
 
-Every server is ``python -m sglang.launch_server`` (tests/gpu/common.Server) on the one GPU,
+Every server is ``python -m sglang.launch_server`` (the Server of tests/gpu/common.py) on the one GPU,
 started together with a bounded KV pool (``--max-total-tokens``) so that many fit; the
 measurement is the product command, ``hs-extract accept``, against each EAGLE-3 server with
 the plain server as the greedy reference.
