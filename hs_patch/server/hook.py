@@ -135,9 +135,9 @@ class CaptureHook:
             **metadata,
         }
         self.writer = Writer(cfg.directory, self.planes, meta, workers=cfg.writers,
-                             skip_rid_prefix=cfg.skip_rid_prefix, fsync=not _on_tmpfs(cfg.directory))
-        self.writer.extra_status = lambda: {"waits": self.waits, "wait_seconds": round(self.wait_seconds, 3),
-                                            "free_slots": self._free.qsize(), "cleaned_at_start": self.cleaned}
+                             skip_rid_prefix=cfg.skip_rid_prefix, fsync=not _on_tmpfs(cfg.directory),
+                             extra_status=lambda: {"waits": self.waits, "wait_seconds": round(self.wait_seconds, 3),
+                                                   "free_slots": self._free.qsize(), "cleaned_at_start": self.cleaned})
 
     # ------------------------------------------------------------------ per pass
     def begin(self, forward_batch: Any, input_ids: Optional[torch.Tensor]) -> Optional[Pass]:

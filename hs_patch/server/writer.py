@@ -115,7 +115,8 @@ class Writer:
     """Writes samples of :class:`PassRecord` s in background threads."""
 
     def __init__(self, directory: str, planes: Sequence[str], metadata: dict[str, str], *,
-                 workers: int = 2, skip_rid_prefix: str = "", fsync: bool = False):
+                 workers: int = 2, skip_rid_prefix: str = "", fsync: bool = False,
+                 extra_status: Callable[[], dict[str, Any]] = dict):
         self.directory = files.private_dirs(directory)
         self.planes = list(planes)
         self.skip_rid_prefix = skip_rid_prefix
@@ -123,7 +124,7 @@ class Writer:
         self.manifest = store.Manifest(self.directory)
         self.stats = WriterStats()
         self.error: Optional[BaseException] = None
-        self.extra_status: Callable[[], dict[str, Any]] = dict
+        self.extra_status = extra_status  # the hook's fields in hook_status.json
         self._open: Optional[OpenPrompt] = None
         self._doomed: list[OpenPrompt] = []  # partial files of failed passes, removed once no write runs
         self._inflight: "deque[_InFlight]" = deque()
