@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
@@ -48,20 +49,37 @@ BYTES_TOLERANCE = 1e-4            # of a block's L1 norm: fp32 summation order, 
 RMS_TOLERANCE = 0.01              # rms(post / w) of a post-norm-only capture: 1 within this
 
 
-@dataclass
 class Norms:
-    """The norm weights the relations need, read by name from the served model's directory."""
+    """The norm weights the relations need: the final norm's, and each captured layer's input norm,
+    read by name from the served model's directory when a sample first needs it (only those tensors)."""
 
-    layers: dict[int, "torch.Tensor"]   # layer -> input_layernorm weight [H]
-    final: "torch.Tensor"               # model.norm weight [H]
-    eps: float
+    def __init__(self, final: "torch.Tensor", eps: float, directory: Optional[Path] = None,
+                 layers: Optional[dict[int, "torch.Tensor"]] = None):
+        self.final, self.eps, self.directory = final, eps, directory
+        self._layers: dict[int, "torch.Tensor"] = dict(layers or {})
+        self._lock = threading.Lock()
 
     @classmethod
-    def from_model_dir(cls, directory: str | Path, layers: Sequence[int]) -> "Norms":
-        from hs_patch.host.model_files import head_and_norm, input_norm
+    def from_model_dir(cls, directory: str | Path) -> "Norms":
+        from hs_patch.host.model_files import head_and_norm
 
         _, final, info = head_and_norm(directory)
-        return cls({i: input_norm(directory, i) for i in layers}, final, info.rms_norm_eps)
+        return cls(final, info.rms_norm_eps, Path(directory))
+
+    @classmethod
+    def of(cls, layers: dict[int, "torch.Tensor"], final: "torch.Tensor", eps: float) -> "Norms":
+        """Given weights (tests, benchmarks)."""
+        return cls(final, eps, layers=layers)
+
+    def layer(self, i: int) -> "torch.Tensor":
+        with self._lock:
+            if i not in self._layers:
+                if self.directory is None:
+                    raise KeyError(f"no input norm weight of layer {i} was given")
+                from hs_patch.host.model_files import input_norm
+
+                self._layers[i] = input_norm(self.directory, i)
+            return self._layers[i]
 
 
 @dataclass
@@ -199,7 +217,7 @@ def check_rows(sample: reader.LazySample, norms: Optional[Norms], *, per_chunk: 
         for p, data in planes.items():
             if p.startswith("layer."):
                 i = int(p.split(".", 1)[1])
-                c.relation(p, rms_norm(data, norms.layers[i], norms.eps), fingerprint.attn_stream(i),
+                c.relation(p, rms_norm(data, norms.layer(i), norms.eps), fingerprint.attn_stream(i),
                            f"the stored rows, normalised with layer {i}'s input norm, are not what layer {i}'s "
                            "attention read: another layer's state, one tensor-parallel rank's partial sum, or "
                            "another prompt's rows")
