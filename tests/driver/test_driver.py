@@ -17,6 +17,7 @@ from hs_patch.host.driver import chat, dataset, runstate
 from hs_patch import store
 from hs_patch.host.driver.client import SGLangClient
 from hs_patch.host.driver.run import EXIT_FAILURES, EXIT_OK, Driver
+from hs_patch.server import fingerprint
 from lab.drive_runs import config, drive, start_standin
 from lab.runcheck import assert_complete, final_samples, ledger, write_chats
 from lab.sglang_sim import reference
@@ -224,7 +225,7 @@ class NoCapture(BaseHTTPRequestHandler):
         if NoCapture.capture_checks is not None and "-check-" in body["rid"]:
             ids = torch.tensor(body["input_ids"], dtype=torch.int64)
             w = store.write_tensors(NoCapture.capture_checks, store.sample_key(ids), {"input_ids": ids},
-                                    {"format": store.FORMAT})
+                                    {"format": store.FORMAT, fingerprint.META: fingerprint.describe([])})
             store.Manifest(NoCapture.capture_checks).add(w)
         self._json({"text": "", "output_ids": [1], "meta_info": {"id": "x", "prompt_tokens": 1}})
 

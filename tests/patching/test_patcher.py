@@ -14,7 +14,7 @@ import pytest
 from conftest import SUPPORTED, UNSUPPORTED, extract_site
 from hs_patch.host import patch_cli as cli
 from hs_patch.host.patching import patcher
-from hs_patch.releases import RELEASES, TARGET, apply_edits
+from hs_patch.releases import RELEASES, TARGET, apply_edits, earlier_edits
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -129,6 +129,11 @@ def test_ast_check_rejects_a_misplaced_hook(version, release_sources):
             "else _hs.collector(  # hs_patch\n                        0,"),
         "something else changed": text.replace("self.capture_aux_hidden_states = False",
                                                "self.capture_aux_hidden_states = True"),
+        "the attention's input not handed over": text.replace(
+            "captured_last_layer_outputs.hs_attn_input(hidden_states)", "pass"),
+        "another tensor handed as the attention's input": text.replace(
+            "captured_last_layer_outputs.hs_attn_input(hidden_states)",
+            "captured_last_layer_outputs.hs_attn_input(residual)"),
     }
     for what, bad in mutations.items():
         assert bad != text, what
@@ -162,6 +167,28 @@ def test_mixed_install_is_refused(release_sources, tmp_path, capsys):
 def test_missing_target_explains_site(tmp_path, capsys):
     code, res = run_cli("apply", "--site", str(tmp_path), capsys=capsys)
     assert code == cli.EXIT_REFUSED and "directory that contains sglang/" in res["error"]
+
+
+@pytest.mark.parametrize("site", SUPPORTED, indirect=True)
+def test_a_file_patched_before_the_hook_got_the_attention_input_is_upgraded_by_apply(site: Path, capsys):
+    """hs-patch before issue #25 did not hand the hook what each layer's attention reads; the
+    hook now refuses such passes, so verify fails on that file and apply upgrades it in place."""
+    target = site / TARGET
+    pristine = target.read_bytes()
+    release = next(r for r in RELEASES.values() if r.pristine_sha256 == sha(target))
+    earlier = pristine.decode()
+    for edit in earlier_edits(release):
+        earlier = earlier.replace(edit.anchor, edit.replacement)
+    assert "hs_attn_input" not in earlier and "hs_patch" in earlier
+    target.write_text(earlier)
+    code, res = run_cli("status", "--site", str(site), capsys=capsys)
+    assert res["state"] == "outdated" and res["release"] == release.version
+    code, res = run_cli("verify", "--site", str(site), capsys=capsys)
+    assert code == cli.EXIT_VERIFY and "hs-patch apply" in res["error"]
+    code, res = run_cli("apply", "--site", str(site), capsys=capsys)
+    assert code == 0 and res["changed"] and sha(target) == release.patched_sha256
+    assert run_cli("verify", "--site", str(site), capsys=capsys)[0] == 0
+    assert run_cli("revert", "--site", str(site), capsys=capsys)[0] == 0 and target.read_bytes() == pristine
 
 
 @pytest.mark.parametrize("site", SUPPORTED, indirect=True)
