@@ -24,7 +24,7 @@ GPU proof's ``sabotage`` phase (``tests/gpu/sabotage.py``: the real server, wher
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 CASES = ("wrong_layer", "partial", "zeros", "pre_zeros", "other_rows", "post_is_pre", "staging", "shift")
 
@@ -34,22 +34,27 @@ def rid(case: str, n: int = 0) -> str:
     return f"sab-{case}-{n}"
 
 
-def _targets(p: Any) -> list[tuple[str, int, int, bool]]:
-    """(case, first row, end row, the prompt's first part) of each sabotaged request of the pass."""
-    out, offset = [], 0
-    for j, n in enumerate(p.seq_lens):
-        name = str((p.rids or [""] * len(p.seq_lens))[j] or "")
-        if name.startswith("sab-"):
-            out.append((name.split("-")[1], offset, offset + int(n), int(p.prefix_lens[j]) == 0))
-        offset += int(n)
-    return out
+def case_of_rid(name: str) -> Optional[str]:
+    """The case a request id asks for (``sab-<case>-...``), or None."""
+    return name.split("-")[1] if name.startswith("sab-") else None
 
 
-def install() -> Callable[[], None]:
-    """Wrap the hook's collectors and the writer's intake; returns the function that undoes it."""
+def install(case_of: Callable[[str], Optional[str]] = case_of_rid) -> Callable[[], None]:
+    """Wrap the hook's collectors and the writer's intake; returns the function that undoes it.
+    ``case_of`` says which case a request (by its id) gets, None for none."""
     import torch
 
     from hs_patch.server import passes, writer
+
+    def _targets(p: Any) -> list[tuple[str, int, int, bool]]:
+        """(case, first row, end row, the prompt's first part) of each sabotaged request of the pass."""
+        out, offset = [], 0
+        for j, n in enumerate(p.seq_lens):
+            case = case_of(str((p.rids or [""] * len(p.seq_lens))[j] or ""))
+            if case is not None:
+                out.append((case, offset, offset + int(n), int(p.prefix_lens[j]) == 0))
+            offset += int(n)
+        return out
 
     real_put, real_finish, real_submit = passes.Pass.put, passes.Pass.finish, writer.Writer.submit
     donor: dict[str, torch.Tensor] = {}
@@ -101,7 +106,7 @@ def install() -> Callable[[], None]:
     def submit(self: Any, rec: Any) -> None:
         rows, offset = [], 0
         for j, n in enumerate(rec.seq_lens):
-            if rec.rids is not None and str(rec.rids[j]).startswith(rid("staging", 0)[:-1]):
+            if rec.rids is not None and case_of(str(rec.rids[j])) == "staging":
                 rows.append((offset, offset + int(n)))
             offset += int(n)
         if rows:

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 if os.environ.get("HS_TEST_SABOTAGE") == "1":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the lab package
+    sys.path.append(str(Path(__file__).resolve().parents[2]))  # tests/, last: only for the lab package
     from lab import sabotage
 
     sabotage.install()
