@@ -127,6 +127,8 @@ def ulp(x: "torch.Tensor") -> "torch.Tensor":
     """One unit in the last place of each element of ``x`` (in its dtype), as fp32."""
     import torch
 
+    if x.dtype == torch.bfloat16:  # 2^(exponent - 7): the exponent bits alone, read as a number, times 2^-7
+        return (x.view(torch.int16) & 0x7F80).view(torch.bfloat16).float() * 2.0 ** -7
     xf = x.float()
     return torch.ldexp(torch.full_like(xf, torch.finfo(x.dtype).eps), torch.frexp(xf).exponent - 1)
 
