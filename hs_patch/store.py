@@ -256,17 +256,21 @@ def temp_path(directory: str | os.PathLike, key: str) -> Path:
     return tmp_dir / f"{key}.{os.getpid()}.{threading.get_ident()}.{next(_TEMP_IDS)}.tmp"
 
 
-def publish(written: Written, directory: str | os.PathLike) -> Written:
+def publish(written: Written, directory: str | os.PathLike, *, replace: bool = False) -> Written:
     """Move a sample written by :func:`write_temp` (or :class:`hs_patch.server.inplace.InPlaceSample`) into place.
 
-    Never over another file: a sample of the same tokens already there (a request retried while
-    the server still held it, two clients sending the same tokens) stays, and this one is removed
-    and :class:`AlreadyPublished` raised. So the file at a key's path is always the one its
-    manifest line describes, sha256 included (``os.link`` then unlink: no rename replaces it).
+    Never over another file unless ``replace``: a sample of the same tokens already there (a
+    request retried while the server still held it, two clients sending the same tokens) stays,
+    and this one is removed and :class:`AlreadyPublished` raised. So the capture's file at a key's
+    path is always the one its manifest line describes, sha256 included (``os.link`` then unlink:
+    no rename replaces it). ``replace``: a file rewritten on purpose (an export redoing a damaged one).
     """
     if os.path.getsize(written.path) != written.nbytes:
         raise SampleError(f"{written.path}: {os.path.getsize(written.path)} bytes on disk, {written.nbytes} written")
     final = sample_path(directory, written.key)
+    if replace:
+        os.replace(written.path, final)
+        return Written(written.key, final, written.nbytes, written.sha256)
     try:
         os.link(written.path, final)
     except FileExistsError:
@@ -279,8 +283,8 @@ def publish(written: Written, directory: str | os.PathLike) -> Written:
 
 def write_sample(directory: str | os.PathLike, key: str, tensors: Sequence[TensorBytes],
                  metadata: Mapping[str, str], *, fsync: bool = False) -> Written:
-    """Write one sample atomically (temp file + rename) and return its size and sha256."""
-    return publish(write_temp(directory, key, tensors, metadata, fsync=fsync), directory)
+    """Write one sample atomically (temp file + rename, over any file of that name) and return its size and sha256."""
+    return publish(write_temp(directory, key, tensors, metadata, fsync=fsync), directory, replace=True)
 
 
 _TEMP_IDS = __import__("itertools").count()
