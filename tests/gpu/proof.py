@@ -68,7 +68,7 @@ sys.path[:0] = [str(HERE.parents[1]), str(HERE.parent), str(HERE)]
 
 import torch  # noqa: E402
 
-from common import REC, Server, hs_patch_cli, wait_for_samples  # noqa: E402
+from common import REC, Server, hs_patch_cli, start_phase, wait_for_samples  # noqa: E402
 from extract import extraction, summarize_extraction  # noqa: E402
 from hs_patch import reader, store  # noqa: E402
 from production import production  # noqa: E402
@@ -94,12 +94,8 @@ def fidelity(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     res: dict = {"model": model_dir}
-    REC.data[f"fidelity_{tag}"] = res
-    st = hs_patch_cli("apply", "--site", a.site)  # a throughput run may have left it pristine
-    assert st["exit_code"] == 0 and st["state"] == "patched", st
+    dump = start_phase(a, "fidelity", tag, res)
     layers = list(range(a.layers))
-    dump = Path(a.dump_root) / f"dump-fid-{tag}"
-    shutil.rmtree(dump, ignore_errors=True)
     chunk = 1024
     lengths = [2500, 37, 200, 513, 1000, 64, 128, 777]  # 2500 > chunk: prefilled in 3 passes
     rng = random.Random(7)

@@ -34,7 +34,7 @@ from pathlib import Path
 import requests
 import torch
 
-from common import REC, Server, hs_patch_cli, wait_for_samples
+from common import REC, Server, start_phase, wait_for_samples
 from hs_patch import store
 
 HERE = Path(__file__).resolve().parent
@@ -87,11 +87,7 @@ def sabotage(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
     from hs_patch.host.fidelity.rows import Norms
 
     res: dict = {"model": model_dir, "cases": {}, "clean": []}
-    REC.data[f"sabotage_{tag}"] = res
-    st = hs_patch_cli("apply", "--site", a.site)
-    assert st["exit_code"] == 0 and st["state"] == "patched", st
-    dump = Path(a.dump_root) / f"dump-sabotage-{tag}"
-    shutil.rmtree(dump, ignore_errors=True)
+    dump = start_phase(a, "sabotage", tag, res)
     chunk = 256
     rng = random.Random(25)
     sent: list[tuple[str, list[int], dict]] = []

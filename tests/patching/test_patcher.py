@@ -169,38 +169,29 @@ def test_missing_target_explains_site(tmp_path, capsys):
     assert code == cli.EXIT_REFUSED and "directory that contains sglang/" in res["error"]
 
 
-@pytest.mark.parametrize("site", SUPPORTED, indirect=True)
-def test_a_file_patched_before_the_hook_got_the_attention_input_is_upgraded_by_apply(site: Path, capsys):
-    """hs-patch before issue #25 did not hand the hook what each layer's attention reads; the
-    hook now refuses such passes, so verify fails on that file and apply upgrades it in place."""
-    target = site / TARGET
-    pristine = target.read_bytes()
-    release = next(r for r in RELEASES.values() if r.pristine_sha256 == sha(target))
-    earlier = pristine.decode()
+def _patched_earlier(how: str, release, pristine: str) -> str:
+    """The file as an earlier hs-patch patched it: 0.1.0 imported the hook from hs_patch.hook;
+    before issue #25 the decoder layers did not hand the hook their attention's input."""
+    if how == "hs_patch.hook":
+        return apply_edits(release, pristine).replace("from hs_patch.server.hook import attach",
+                                                      "from hs_patch.hook import attach").replace(
+            "(see hs_patch.server.hook)", "(see hs_patch.hook)")
     for edit in earlier_edits(release):
-        earlier = earlier.replace(edit.anchor, edit.replacement)
-    assert "hs_attn_input" not in earlier and "hs_patch" in earlier
-    target.write_text(earlier)
-    code, res = run_cli("status", "--site", str(site), capsys=capsys)
-    assert res["state"] == "outdated" and res["release"] == release.version
-    code, res = run_cli("verify", "--site", str(site), capsys=capsys)
-    assert code == cli.EXIT_VERIFY and "hs-patch apply" in res["error"]
-    code, res = run_cli("apply", "--site", str(site), capsys=capsys)
-    assert code == 0 and res["changed"] and sha(target) == release.patched_sha256
-    assert run_cli("verify", "--site", str(site), capsys=capsys)[0] == 0
-    assert run_cli("revert", "--site", str(site), capsys=capsys)[0] == 0 and target.read_bytes() == pristine
+        pristine = pristine.replace(edit.anchor, edit.replacement)
+    assert "hs_attn_input" not in pristine and "hs_patch" in pristine
+    return pristine
 
 
+@pytest.mark.parametrize("how", ["hs_patch.hook", "no attention input"])
 @pytest.mark.parametrize("site", SUPPORTED, indirect=True)
-def test_a_file_patched_by_the_earlier_layout_is_upgraded_by_apply(site: Path, capsys):
-    """hs-patch 0.1.0 imported the hook from hs_patch.hook: verify fails on such a file (the
-    module is gone), apply upgrades it to today's patch, revert gives the pristine file back."""
+def test_a_file_patched_by_an_earlier_hs_patch_is_upgraded_by_apply(site: Path, how: str, capsys):
+    """verify fails on such a file (its hook calls do not match the hook any more: the module is gone,
+    or the hook refuses passes without the attention input), apply upgrades it to today's patch,
+    revert gives the pristine file back from it too."""
     target = site / TARGET
     pristine = target.read_bytes()
     release = next(r for r in RELEASES.values() if r.pristine_sha256 == sha(target))
-    earlier = apply_edits(release, pristine.decode()).replace(
-        "from hs_patch.server.hook import attach", "from hs_patch.hook import attach").replace(
-        "(see hs_patch.server.hook)", "(see hs_patch.hook)")
+    earlier = _patched_earlier(how, release, pristine.decode())
     target.write_text(earlier)
     code, res = run_cli("status", "--site", str(site), capsys=capsys)
     assert res["state"] == "outdated" and res["release"] == release.version
