@@ -185,8 +185,9 @@ class Pass:
         if self.cuda is not None:
             stream = hook.stream(self.cuda)
             stream.wait_stream(torch.cuda.current_stream(self.cuda))
-            with torch.cuda.stream(stream):
-                slot.fp[:, :n].copy_(slot.fp_device[:, :n], non_blocking=True)
+            with torch.cuda.stream(stream):  # one contiguous copy a stream: an asynchronous DMA each
+                for k in range(len(hook.streams)):
+                    slot.fp[k, :n].copy_(slot.fp_device[k, :n], non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
             wait = event.synchronize
