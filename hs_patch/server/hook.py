@@ -4,6 +4,8 @@ The patched ``DeepseekV2Model`` calls, per forward pass::
 
     _hs = self._hs_capture.begin(forward_batch, input_ids)   # None: nothing to capture
     ... layer(..., captured_last_layer_outputs=_hs.collector(i, <SGLang's own collector>))
+        # inside the decoder layer, after prepare_attn: the collector gets the residual and
+        # collector.hs_attn_input(<what the layer's attention reads>)
     ... _hs.final_prenorm(<output of the last layer, before the final norm>)
     _hs.finish(<hidden states after the final norm>)
 
@@ -13,10 +15,13 @@ writes (under TP every rank holds the full residual stream); what the model comp
 and returns is never changed (captures are copies). On the GPU a captured tensor is
 snapshotted with a device clone on the compute stream (its storage is updated in place
 later), then copied to pinned host memory on a side stream, so the forward pass never
-waits for PCIe or disk. A background writer (``writer.py``) writes the files. When all
-staging buffers are busy the forward pass waits (back-pressure, logged); past
-HS_CAPTURE_STALL_SECONDS, or if the writer failed, the server fails loudly. Nothing is
-ever dropped silently.
+waits for PCIe or disk; every captured tensor is also fingerprinted there, on the live
+tensor (``fingerprint.py``), for the driver's check of every plane. A background writer
+(``writer.py``) writes the files. When all staging buffers are busy the forward pass waits
+(back-pressure, logged); past HS_CAPTURE_STALL_SECONDS, or if the writer stopped (a failed
+write, or its coordinator thread ended), the server fails loudly with the cause. Nothing is
+ever dropped silently. At start, holding the directory's lock, the hook removes what a
+killed server left there (``leftovers.py``).
 """
 
 from __future__ import annotations
