@@ -15,7 +15,10 @@ after the layer's input communication, so it is the fully reduced state):
 - 0.5.23: the layer's ``capture_gathered`` collector (``AuxHiddenStatePacker`` path).
 
 The last layer's output is taken where the final norm produces it (pre-norm residual
-and post-norm output), and SGLang's own EAGLE-3 capture keeps working alongside.
+and post-norm output), and SGLang's own EAGLE-3 capture keeps working alongside. Each
+captured layer also hands the hook what its attention reads (the layer's normed input):
+the fidelity check proves with it that the stored residual is that layer's, fully reduced
+(:mod:`hs_patch.server.fingerprint`).
 """
 
 from __future__ import annotations
@@ -101,6 +104,40 @@ _COLLECTOR_NEW = (
 _RETURN = "        if len(aux_hidden_states) == 0:\n            return hidden_states\n"
 
 
+# DeepseekV2DecoderLayer.forward: the layer's input communication and norm, after which
+# ``hidden_states`` is what the layer's attention reads. The patch hands it to the hook's
+# collector (only ours has ``hs_attn_input``; SGLang's own EAGLE-3 collectors and None do not):
+# the host checks that the captured residual, normalised with this layer's norm weight, is it
+# (hs_patch.server.fingerprint).
+_PREPARE_0_5_16 = (
+    "        hidden_states, residual = (\n"
+    "            self.layer_communicator.prepare_attn_and_capture_last_layer_outputs(\n"
+    "                hidden_states,\n"
+    "                residual,\n"
+    "                forward_batch,\n"
+    "                captured_last_layer_outputs=captured_last_layer_outputs,\n"
+    '                quant_format=getattr(self, "_gfx95_quant_format", ""),\n'
+    "            )\n"
+    "        )\n"
+)
+
+_PREPARE_0_5_23 = (
+    "        hidden_states = self.attn_boundary.prepare(\n"
+    "            hidden_states,\n"
+    "            forward_batch,\n"
+    "            capture_gathered=captured_last_layer_outputs,\n"
+    "            quant_format=self._resolve_gfx95_quant_format(),\n"
+    "        )\n"
+)
+
+_ATTN_INPUT = (
+    "        if captured_last_layer_outputs is not None and hasattr(  # hs_patch: what attention reads\n"
+    '            captured_last_layer_outputs, "hs_attn_input"\n'
+    "        ):\n"
+    "            captured_last_layer_outputs.hs_attn_input(hidden_states)\n"
+)
+
+
 def _finish(ret_tail: str) -> Edit:
     return Edit(_RETURN + ret_tail, _FINISH + _RETURN + ret_tail)
 
@@ -113,7 +150,7 @@ V0_5_9 = Release(
     # on torch 2.9.1 with cuDNN < 9.15; torch 2.9.1 pins nvidia-cudnn-cu12==9.10.2.21.
     pip_overrides=("nvidia-cudnn-cu12==9.16.0.29",),
     pristine_sha256="4071b9a6a6ac71e1143204708df42f2ba5bd163a5d7a020579242df56e490a35",
-    patched_sha256="00a92c19ee8381fce8b2a2b2504cffe39936fc759f1fbfec30f6fc4893170a66",
+    patched_sha256="b701133b9abce8136c4b4ed632813156058ce1cea158f9f716b719401e1bd5c0",
     edits=(
         # DeepseekV2DecoderLayer.forward: a capture point after the input communication
         Edit(
@@ -141,7 +178,8 @@ V0_5_9 = Release(
             "            quant_format,\n"
             "        )\n"
             "        if captured_last_layer_outputs is not None:  # hs_patch: the reduced input\n"
-            "            captured_last_layer_outputs.capture(residual)\n",
+            "            captured_last_layer_outputs.capture(residual)\n"
+            "            captured_last_layer_outputs.hs_attn_input(hidden_states)\n",
         ),
         _init_block("0.5.9"),
         Edit(
@@ -176,9 +214,10 @@ V0_5_16 = Release(
     torch="2.11.0",
     cuda="13.0",
     pristine_sha256="47709951b15d7ac494c25f079a242c17375a8ee01007c829ea0c9ab604794689",
-    patched_sha256="ad4c847201ed5b1bcb6026c75825735be3cffecac32f12211fbd0d8ed464d214",
+    patched_sha256="e9060d78b996b0b468a3d3deaade0fa520f4ef2713d366d8b9276ed322e895c8",
     edits=(
         _init_block("0.5.16"),
+        Edit(_PREPARE_0_5_16, _PREPARE_0_5_16 + _ATTN_INPUT),
         Edit(
             "        aux_hidden_states = []\n"
             "        if self.pp_group.is_first_rank:\n"
@@ -203,9 +242,10 @@ V0_5_23 = Release(
     torch="2.14.1",
     cuda="13.0",
     pristine_sha256="f61f93019bf1e7680f45a1fe227244433e1b22021cb955e53d25b9cf900473f9",
-    patched_sha256="e163069eec8504e4f4140bb266ae8723a3a4b0c031dbed0d9a3e96bcbafcb7a8",
+    patched_sha256="cfd55d507c3fc5c9b0e8b86a9b4722c44e72fe1955d61f9d46a27bb060d31907",
     edits=(
         _init_block("0.5.23"),
+        Edit(_PREPARE_0_5_23, _PREPARE_0_5_23 + _ATTN_INPUT),
         Edit(
             "        aux_hidden_states = AuxHiddenStatePacker(len(self.layers_to_capture))\n",
             "        aux_hidden_states = AuxHiddenStatePacker(len(self.layers_to_capture))\n" + _BEGIN,
@@ -255,6 +295,41 @@ def from_earlier_layout(text: str) -> str:
     for old, new in _EARLIER_LAYOUT:
         text = text.replace(old, new)
     return text
+
+
+# hs-patch before issue #25 did not hand the hook what each layer's attention reads; a file it
+# patched is today's patched file without these lines. ``apply`` upgrades it (undo the earlier
+# edits, check the pristine sha256, apply today's), ``verify`` fails on it (the hook would refuse
+# every pass: no attention input).
+_ATTN_LINES = (_ATTN_INPUT, "            captured_last_layer_outputs.hs_attn_input(hidden_states)\n")
+
+
+def earlier_edits(release: Release) -> tuple[Edit, ...]:
+    """The edits hs-patch made to ``release`` before the attention input was handed to the hook."""
+    out = []
+    for e in release.edits:
+        replacement = e.replacement
+        for line in _ATTN_LINES:
+            replacement = replacement.replace(line, "")
+        if replacement != e.anchor:
+            out.append(Edit(e.anchor, replacement))
+    return tuple(out)
+
+
+def from_earlier_patch(text: str) -> tuple[Release, str] | None:
+    """(release, today's patched text) if ``text`` is a release's file as an earlier hs-patch patched it."""
+    import hashlib
+
+    for release in RELEASES.values():
+        original = text
+        for edit in reversed(earlier_edits(release)):
+            if original.count(edit.replacement) != 1:
+                break
+            original = original.replace(edit.replacement, edit.anchor)
+        else:
+            if hashlib.sha256(original.encode("utf-8")).hexdigest() == release.pristine_sha256:
+                return release, apply_edits(release, original)
+    return None
 
 
 class PatchError(Exception):

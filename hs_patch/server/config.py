@@ -25,7 +25,7 @@ ENV_DOCS = (
      "on Kimi-K2.5's 61 (eagle ids [1,29,57] on 0.5.9/0.5.16/0.5.23)."),
     ("HS_CAPTURE_FINAL", "both", "The last layer's output to store: pre (before the final norm: speculators), "
      "post (after it, what the LM head reads: SpecForge), both, or none. both: a default run feeds both "
-     "trainers exactly; 5 planes = 71,689 bytes per token at hidden 7168."),
+     "trainers exactly; 5 planes = 71,945 bytes per token at hidden 7168 (ids, mask and fingerprints included)."),
     ("HS_CAPTURE_SLOTS", "3", "Pinned host staging buffers, one prefill pass each; when all are busy the forward "
      "pass waits for the writer (back-pressure, counted in hook_status.json)."),
     ("HS_CAPTURE_SLOT_TOKENS", "--chunked-prefill-size", "Tokens one staging buffer holds; every buffer is "

@@ -13,10 +13,11 @@ conventions that matter to the capture:
   its MLP output and the NEXT layer's ``prepare_attn`` completes the all-reduce (the
   DESIGN.md trap: ``hidden_states + residual`` in the model loop is then wrong);
 - 0.5.16's ``prepare_attn_and_capture_last_layer_outputs`` (clone unless the residual
-  is fresh) and 0.5.23's ``capture_gathered.capture(value, owned=...)`` and
-  ``residual_batch.final_norm(..., capture=)``; 0.5.23's ``AuxHiddenStatePacker`` is the
-  release's own class, loaded from its wheel;
-- for 0.5.9 the patched ``DeepseekV2DecoderLayer.forward`` itself runs too.
+  is fresh) and 0.5.23's ``attn_boundary.prepare(..., capture_gathered=)`` (its collector's
+  ``capture(value, owned=...)``) and ``residual_batch.final_norm(..., capture=)``; 0.5.23's
+  ``AuxHiddenStatePacker`` is the release's own class, loaded from its wheel;
+- the patched ``DeepseekV2DecoderLayer.forward`` itself runs too, for every release (the
+  line the patch adds after ``prepare_attn``, handing the hook what the attention reads).
 
 Each request in a pass is looked up by the id the test gives it, so batched, chunked
 and prefix-cached passes can be played exactly as SGLang's scheduler would send them.
@@ -103,7 +104,7 @@ class Sim:
         tree = ast.parse(patched_source)
         cls = {c.name: c for c in tree.body if isinstance(c, ast.ClassDef)}
         self.model_forward = _function(cls["DeepseekV2Model"], "forward", ns)
-        layer_forward = _function(cls["DeepseekV2DecoderLayer"], "forward", ns) if release == "0.5.9" else None
+        layer_forward = _function(cls["DeepseekV2DecoderLayer"], "forward", ns)
         m = types.SimpleNamespace(
             _hs_capture=hook, start_layer=0, end_layer=self.n_layers, first_k_dense_replace=1,
             layers_to_capture=list(layers_to_capture), enable_a2a_moe=False, gemm_output_zero_allocator_size=0,
@@ -168,6 +169,11 @@ class Sim:
             "mla_use_prefill_cp": lambda fb, flag: False, "is_cp_v2_active": lambda fb: False,
             "check_cuda_graph_backend": lambda phase, backend: False, "Phase": _Phase, "Backend": _Backend,
             "IndexTopKShareState": _IndexTopK, "residual_batch": _ResidualBatch,
+            # what the decoder layer's forward reads (0.5.16, 0.5.23)
+            "get_attn_tp_context": lambda: types.SimpleNamespace(clear_attn_inputs=lambda: None),
+            "maybe_prefetch_next_full_attention_kv": lambda fb, layer_id: None,
+            "get_forward": lambda: types.SimpleNamespace(scoped=lambda **kw: nullcontext()),
+            "residual_access": types.SimpleNamespace(buffer=lambda h: h),
             "_is_gfx95_supported": False, "DeepseekV2MLP": type("DeepseekV2MLP", (), {}),
             "DeepseekV2MoE": type("DeepseekV2MoE", (), {}),
         }
@@ -217,44 +223,72 @@ class Sim:
         def attention(**kw: Any) -> torch.Tensor:
             return sim._gather(kw["forward_batch"], lambda r: r.attn_out[i])
 
-        if layer_forward is not None:  # 0.5.9: run the patched DeepseekV2DecoderLayer.forward
-            comm = types.SimpleNamespace(
-                prepare_attn=prepare_attn, prepare_mlp=prepare_mlp,
-                should_fuse_mlp_allreduce_with_next_layer=lambda fb: sim._fuse(i),
-                should_use_reduce_scatter=lambda fb: False,
-                postprocess_layer=lambda h, r, fb: (h, r))
-            layer = types.SimpleNamespace(
-                layer_communicator=comm, self_attn=attention, nsa_enable_prefill_cp=False,
-                mlp=lambda h, fb, fuse, rs, gz: sim._mlp_out(fb, i, fuse))
-            return lambda *a, **kw: layer_forward(layer, *a, **kw)
+        def mlp(h: torch.Tensor, fb: ForwardBatch, *a: Any) -> torch.Tensor:
+            fuse = a[0] if sim.release == "0.5.9" else sim._fuse(i)  # 0.5.9 passes the fusion decision
+            return sim._mlp_out(fb, i, fuse)
 
-        def layer_0_5_16(positions, h, fb, residual, za, gz, l4, prev_topk_indices=None,
-                         captured_last_layer_outputs=None, next_full_attention_layer_id=None):
+        comm = types.SimpleNamespace(
+            prepare_attn=prepare_attn, prepare_mlp=prepare_mlp,
+            should_fuse_mlp_allreduce_with_next_layer=lambda fb: sim._fuse(i),
+            should_use_reduce_scatter=lambda fb: False,
+            postprocess_layer=lambda h, r, fb: (h, r))
+
+        def prepare_attn_and_capture_last_layer_outputs(h, residual, fb, captured_last_layer_outputs=None,
+                                                         quant_format="", post_residual_addition=None):
             h, residual = prepare_attn(h, residual, fb)
             if captured_last_layer_outputs is not None:  # communicator.py, 0.5.16: clone unless
                 # prepare_mlp leaves the residual alone (_post_attn_residual_is_read_only)
                 captured_last_layer_outputs.append(residual if sim.fusion else residual.clone())
-            h = attention(forward_batch=fb)
-            h, residual = prepare_mlp(h, residual, fb)
-            h = sim._mlp_out(fb, i, sim._fuse(i))
-            if sim._fuse(i):
-                h._sglang_needs_allreduce_fusion = True
-            return h, residual, None
+            return h, residual
 
-        def layer_0_5_23(positions, h, fb, za, gz, l4, prev_topk_indices=None,
-                         captured_last_layer_outputs=None, next_full_attention_layer_id=None):
-            stream = fb.residual_stream
-            h, stream["residual"] = prepare_attn(h, stream["residual"], fb)
-            if captured_last_layer_outputs is not None:  # layer_boundary/stage.py, 0.5.23
-                captured_last_layer_outputs.capture(stream["residual"], owned=False)
-            h = attention(forward_batch=fb)
-            h, stream["residual"] = prepare_mlp(h, stream["residual"], fb)
-            h = sim._mlp_out(fb, i, sim._fuse(i))
-            if sim._fuse(i):
-                h._sglang_needs_allreduce_fusion = True
-            return h, None
+        comm.prepare_attn_and_capture_last_layer_outputs = prepare_attn_and_capture_last_layer_outputs
 
-        return layer_0_5_16 if self.release == "0.5.16" else layer_0_5_23
+        class Attention:  # 0.5.23 asks the attention module for a decode-TP scope
+            def __call__(self, **kw: Any) -> torch.Tensor:
+                return attention(**kw)
+
+            def maybe_use_decode_attn_tp(self, fb: ForwardBatch) -> Any:
+                return nullcontext()
+
+        class AttnBoundary:  # 0.5.23's layer_boundary stage of the attention (layer_boundary/stage.py)
+            input_on_attn_tp_slices = False
+
+            def prepare(self, h, fb, *, capture_gathered=None, quant_format=""):
+                stream = fb.residual_stream
+                h, stream["residual"] = prepare_attn(h, stream["residual"], fb)
+                if capture_gathered is not None:
+                    capture_gathered.capture(stream["residual"], owned=False)
+                return h
+
+            def finish(self, h, fb):
+                return h
+
+        class FfnExit:
+            def __enter__(self) -> "FfnExit":
+                return self
+
+            def __exit__(self, *exc: Any) -> None:
+                return None
+
+            def finish(self, h: torch.Tensor) -> torch.Tensor:
+                if sim._fuse(i):
+                    h._sglang_needs_allreduce_fusion = True
+                return h
+
+        class FfnBoundary:
+            def prepare(self, h, fb):
+                stream = fb.residual_stream
+                h, stream["residual"] = prepare_mlp(h, stream["residual"], fb)
+                return h
+
+            def exit(self, fb):
+                return FfnExit()
+
+        layer = types.SimpleNamespace(
+            layer_communicator=comm, self_attn=Attention(), nsa_enable_prefill_cp=False, dsa_enable_prefill_cp=False,
+            mla_enable_prefill_cp=False, layer_scatter_modes=None, _gfx95_quant_format="", mlp=mlp,
+            attn_boundary=AttnBoundary(), ffn_boundary=FfnBoundary(), _resolve_gfx95_quant_format=lambda: "")
+        return lambda *a, **kw: layer_forward(layer, *a, **kw)
 
     # -- one forward pass
     def forward(self, fb: ForwardBatch) -> torch.Tensor:

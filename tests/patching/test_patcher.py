@@ -14,7 +14,7 @@ import pytest
 from conftest import SUPPORTED, UNSUPPORTED, extract_site
 from hs_patch.host import patch_cli as cli
 from hs_patch.host.patching import patcher
-from hs_patch.releases import RELEASES, TARGET, apply_edits
+from hs_patch.releases import RELEASES, TARGET, apply_edits, earlier_edits
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -129,6 +129,11 @@ def test_ast_check_rejects_a_misplaced_hook(version, release_sources):
             "else _hs.collector(  # hs_patch\n                        0,"),
         "something else changed": text.replace("self.capture_aux_hidden_states = False",
                                                "self.capture_aux_hidden_states = True"),
+        "the attention's input not handed over": text.replace(
+            "captured_last_layer_outputs.hs_attn_input(hidden_states)", "pass"),
+        "another tensor handed as the attention's input": text.replace(
+            "captured_last_layer_outputs.hs_attn_input(hidden_states)",
+            "captured_last_layer_outputs.hs_attn_input(residual)"),
     }
     for what, bad in mutations.items():
         assert bad != text, what
@@ -164,16 +169,29 @@ def test_missing_target_explains_site(tmp_path, capsys):
     assert code == cli.EXIT_REFUSED and "directory that contains sglang/" in res["error"]
 
 
+def _patched_earlier(how: str, release, pristine: str) -> str:
+    """The file as an earlier hs-patch patched it: 0.1.0 imported the hook from hs_patch.hook;
+    before issue #25 the decoder layers did not hand the hook their attention's input."""
+    if how == "hs_patch.hook":
+        return apply_edits(release, pristine).replace("from hs_patch.server.hook import attach",
+                                                      "from hs_patch.hook import attach").replace(
+            "(see hs_patch.server.hook)", "(see hs_patch.hook)")
+    for edit in earlier_edits(release):
+        pristine = pristine.replace(edit.anchor, edit.replacement)
+    assert "hs_attn_input" not in pristine and "hs_patch" in pristine
+    return pristine
+
+
+@pytest.mark.parametrize("how", ["hs_patch.hook", "no attention input"])
 @pytest.mark.parametrize("site", SUPPORTED, indirect=True)
-def test_a_file_patched_by_the_earlier_layout_is_upgraded_by_apply(site: Path, capsys):
-    """hs-patch 0.1.0 imported the hook from hs_patch.hook: verify fails on such a file (the
-    module is gone), apply upgrades it to today's patch, revert gives the pristine file back."""
+def test_a_file_patched_by_an_earlier_hs_patch_is_upgraded_by_apply(site: Path, how: str, capsys):
+    """verify fails on such a file (its hook calls do not match the hook any more: the module is gone,
+    or the hook refuses passes without the attention input), apply upgrades it to today's patch,
+    revert gives the pristine file back from it too."""
     target = site / TARGET
     pristine = target.read_bytes()
     release = next(r for r in RELEASES.values() if r.pristine_sha256 == sha(target))
-    earlier = apply_edits(release, pristine.decode()).replace(
-        "from hs_patch.server.hook import attach", "from hs_patch.hook import attach").replace(
-        "(see hs_patch.server.hook)", "(see hs_patch.hook)")
+    earlier = _patched_earlier(how, release, pristine.decode())
     target.write_text(earlier)
     code, res = run_cli("status", "--site", str(site), capsys=capsys)
     assert res["state"] == "outdated" and res["release"] == release.version
