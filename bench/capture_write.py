@@ -10,6 +10,12 @@ Both sides move the same bytes into the same directory, one file per request:
   engine does this copy), split per request, written as safetensors in 1 MiB chunks, hashed
   with sha256 and recorded in the manifest by the background writer threads.
 
+The fingerprints the hook takes of every captured tensor (issue #25) are GPU work on a GPU
+host (one reduction per stream in the compute stream; 8 floats a row reach the host with the
+planes). On the CPU the calling thread would compute them, at about 0.3 GB/s a stream, and
+they would stand for the host's work here: by default their results are filled in instead
+(``--cpu-fingerprints`` computes them on the CPU, for the record).
+
 Prints the throughput of each and the ratio (target >= 0.5). Run:
 
     python3 bench/capture_write.py                       # 8 x 2048 tokens, 5 planes, hidden 7168
@@ -31,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from hs_patch.server import config, hook  # noqa: E402
+from hs_patch.server import config, fingerprint, hook  # noqa: E402
 from hs_patch import store  # noqa: E402
 
 
@@ -58,7 +64,9 @@ def run_hook(directory: Path, ids: torch.Tensor, planes: list[torch.Tensor], len
         batch_ids = ids + n * 100_000  # distinct tokens, distinct samples
         p = h.begin(_Batch(lens), batch_ids)
         for i in layers:
-            p.collector(i, None).append(planes[i])  # owned, as SGLang 0.5.16 hands it over
+            tee = p.collector(i, None)
+            tee.append(planes[i])  # owned, as SGLang 0.5.16 hands it over
+            tee.hs_attn_input(planes[i])  # what the layer's attention reads: fingerprinted only
         p.final_prenorm(planes[-1], owned=True)
         p.finish(planes[-1])
     h.close(timeout=600)
@@ -89,7 +97,11 @@ def main() -> int:
     ap.add_argument("--slots", type=int, default=2)
     ap.add_argument("--dir", default="/dev/shm/hs-bench")
     ap.add_argument("--json", help="write the results here too")
+    ap.add_argument("--cpu-fingerprints", action="store_true",
+                    help="compute the hook's fingerprints on the CPU (GPU work on a GPU host; by default filled in)")
     a = ap.parse_args()
+    if not a.cpu_fingerprints:  # what the GPU computes on a GPU host: only its result is the host's
+        fingerprint.block_sums = lambda x, out=None: out.fill_(1.0)
 
     total = a.requests * a.tokens
     g = torch.Generator().manual_seed(0)
@@ -117,12 +129,14 @@ def main() -> int:
         "shape": {"requests": a.requests, "tokens": a.tokens, "planes": a.planes, "hidden": a.hidden,
                   "dtype": "bf16", "passes": a.passes, "reps": a.reps, "writers": a.writers, "dir": a.dir},
         "cpus": os.cpu_count(), "GBps": res, "median_GBps": med, "ratio": med["hs_patch"] / med["baseline"],
+        "cpu_fingerprints": a.cpu_fingerprints,
         "target": 0.5,
     }
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2))
     print(f"{a.passes} passes x {a.requests} x {a.tokens} tokens x {a.planes} planes x {a.hidden} bf16 "
-          f"({state_bytes / 1e9:.2f} GB a pass) into {a.dir}, {os.cpu_count()} CPUs, {a.reps} reps")
+          f"({state_bytes / 1e9:.2f} GB a pass) into {a.dir}, {os.cpu_count()} CPUs, {a.reps} reps, fingerprints "
+          f"{'computed on the CPU' if a.cpu_fingerprints else 'filled in (GPU work on a GPU host)'}")
     print(f"{'':24}{'median GB/s':>12}  runs")
     for k in ("baseline", "hs_patch"):
         print(f"{k:24}{med[k]:12.2f}  {', '.join(f'{x:.2f}' for x in res[k])}")

@@ -86,7 +86,9 @@ def feed(h: hook.CaptureHook, ids: torch.Tensor, data: list[torch.Tensor], chunk
         end = min(n, start + step)
         p = h.begin(_Batch(end - start, start, n), ids[start:end])
         for i in range(len(data) - 1):
-            p.collector(i, None).append(data[i][start:end])
+            tee = p.collector(i, None)
+            tee.append(data[i][start:end])
+            tee.hs_attn_input(data[i][start:end])  # what the layer's attention reads: fingerprinted only
         p.final_prenorm(data[-1][start:end], owned=True)
         p.finish(data[-1][start:end])
 
@@ -111,6 +113,11 @@ def part1(base: Path, prompts: int, tokens: int, hidden: int, planes: int, count
         rows.append({"chunks": chunks, "prompts": prompts, "tokens": tokens, "hidden": hidden, "planes": planes,
                      "GB_states": round(states / 1e9, 3),
                      "written_per_state_byte": round((after["wchar"] - before["wchar"]) / states, 4),
+                     # the files hold the states and the small tensors: ids, mask, fingerprints (8 fp32 a row of
+                     # each stream), header; each of those bytes is written once too
+                     "file_bytes_per_state_byte": round(sum(e["bytes"] for e in entries.values()) / states, 4),
+                     "written_per_file_byte": round((after["wchar"] - before["wchar"])
+                                                    / sum(e["bytes"] for e in entries.values()), 4),
                      "hashed_per_state_byte": round((counter.n - hashed) / states, 4),
                      "read_per_state_byte": round((after["rchar"] - before["rchar"]) / states, 4)})
         print(json.dumps(rows[-1]), flush=True)

@@ -11,6 +11,10 @@ only (imported inside the SGLang server).
 - :class:`JsonLog` appends whole JSON lines under ``flock``; a failed or short append is
   cut back to where it started (so a full disk leaves no torn line), and a torn last line
   left by a crash (a killed process) is cut off before the next append.
+
+Everything is created owner-only (files 0600, directories 0700: :func:`private_dirs`),
+whatever the process's umask: hidden states are the served model's internals, and the
+SGLang server may be started by hand, outside the role's unit (whose UMask is 0077).
 """
 
 from __future__ import annotations
@@ -23,6 +27,30 @@ import os
 import threading
 from pathlib import Path
 from typing import Any, Iterator, Mapping
+
+PRIVATE = 0o600      # files: owner read/write (a umask can only take bits away)
+PRIVATE_DIR = 0o700  # directories we create
+
+
+def private_dirs(path: str | os.PathLike) -> Path:
+    """Create ``path`` and any missing parent as owner-only directories (existing ones are left as
+    they are: a capture dir under /dev/shm must never chmod /dev/shm); returns the path."""
+    path = Path(path)
+    missing = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=PRIVATE_DIR)
+        except FileExistsError:  # made meanwhile by another process
+            pass
+    if not path.is_dir():
+        raise NotADirectoryError(f"{path} exists and is not a directory")
+    return path
 
 
 def write_all(fd: int, data: Any) -> int:
@@ -49,7 +77,7 @@ def pwrite_all(fd: int, data: Any, offset: int) -> int:
     return total
 
 
-def write_atomic(path: str | os.PathLike, data: bytes, *, mode: int = 0o644, fsync: bool = True) -> None:
+def write_atomic(path: str | os.PathLike, data: bytes, *, mode: int = PRIVATE, fsync: bool = True) -> None:
     """Replace ``path`` with ``data``: temp file in the same directory, fsync, rename.
 
     A reader sees the old file or the whole new one; on any error (disk full, failed
@@ -73,7 +101,7 @@ def write_atomic(path: str | os.PathLike, data: bytes, *, mode: int = 0o644, fsy
         raise
 
 
-def write_text_atomic(path: str | os.PathLike, text: str, *, fsync: bool = False, mode: int = 0o644) -> None:
+def write_text_atomic(path: str | os.PathLike, text: str, *, fsync: bool = False, mode: int = PRIVATE) -> None:
     """Replace a small text file (status, progress, parameters) so a reader never sees half of it."""
     write_atomic(path, text.encode("utf-8"), fsync=fsync, mode=mode)
 
@@ -107,7 +135,7 @@ def _cut_torn_tail(fd: int, size: int) -> int:
         start = max(0, start - (1 << 20))
 
 
-def append_line(path: str | os.PathLike, line: bytes, *, mode: int = 0o644, fsync: bool = False) -> None:
+def append_line(path: str | os.PathLike, line: bytes, *, mode: int = PRIVATE, fsync: bool = False) -> None:
     """Append one complete line (ending in b"\\n") to ``path``, whole or not at all."""
     if not line.endswith(b"\n"):
         raise ValueError("append_line needs a complete line")
@@ -133,9 +161,9 @@ class JsonLog:
     turns anything else into a string, e.g. paths in a ledger).
     """
 
-    def __init__(self, path: str | os.PathLike, *, mode: int = 0o644, fsync: bool = False):
+    def __init__(self, path: str | os.PathLike, *, mode: int = PRIVATE, fsync: bool = False):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        private_dirs(self.path.parent)
         self.mode, self.fsync = mode, fsync
         self._lock = threading.Lock()
 

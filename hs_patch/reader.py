@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
 from hs_patch.files import UNREADABLE, json_lines
+from hs_patch.server import fingerprint
 from hs_patch.store import FORMATS_READ, MANIFEST, SUFFIX, SampleError, file_sha256, read_manifest, sample_key
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -99,6 +100,9 @@ def check_sample(path: Path, metadata: Mapping[str, str], tensors: Mapping[str, 
             raise SampleError(f"{path}: plane {name!r} is {t.dtype}, expected {metadata['dtype']}")
     if "loss_mask" in tensors and tuple(tensors["loss_mask"].shape) != (n,):
         raise SampleError(f"{path}: loss_mask must have shape ({n},)")
+    want, got = fingerprint_shape(path, metadata, n), tensors.get(fingerprint.TENSOR)
+    if (None if got is None else [list(got.shape), str(got.dtype)]) != (want and [want, "torch.float32"]):
+        raise SampleError(f"{path}: the fingerprint tensor does not match its metadata ({want}, float32)")
     if sample_key(ids) != metadata.get("key"):
         raise SampleError(f"{path}: token ids do not hash to the sample key {metadata.get('key')}")
 
@@ -125,6 +129,15 @@ def check_header(path: Path, entry: Mapping[str, Any]) -> None:
     ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
     if 8 + n + max(ends, default=0) != size:
         raise SampleError(f"{path}: its tensors end at byte {8 + n + max(ends, default=0)}, the file has {size}")
+
+
+def fingerprint_shape(path: Path, metadata: Mapping[str, str], n: int) -> Optional[list[int]]:
+    """[n, streams, blocks] of the sample's fingerprint tensor as its metadata says (None: it has none)."""
+    try:
+        doc = fingerprint.parse(dict(metadata))
+    except ValueError as e:
+        raise SampleError(f"{path}: {e}") from None
+    return None if doc is None else [n, len(doc["streams"]), int(doc["blocks"])]
 
 
 ADD_FIELDS = {"key": str, "file": str, "bytes": int, "sha256": str}
@@ -208,6 +221,8 @@ class Header:
         want = {"input_ids": [n], **{p: [n, hidden] for p in planes}}
         if "loss_mask" in self.tensors:
             want["loss_mask"] = [n]
+        if (fp := fingerprint_shape(path, m, n)) is not None:
+            want[fingerprint.TENSOR] = fp
         got = {k: v.get("shape") for k, v in self.tensors.items()}
         if got != want:
             raise SampleError(f"{path}: tensors {got} do not match the metadata ({want})")
@@ -384,6 +399,8 @@ def open_sample(path: str | os.PathLike, *, entry: Mapping[str, Any] | None = No
         want.update({p: (DTYPE_NAMES.get("torch." + meta.get("dtype", ""), "?"), [n, hidden]) for p in sample.planes})
         if sample.has("loss_mask"):
             want["loss_mask"] = ("U8", [n])
+        if (fp := fingerprint_shape(path, meta, n)) is not None:
+            want[fingerprint.TENSOR] = ("F32", fp)
         for name, (dtype, shape) in want.items():
             if not sample.has(name):
                 raise SampleError(f"{path}: {name!r} is missing")

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from hs_patch.files import JsonLog, append_line, file_sha256, write_all, write_text_atomic
+from hs_patch.files import PRIVATE, JsonLog, append_line, file_sha256, private_dirs, write_all, write_text_atomic
 from hs_patch.files import read_jsonl as _read_jsonl
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -47,8 +47,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["file_sha256", "write_text_atomic"]  # re-exported: the shared helpers of hs_patch.files
 
-FORMAT = "hs_patch.sample/2"
-FORMATS_READ = ("hs_patch.sample/1", FORMAT)
+FORMAT = "hs_patch.sample/3"
+FORMATS_READ = ("hs_patch.sample/1", "hs_patch.sample/2", FORMAT)
 SUFFIX = ".safetensors"
 MANIFEST = "manifest.jsonl"
 ERRORS = "errors.jsonl"
@@ -69,6 +69,10 @@ DTYPE_SIZES = {"BF16": 2, "F16": 2, "F32": 4, "I64": 8, "U8": 1, "F8_E4M3": 1}
 
 class SampleError(ValueError):
     """A sample file or manifest entry is missing, damaged or inconsistent."""
+
+
+class AlreadyPublished(FileExistsError):
+    """A sample of these tokens is already in place: the later write is not published (see :func:`publish`)."""
 
 
 def layer_plane(layer_id: int) -> str:
@@ -233,7 +237,7 @@ def write_temp(directory: str | os.PathLike, key: str, tensors: Sequence[TensorB
         buffers.extend(t.buffers)
     digest = hashlib.sha256()
     tmp = temp_path(directory, key)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE)
     try:
         _write_hashed(fd, buffers, digest)
         if fsync:
@@ -248,24 +252,39 @@ def write_temp(directory: str | os.PathLike, key: str, tensors: Sequence[TensorB
 
 def temp_path(directory: str | os.PathLike, key: str) -> Path:
     """A fresh name under ``directory/.tmp/`` for a sample being written."""
-    tmp_dir = Path(directory) / TMPDIR
-    tmp_dir.mkdir(parents=True, exist_ok=True)
+    tmp_dir = private_dirs(Path(directory) / TMPDIR)
     return tmp_dir / f"{key}.{os.getpid()}.{threading.get_ident()}.{next(_TEMP_IDS)}.tmp"
 
 
-def publish(written: Written, directory: str | os.PathLike) -> Written:
-    """Rename a sample written by :func:`write_temp` (or :class:`hs_patch.server.inplace.InPlaceSample`) into place."""
+def publish(written: Written, directory: str | os.PathLike, *, replace: bool = False) -> Written:
+    """Move a sample written by :func:`write_temp` (or :class:`hs_patch.server.inplace.InPlaceSample`) into place.
+
+    Never over another file unless ``replace``: a sample of the same tokens already there (a
+    request retried while the server still held it, two clients sending the same tokens) stays,
+    and this one is removed and :class:`AlreadyPublished` raised. So the capture's file at a key's
+    path is always the one its manifest line describes, sha256 included (``os.link`` then unlink:
+    no rename replaces it). ``replace``: a file rewritten on purpose (an export redoing a damaged one).
+    """
     if os.path.getsize(written.path) != written.nbytes:
         raise SampleError(f"{written.path}: {os.path.getsize(written.path)} bytes on disk, {written.nbytes} written")
     final = sample_path(directory, written.key)
-    os.replace(written.path, final)
+    if replace:
+        os.replace(written.path, final)
+        return Written(written.key, final, written.nbytes, written.sha256)
+    try:
+        os.link(written.path, final)
+    except FileExistsError:
+        written.path.unlink(missing_ok=True)
+        raise AlreadyPublished(f"{final} is already there (the same tokens captured twice); the later write is "
+                               "not kept") from None
+    written.path.unlink()
     return Written(written.key, final, written.nbytes, written.sha256)
 
 
 def write_sample(directory: str | os.PathLike, key: str, tensors: Sequence[TensorBytes],
                  metadata: Mapping[str, str], *, fsync: bool = False) -> Written:
-    """Write one sample atomically (temp file + rename) and return its size and sha256."""
-    return publish(write_temp(directory, key, tensors, metadata, fsync=fsync), directory)
+    """Write one sample atomically (temp file + rename, over any file of that name) and return its size and sha256."""
+    return publish(write_temp(directory, key, tensors, metadata, fsync=fsync), directory, replace=True)
 
 
 _TEMP_IDS = __import__("itertools").count()

@@ -73,6 +73,8 @@ DRIVER_USERS = {
     "hs_patch/host/extract_cli.py": {"cli", "snapshot"},    # hs-extract: the drive and snapshot subcommands
     "hs_patch/host/fidelity/check.py": {"client"},          # the server's /generate answer: generated token, top-1
     "hs_patch/host/shipping/batches.py": {"runstate"},      # the driver's done marker and shipped.jsonl's name
+    # hs-extract accept reads held-out chats, renders prompts and calls /generate exactly as the driver does
+    "hs_patch/host/drafter/accept.py": {"chat", "client", "dataset"},
 }
 READINESS_LAZY = {"torch", "tvm_ffi"}  # imported inside the GPU checks only, by the venv's Python
 

@@ -88,8 +88,11 @@ def render(snap: dict[str, Any], host: str, progress: Progress, task: Any) -> Gr
         problems.append(f"reject {r.get('source', '')}:{r.get('line', '')} {r.get('reason', '')}"[:160])
     if fid.get("last_mismatch"):
         m = fid["last_mismatch"]
-        problems.append(f"fidelity: sample {m.get('key', '')[:12]} rejected: {m.get('mismatches')} of "
-                        f"{m.get('checked')} positions disagree with the server's own tokens")
+        why = (m.get("problems") or [f"{m.get('mismatches')} of {m.get('checked')} positions disagree with the "
+                                     "server's own tokens"])[0]
+        problems.append(f"fidelity: sample {m.get('key', '')[:12]} rejected: {why}"[:200])
+    if fid.get("last_warning"):
+        problems.append(f"fidelity warning ({fid.get('warnings')}): {fid['last_warning']}"[:200])
     for who, msg in (("driver", (d.get("errors") or {}).get("last")), ("shipper", ship.get("last_error")),
                      ("hook", hook.get("error"))):
         if msg:

@@ -5,7 +5,8 @@ the samples: :mod:`hs_patch.host.driver.cli`), ``ship`` (move finished samples t
 storage, verified: :mod:`hs_patch.host.shipping.shipper`), ``snapshot`` (one JSON view of a
 run, for the dashboard: :mod:`hs_patch.host.driver.snapshot`), ``export`` (samples in a
 trainer's layout: :mod:`hs_patch.host.export.cli`), ``drafter-config`` (the eagle_config a
-drafter is served with: :mod:`hs_patch.host.drafter.config`).
+drafter is served with: :mod:`hs_patch.host.drafter.config`), ``accept`` (a trained drafter's accept
+length against a running EAGLE-3 server: :mod:`hs_patch.host.drafter.accept`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     drafter.add_arguments(c)
     c.set_defaults(func=drafter.run_args)
+    from hs_patch.host.drafter import accept
+
+    m = sub.add_parser("accept", help="measure a trained drafter's accept length against a running EAGLE-3 server "
+                       "on held-out chats", description=accept.DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    accept.add_arguments(m)
+    m.set_defaults(func=accept.run_args)
     return p
 
 

@@ -109,6 +109,15 @@ def head_and_norm(directory: str | Path) -> tuple["torch.Tensor", "torch.Tensor"
     return head, norm, info
 
 
+def input_norm(directory: str | Path, layer: int) -> "torch.Tensor":
+    """Decoder layer ``layer``'s input norm weight [H] (what it normalises its attention's input with)."""
+    names = [n.replace("norm.weight", f"layers.{layer}.input_layernorm.weight") for n in NORM_NAMES]
+    weight = read_tensor(directory, find_name(directory, names, f"layer {layer}'s input norm weight"))
+    if weight.dim() != 1:
+        raise ModelFileError(f"{directory}: layer {layer}'s input norm weight has shape {tuple(weight.shape)}")
+    return weight
+
+
 def rms_norm(x: "torch.Tensor", weight: "torch.Tensor", eps: float) -> "torch.Tensor":
     """The final RMSNorm in fp32 with one rounding to ``x``'s dtype (as SGLang's fused kernel does).
 

@@ -51,10 +51,11 @@ def _print(res: dict[str, Any], as_json: bool) -> None:
         sv = res.get("serving") or {}
         if "eagle_aux_hidden_state_layer_ids" in sv:
             print(f"  drafter served on SGLang {sv['release']}: eagle_aux_hidden_state_layer_ids "
-                  f"{sv['eagle_aux_hidden_state_layer_ids']} feed layers {list(res['capture']['layers'])}"
+                  f"{sv['eagle_aux_hidden_state_layer_ids']} feed layers "
+                  f"{sv.get('layers_default') or list(res['capture']['layers'])}"
                   + ("" if sv["checked_with_model"] else " (give --model DIR to check against the model's depth)"))
         elif sv:
-            print(f"  drafter serving: {sv.get('refused') or sv.get('error')}")
+            print(f"  drafter serving: {sv.get('refused') or sv.get('error') or sv.get('note')}")
         if res["required_server_flags"]:
             print(f"  server flags needed with capture on: {' '.join(res['required_server_flags'])}")
     if res["action"] == "inspect":

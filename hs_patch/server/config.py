@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Mapping
 
 # (name, default as shown, meaning): the one description of each variable.
@@ -19,12 +19,13 @@ ENV_DOCS = (
      "and imports nothing of hs_patch."),
     ("HS_CAPTURE_DIR", "/dev/shm/hs_capture", "Absolute directory the hook writes into: samples, manifest.jsonl, "
      "errors.jsonl, hook_status.json."),
-    ("HS_CAPTURE_LAYERS", "2,30,58", "Decoder layers whose INPUT is captured (layer.<i> = residual stream "
-     "entering layer i = output of layer i-1), ascending, separated by commas or spaces. The default is what "
-     "SGLang feeds an EAGLE-3 drafter of a 61-layer model (eagle ids [1,29,57] on every release)."),
+    ("HS_CAPTURE_LAYERS", "2,n/2,n-3", "Decoder layers whose INPUT is captured (layer.<i> = residual stream "
+     "entering layer i = output of layer i-1), ascending, separated by commas or spaces. Unset: what SGLang "
+     "feeds an EAGLE-3 drafter whose config names no layers, [2, n//2, n-3] for a model of n layers: 2,30,58 "
+     "on Kimi-K2.5's 61 (eagle ids [1,29,57] on every release)."),
     ("HS_CAPTURE_FINAL", "both", "The last layer's output to store: pre (before the final norm: speculators), "
      "post (after it, what the LM head reads: SpecForge), both, or none. both: a default run feeds both "
-     "trainers exactly; 5 planes = 71,689 bytes per token at hidden 7168."),
+     "trainers exactly; 5 planes = 71,945 bytes per token at hidden 7168 (ids, mask and fingerprints included)."),
     ("HS_CAPTURE_SLOTS", "3", "Pinned host staging buffers, one prefill pass each; when all are busy the forward "
      "pass waits for the writer (back-pressure, counted in hook_status.json)."),
     ("HS_CAPTURE_SLOT_TOKENS", "--chunked-prefill-size", "Tokens one staging buffer holds; every buffer is "
@@ -41,7 +42,7 @@ ENV_DOCS = (
 
 ENV_PREFIX = "HS_CAPTURE"
 DEFAULT_DIR = "/dev/shm/hs_capture"
-DEFAULT_LAYERS = (2, 30, 58)
+DEFAULT_LAYERS = ()  # unset: SGLang's EAGLE-3 default for the model's depth (CaptureConfig.for_model)
 FINAL_CHOICES = ("pre", "post", "both", "none")
 
 
@@ -65,6 +66,13 @@ class CaptureConfig:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def for_model(self, num_hidden_layers: int) -> "CaptureConfig":
+        """This config with its layers resolved for a model of ``num_hidden_layers``: unset layers become
+        SGLang's own EAGLE-3 default ``[2, n//2, n-3]``; ids the model does not have are refused."""
+        cfg = self if self.layers else replace(self, layers=default_layers(num_hidden_layers))
+        cfg.check_layers(num_hidden_layers)
+        return cfg
+
     def check_layers(self, num_hidden_layers: int) -> None:
         """Refuse layer ids the model does not have (the input of layer i exists for 0 <= i < n)."""
         bad = [i for i in self.layers if not 0 <= i < num_hidden_layers]
@@ -72,6 +80,14 @@ class CaptureConfig:
             raise ConfigError(
                 f"HS_CAPTURE_LAYERS has {bad}, but the model has layers 0..{num_hidden_layers - 1}; "
                 f"the last layer's output is captured with HS_CAPTURE_FINAL=pre|post|both")
+
+
+def default_layers(num_hidden_layers: int) -> tuple[int, ...]:
+    """What SGLang's ``set_eagle3_layers_to_capture`` captures when a drafter config names no ids
+    (the same on every supported release; ``hs_patch.serving.default_layers``), deduplicated for
+    shallow models."""
+    n = num_hidden_layers
+    return tuple(sorted({i for i in (2, n // 2, n - 3) if 0 <= i < n})) or (0,)
 
 
 def _int(env: Mapping[str, str], name: str, default: int, low: int) -> int:

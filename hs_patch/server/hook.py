@@ -4,6 +4,8 @@ The patched ``DeepseekV2Model`` calls, per forward pass::
 
     _hs = self._hs_capture.begin(forward_batch, input_ids)   # None: nothing to capture
     ... layer(..., captured_last_layer_outputs=_hs.collector(i, <SGLang's own collector>))
+        # inside the decoder layer, after prepare_attn: the collector gets the residual and
+        # collector.hs_attn_input(<what the layer's attention reads>)
     ... _hs.final_prenorm(<output of the last layer, before the final norm>)
     _hs.finish(<hidden states after the final norm>)
 
@@ -13,10 +15,13 @@ writes (under TP every rank holds the full residual stream); what the model comp
 and returns is never changed (captures are copies). On the GPU a captured tensor is
 snapshotted with a device clone on the compute stream (its storage is updated in place
 later), then copied to pinned host memory on a side stream, so the forward pass never
-waits for PCIe or disk. A background writer (``writer.py``) writes the files. When all
-staging buffers are busy the forward pass waits (back-pressure, logged); past
-HS_CAPTURE_STALL_SECONDS, or if the writer failed, the server fails loudly. Nothing is
-ever dropped silently.
+waits for PCIe or disk; every captured tensor is also fingerprinted there, on the live
+tensor (``fingerprint.py``), for the driver's check of every plane. A background writer
+(``writer.py``) writes the files. When all staging buffers are busy the forward pass waits
+(back-pressure, logged); past HS_CAPTURE_STALL_SECONDS, or if the writer stopped (a failed
+write, or its coordinator thread ended), the server fails loudly with the cause. Nothing is
+ever dropped silently. At start, holding the directory's lock, the hook removes what a
+killed server left there (``leftovers.py``).
 """
 
 from __future__ import annotations
@@ -35,8 +40,10 @@ import torch
 
 from hs_patch.server import config as capture_config
 from hs_patch.server import checks as server_checks
-from hs_patch import serving, store
-from hs_patch.server.writer import PassRecord, Writer, skipped
+from hs_patch import files, serving, store
+from hs_patch.server import fingerprint, leftovers
+from hs_patch.server.passes import Pass, Slot
+from hs_patch.server.writer import Writer, skipped
 
 log = logging.getLogger("hs_patch")
 WRITER_LOCK = ".hs-writer.lock"
@@ -52,7 +59,7 @@ def attach(model: torch.nn.Module, config: Any, release: str) -> Optional["Captu
     cfg = capture_config.from_env()
     if not cfg.enabled:
         return None
-    cfg.check_layers(int(config.num_hidden_layers))
+    cfg = cfg.for_model(int(config.num_hidden_layers))
     settings = server_checks.read_settings()
     problems = server_checks.refusals(settings) + server_checks.capture_refusals(cfg, settings)
     if problems:
@@ -92,49 +99,32 @@ def _serving_ids(release: str, layers: Any, n: int, architecture: str) -> dict[s
         return {"eagle_serving_refused": str(e)}
 
 
-class _Slot:
-    """Host staging memory for one pass, allocated once at startup (pinned on a GPU host):
-    int64 ids and int32 prompt lengths for ``capacity`` tokens, one [capacity, H] buffer per plane."""
-
-    def __init__(self, capacity: int, nplanes: int, hidden: int, itemsize: int, pinned: bool):
-        self.capacity, self.hidden, self.itemsize = capacity, hidden, itemsize
-        # device="cpu" always: SGLang builds the model inside `with torch.device("cuda")`
-        self.ids = torch.empty(capacity, dtype=torch.int64, device="cpu", pin_memory=pinned)
-        self.lens = torch.empty(capacity, dtype=torch.int32, device="cpu", pin_memory=pinned)
-        self._raw = [torch.empty(capacity * hidden * itemsize, dtype=torch.uint8, device="cpu", pin_memory=pinned)
-                     for _ in range(nplanes)]
-
-    def plane(self, idx: int, like: torch.Tensor, tokens: int) -> torch.Tensor:
-        """Plane ``idx``'s first ``tokens`` rows, viewed with ``like``'s dtype."""
-        if like.element_size() > self.itemsize or like.shape[1] != self.hidden:
-            raise RuntimeError(f"hs_patch: a captured state is {like.dtype} x {like.shape[1]}, the staging buffers "
-                               f"were sized for {self.itemsize}-byte values x {self.hidden} (the model's dtype at "
-                               "startup); please report this with the server's --dtype and quantization flags")
-        return self._raw[idx][: tokens * self.hidden * self.itemsize].view(like.dtype).view(tokens, self.hidden)
-
-
 class CaptureHook:
     """One per captured model; owns the staging buffers, the copy stream and the writer."""
 
     def __init__(self, cfg: capture_config.CaptureConfig, *, hidden_size: int, metadata: dict[str, str],
                  dtype: torch.dtype = torch.bfloat16, pinned: bool = False):
         self.cfg = cfg
+        fingerprint.check_hidden(hidden_size)
         self._lock_fd = _lock_capture_dir(cfg.directory)
+        self.cleaned = leftovers.clean(cfg.directory)  # a dead server's files: no writer is alive (we hold the lock)
         self.hidden_size = hidden_size
         self.planes = store.plane_names(cfg.layers, cfg.final)
+        self.streams = fingerprint.streams(cfg.layers, cfg.final)
         self.layer_index = {layer: k for k, layer in enumerate(cfg.layers)}
+        self.attn_index = [self.streams.index(fingerprint.attn_stream(layer)) for layer in cfg.layers]
         final = store.FINAL_PLANES[cfg.final]
         self.pre_index = self.planes.index("final.pre_norm") if "final.pre_norm" in final else None
         self.post_index = self.planes.index("final.post_norm") if "final.post_norm" in final else None
-        self._free: "queue.Queue[_Slot]" = queue.Queue()
+        self._free: "queue.Queue[Slot]" = queue.Queue()
         if cfg.slot_tokens < 1:
             raise capture_config.ConfigError("HS_CAPTURE_SLOT_TOKENS must be >= 1 (or unset: the server's "
                                              "--chunked-prefill-size)")
         itemsize = torch.empty((), dtype=dtype, device="cpu").element_size()
         for _ in range(cfg.slots):  # all staging memory now: never an allocation on the forward path
-            self._free.put(_Slot(cfg.slot_tokens, len(self.planes), hidden_size, itemsize, pinned))
+            self._free.put(Slot(cfg.slot_tokens, len(self.planes), len(self.streams), hidden_size, itemsize, pinned))
         self._streams: dict[Any, torch.cuda.Stream] = {}
-        self._current: Optional[_Pass] = None
+        self._current: Optional[Pass] = None
         self.waits = 0
         self.wait_seconds = 0.0
         self._wait_logged: Optional[float] = None
@@ -146,15 +136,16 @@ class CaptureHook:
             "hidden_size": str(hidden_size),
             "convention": "layer.<i> = residual stream entering decoder layer i (output of layer i-1); "
                           "final.pre_norm = output of the last layer before the final norm",
+            fingerprint.META: fingerprint.describe(self.streams),
             **metadata,
         }
         self.writer = Writer(cfg.directory, self.planes, meta, workers=cfg.writers,
-                             skip_rid_prefix=cfg.skip_rid_prefix, fsync=not _on_tmpfs(cfg.directory))
-        self.writer.extra_status = lambda: {"waits": self.waits, "wait_seconds": round(self.wait_seconds, 3),
-                                            "free_slots": self._free.qsize()}
+                             skip_rid_prefix=cfg.skip_rid_prefix, fsync=not _on_tmpfs(cfg.directory),
+                             extra_status=lambda: {"waits": self.waits, "wait_seconds": round(self.wait_seconds, 3),
+                                                   "free_slots": self._free.qsize(), "cleaned_at_start": self.cleaned})
 
     # ------------------------------------------------------------------ per pass
-    def begin(self, forward_batch: Any, input_ids: Optional[torch.Tensor]) -> Optional["_Pass"]:
+    def begin(self, forward_batch: Any, input_ids: Optional[torch.Tensor]) -> Optional[Pass]:
         mode = forward_batch.forward_mode
         name = getattr(mode, "name", str(mode))
         if name != "EXTEND":
@@ -163,10 +154,7 @@ class CaptureHook:
             return None
         if torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
             return None
-        if self.writer.error is not None:
-            raise RuntimeError(f"hs_patch: the sample writer failed ({self.writer.error}); samples after it were "
-                               f"not written. Fix the cause (disk full? permissions on {self.cfg.directory}?) "
-                               "and restart the server.") from self.writer.error
+        self._check_writer()
         if self._current is not None:  # the previous pass raised before finish(): give its buffer back
             log.warning("hs_patch: a prefill pass ended without finishing its capture; it is not written")
             self._free.put(self._current.slot)
@@ -195,12 +183,22 @@ class CaptureHook:
                                "which the capture needs to reassemble chunked prompts; this SGLang build differs "
                                "from the supported releases")
         slot = self._acquire()
-        p = _Pass(self, slot, tokens, list(seq_lens), list(prefix_lens), rids)
+        p = Pass(self, slot, tokens, list(seq_lens), list(prefix_lens), rids)
         p.copy_ids(ids, full)
         self._current = p
         return p
 
-    def _acquire(self) -> _Slot:
+    def _check_writer(self) -> None:
+        """Raise, with its cause, if the writer stopped (a failed write, or its coordinator thread ended)."""
+        error = self.writer.stopped()
+        if error is None:
+            return
+        hint = (f"Fix the cause (disk full? permissions on {self.cfg.directory}?) and restart the server."
+                if isinstance(error, OSError) else "Please report this with the server log; restart the server.")
+        raise RuntimeError(f"hs_patch: the sample writer failed ({error}); samples after it were not written. "
+                           + hint) from error
+
+    def _acquire(self) -> Slot:
         try:
             return self._free.get_nowait()
         except queue.Empty:
@@ -212,13 +210,18 @@ class CaptureHook:
                         "(%d earlier waits, %.1f s in all; logged at most once a minute, counted in "
                         "hook_status.json). Persistent waits: raise HS_CAPTURE_SLOTS or HS_CAPTURE_WRITERS, "
                         "or write to a faster directory.", self.cfg.slots, self.waits, self.wait_seconds)
-        try:
-            slot = self._free.get(timeout=self.cfg.stall_seconds)
-        except queue.Empty:
-            raise RuntimeError(
-                f"hs_patch: the sample writer has been behind for {self.cfg.stall_seconds:.0f}s "
-                f"(HS_CAPTURE_STALL_SECONDS); {self.cfg.directory} is too slow or blocked. Failing loudly "
-                "instead of dropping samples.") from None
+        deadline = t0 + self.cfg.stall_seconds
+        while True:  # in short waits: a writer that stopped meanwhile gives no buffer back, and says why
+            try:
+                slot = self._free.get(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+                break
+            except queue.Empty:
+                self._check_writer()
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(
+                        f"hs_patch: the sample writer has been behind for {self.cfg.stall_seconds:.0f}s "
+                        f"(HS_CAPTURE_STALL_SECONDS); {self.cfg.directory} is too slow or blocked. Failing loudly "
+                        "instead of dropping samples.") from None
         self.waits += 1
         self.wait_seconds += time.monotonic() - t0
         return slot
@@ -242,121 +245,11 @@ class CaptureHook:
                 self._lock_fd = -1
 
 
-class _Tee:
-    """Stands in for SGLang's aux-state collector of one layer and copies what it gets to us."""
-
-    __slots__ = ("_pass", "_idx", "_inner")
-
-    def __init__(self, p: "_Pass", idx: int, inner: Any):
-        self._pass, self._idx, self._inner = p, idx, inner
-
-    def append(self, t: torch.Tensor) -> None:
-        """List style (the communicator family, 0.5.14 .. 0.5.20): SGLang's communicator hands over a clone
-        of what it would overwrite later (we never say ``copies_on_append``, so from 0.5.17 it still does),
-        or flashinfer's fresh residual, which nothing writes again."""
-        if self._inner is not None:
-            self._inner.append(t)
-        self._pass.put(self._idx, t, owned=True)
-
-    def capture(self, t: torch.Tensor, *, owned: bool = False) -> None:
-        """Accumulator style (the layer-boundary family, and the layer-point patch): copy unless owned."""
-        if self._inner is not None:
-            self._inner.capture(t, owned=owned)
-        self._pass.put(self._idx, t, owned=owned)
-
-    def __len__(self) -> int:
-        return len(self._inner) if self._inner is not None else 0
-
-
-class _Pass:
-    """The capture of one prefill pass."""
-
-    def __init__(self, hook: CaptureHook, slot: _Slot, tokens: int, seq_lens: list[int],
-                 prefix_lens: list[int], rids: Optional[list[str]]):
-        self.hook, self.slot, self.tokens = hook, slot, tokens
-        self.seq_lens, self.prefix_lens = seq_lens, prefix_lens
-        self.rids = list(rids) if rids is not None else None
-        self.done = [False] * len(hook.planes)
-        self.like: list[Optional[torch.Tensor]] = [None] * len(hook.planes)
-        self.cuda: Optional[torch.device] = None
-        self.deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def copy_ids(self, ids: torch.Tensor, full: Any) -> None:
-        """Copy the token ids and each request's whole prompt length (device tensors on a GPU)."""
-        dst, lens = self.slot.ids[: self.tokens], self.slot.lens[: len(self.seq_lens)]
-        if not isinstance(full, torch.Tensor):
-            full = torch.tensor(list(full), dtype=torch.int32, device="cpu")
-        if ids.is_cuda:
-            self.cuda = ids.device
-            stream = self.hook.stream(ids.device)
-            stream.wait_stream(torch.cuda.current_stream(ids.device))
-            with torch.cuda.stream(stream):
-                dst.copy_(ids, non_blocking=True)
-                lens.copy_(full, non_blocking=True)
-            ids.record_stream(stream)
-            if full.is_cuda:
-                full.record_stream(stream)
-        else:
-            dst.copy_(ids)
-            lens.copy_(full)
-
-    def collector(self, layer_id: int, inner: Any) -> Any:
-        idx = self.hook.layer_index.get(layer_id)
-        return inner if idx is None else _Tee(self, idx, inner)
-
-    def put(self, idx: int, t: torch.Tensor, owned: bool) -> None:
-        if self.done[idx]:
-            raise RuntimeError(f"hs_patch: {self.hook.planes[idx]} captured twice in one pass")
-        if t.dim() != 2 or t.shape[0] != self.tokens:
-            raise RuntimeError(f"hs_patch: {self.hook.planes[idx]} has shape {tuple(t.shape)}, expected "
-                               f"({self.tokens}, hidden): a code path the hook does not support")
-        self.done[idx] = True
-        self.like[idx] = t
-        dst = self.slot.plane(idx, t, self.tokens)
-        if t.is_cuda:
-            stream = self.hook.stream(t.device)
-            src = t if owned else t.clone()  # snapshot now: SGLang updates its residual in place later
-            stream.wait_stream(torch.cuda.current_stream(t.device))
-            with torch.cuda.stream(stream):
-                dst.copy_(src, non_blocking=True)
-            src.record_stream(stream)  # keep src's memory until the copy has run
-        else:  # CPU (tests, benchmarks): copy at finish(), like the asynchronous GPU copy would
-            self.deferred.append((dst, t if owned else t.clone()))
-
-    def final_prenorm(self, t: torch.Tensor, owned: bool = False) -> None:
-        if self.hook.pre_index is not None:
-            self.put(self.hook.pre_index, t, owned)
-
-    def finish(self, post_norm: torch.Tensor) -> None:
-        hook = self.hook
-        if hook.post_index is not None:
-            self.put(hook.post_index, post_norm, owned=False)
-        hook._current = None
-        missing = [hook.planes[k] for k, d in enumerate(self.done) if not d]
-        if missing:
-            hook._free.put(self.slot)
-            raise RuntimeError(f"hs_patch: {missing} were not captured in this pass (a layer ran outside "
-                               "the patched loop?); refusing to write incomplete samples")
-        for dst, src in self.deferred:
-            dst.copy_(src)
-        wait = None
-        if self.cuda is not None:
-            event = torch.cuda.Event()
-            event.record(hook.stream(self.cuda))
-            wait = event.synchronize
-        n = self.tokens
-        slot = self.slot
-        hook.writer.submit(PassRecord(
-            ids=slot.ids[:n], planes=[slot.plane(k, self.like[k], n) for k in range(len(hook.planes))],
-            seq_lens=self.seq_lens, prefix_lens=self.prefix_lens, full_lens=slot.lens[: len(self.seq_lens)],
-            rids=self.rids, wait=wait, release=lambda: hook._free.put(slot)))
-
-
 def _lock_capture_dir(directory: str) -> int:
     """One writing server per capture directory: an exclusive flock held for the process's life."""
-    os.makedirs(directory, exist_ok=True)
+    files.private_dirs(directory)
     path = os.path.join(directory, WRITER_LOCK)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from hs_patch import store
-from hs_patch.files import file_sha256, pwrite_all
+from hs_patch.files import PRIVATE, file_sha256, pwrite_all
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -37,7 +37,7 @@ class InPlaceSample:
         self.planes, self.tokens, self.hidden, self.dtype = list(planes), int(tokens), int(hidden), dtype
         self.row = hidden * store.DTYPE_SIZES[dtype]
         self.path = store.temp_path(directory, key_hint)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, PRIVATE)
         self.written = 0
         self._count = threading.Lock()  # chunks of one prompt may be written by several threads at once
 
@@ -98,3 +98,5 @@ class OpenPrompt:
     ids: list["torch.Tensor"]
     parts: int
     dtype: str
+    starts: list[int] = field(default_factory=lambda: [0])  # where each part began
+    fingerprints: list["torch.Tensor"] = field(default_factory=list)  # each part's rows [n, S, BLOCKS]

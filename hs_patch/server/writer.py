@@ -24,11 +24,15 @@ batch), so:
 - a part with a prefix that continues nothing (a radix-cache hit, a lost chunk) is never
   written as if it were complete: it goes to ``errors.jsonl`` and the log.
 
-The driver's intent (``hs_patch.intent``: loss mask and provenance, keyed by the sample's
-content key) is read when a sample completes and written into it. A pass's samples
-become visible (rename + manifest line) only when all of its writes succeeded: a failed
-pass leaves nothing in any manifest, and the writer stops (the hook then fails the
-server loudly).
+What a file holds (planes, ids, the driver's intent: loss mask and provenance, the
+fingerprint rows, the header) is :mod:`hs_patch.server.contents`'. A pass's samples become
+visible (moved into place + manifest line) only when all of its writes succeeded: a failed
+pass leaves nothing in any manifest, and the writer stops (the hook then fails the server
+loudly). A sample is never moved over another (:func:`hs_patch.store.publish`): the same
+tokens captured twice (a retried request) keep the first file and its manifest line; a
+failed manifest append removes the file it would have listed. Anything that ends the
+coordinator thread stops capture with its cause (``hook_status.json``, ``errors.jsonl``),
+and the forward path raises it at once.
 """
 
 from __future__ import annotations
@@ -42,11 +46,10 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from hs_patch import intent as intents
-from hs_patch import store
+from hs_patch import files, store
+from hs_patch.server.contents import Contents
 from hs_patch.server.inplace import InPlaceSample, OpenPrompt
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -75,6 +78,7 @@ class PassRecord:
     rids: Optional[Sequence[str]] = None
     wait: Optional[Callable[[], None]] = None     # blocks until the copies have landed
     release: Optional[Callable[[], None]] = None  # gives the staging buffer back
+    fingerprints: Optional["torch.Tensor"] = None  # F32 [streams, T, BLOCKS] (hs_patch.server.fingerprint)
 
 
 @dataclass
@@ -102,6 +106,7 @@ class WriterStats:
     skipped: int = 0
     errors: int = 0
     with_intent: int = 0
+    duplicates: int = 0
     started: float = field(default_factory=time.time)
 
 
@@ -109,18 +114,16 @@ class Writer:
     """Writes samples of :class:`PassRecord` s in background threads."""
 
     def __init__(self, directory: str, planes: Sequence[str], metadata: dict[str, str], *,
-                 workers: int = 2, skip_rid_prefix: str = "", fsync: bool = False):
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+                 workers: int = 2, skip_rid_prefix: str = "", fsync: bool = False,
+                 extra_status: Callable[[], dict[str, Any]] = dict):
+        self.directory = files.private_dirs(directory)
         self.planes = list(planes)
-        self.metadata = dict(metadata)
-        self.hidden = int(metadata.get("hidden_size", 0) or 0)
         self.skip_rid_prefix = skip_rid_prefix
-        self.fsync = fsync
+        self.contents = Contents(self.directory, self.planes, metadata, fsync=fsync)
         self.manifest = store.Manifest(self.directory)
         self.stats = WriterStats()
         self.error: Optional[BaseException] = None
-        self.extra_status: Callable[[], dict[str, Any]] = dict
+        self.extra_status = extra_status  # the hook's fields in hook_status.json
         self._open: Optional[OpenPrompt] = None
         self._doomed: list[OpenPrompt] = []  # partial files of failed passes, removed once no write runs
         self._inflight: "deque[_InFlight]" = deque()
@@ -129,6 +132,7 @@ class Writer:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hs_patch-write")
         self._finishing: list[Future] = []
         self._status_at = 0.0
+        self._closed = False
         self._stats_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="hs_patch-writer", daemon=True)
         self._write_status(force=True)  # at once: the driver checks where this server writes before it sends
@@ -146,8 +150,15 @@ class Writer:
         """Passes submitted and not yet settled."""
         return self._waiting + len(self._inflight)
 
+    def stopped(self) -> Optional[BaseException]:
+        """Why the writer takes no more passes (None while it works): its error, or its thread's end."""
+        if self.error is None and not self._thread.is_alive() and not self._closed:
+            self._fail(RuntimeError("the writer's coordinator thread has ended without an error"))
+        return self.error
+
     def close(self, timeout: float = 60.0) -> None:
         """Write everything queued, then stop (used at exit and by tests)."""
+        self._closed = True
         self._queue.put(None)
         self._thread.join(timeout)
         self._pool.shutdown(wait=True)
@@ -160,6 +171,16 @@ class Writer:
 
     # ------------------------------------------------------------------ thread
     def _run(self) -> None:
+        try:
+            self._coordinate()
+        except BaseException as e:  # noqa: BLE001 - capture stops loudly, with this cause
+            lost = self.pending()
+            self._fail(RuntimeError(f"the writer's coordinator thread failed ({type(e).__name__}: {e}); the "
+                                    f"{lost} prefill passes it had accepted are not written"), cause=e)
+            store.log_error(self.directory, {"error": "writer_failed", "passes_lost": lost,
+                                             "why": f"{type(e).__name__}: {e}"})
+
+    def _coordinate(self) -> None:
         closing = False
         while not closing or self._inflight:
             item = self._queue.get()
@@ -232,20 +253,26 @@ class Writer:
                 part.sample.abandon()
             self._doomed = []
 
-    def _fail(self, e: BaseException) -> None:
+    def _fail(self, e: BaseException, cause: Optional[BaseException] = None) -> None:
         """Stop capture: the hook raises this on the next forward pass (any thread may call this)."""
+        if cause is not None:
+            e.__cause__ = cause
         with self._stats_lock:
             first = self.error is None
             if first:
                 self.error = e
             self.stats.errors += 1
         if first:
-            log.error("hs_patch writer failed, capture stops: %s", e, exc_info=e)
+            log.error("hs_patch writer failed, capture stops: %s", e, exc_info=cause or e)
+            self._write_status(force=True)  # at once: the coordinator may be the thread that died
 
     def _plan(self, rec: PassRecord, p: _InFlight) -> None:
         """Split the pass per request and submit each part's write."""
         if sum(int(n) for n in rec.seq_lens) != rec.ids.shape[0]:
             raise RuntimeError(f"extend_seq_lens sum to {sum(rec.seq_lens)} but the pass has {rec.ids.shape[0]} tokens")
+        fps = rec.fingerprints
+        if (fps is not None) != self.contents.fingerprinted:
+            raise RuntimeError("a pass's fingerprints and the writer's metadata disagree (internal error)")
         jobs, finish, touched = p.jobs, p.finish, p.touched
         opened, self._open = self._open, None
         if opened is not None:
@@ -262,21 +289,25 @@ class Writer:
                 continue
             ids = rec.ids[s:e]
             slices = [p[s:e] for p in rec.planes]
+            fp = None if fps is None else fps[:, s:e].permute(1, 0, 2)  # [n, streams, BLOCKS]
             if prefix == 0 and n == full:
-                jobs.append(self._pool.submit(self._write_whole, ids, slices, rid))
+                jobs.append(self._pool.submit(self.contents.write_whole, ids, slices, rid, fp))
                 continue
             if prefix == 0:
-                part = self._start_open(ids, full, rid, slices[0])
+                part = self.contents.start_open(ids, full, rid, slices[0])
             elif opened is not None and opened.end == prefix and opened.sample.tokens == full and (
                     rid is None or opened.rid == rid):
                 part, opened = opened, None
                 part.parts += 1
+                part.starts.append(prefix)
             else:
                 self._reject(rid, prefix, n, ids, opened)
                 continue
             touched.append(part)
             part.hasher.update(store.ids_bytes(ids))
             part.ids.append(ids.clone())
+            if fp is not None:
+                part.fingerprints.append(fp.contiguous())  # a copy: the staging buffer is reused
             jobs.append(self._pool.submit(self._put, part.sample, prefix, slices))
             part.end = prefix + n
             if part.end == full:
@@ -291,81 +322,43 @@ class Writer:
             self._lost(opened)
 
     # ------------------------------------------------------------------ jobs
-    def _start_open(self, ids: "torch.Tensor", full: int, rid: Optional[str], like: "torch.Tensor") -> OpenPrompt:
-        sample = InPlaceSample(self.directory, f"open-{store.sample_key(ids)[:12]}", self.planes, full,
-                               like.shape[1], store.dtype_name(like))
-        return OpenPrompt(sample, 0, store.key_hasher(), rid, [], 1, str(like.dtype).replace("torch.", ""))
-
     def _put(self, sample: InPlaceSample, start: int, slices: list["torch.Tensor"]) -> None:
-        for k, (name, t) in enumerate(zip(self.planes, slices)):
-            sample.put(k, start, store.raw_bytes(name, t))
-
-    def _meta(self, key: str, n: int, dtype: str, rid: Optional[str], parts: int,
-              found: Optional[intents.Intent]) -> dict[str, str]:
-        meta = dict(self.metadata, key=key, num_tokens=str(n), parts=str(parts), dtype=dtype,
-                    rid="" if rid is None else str(rid), created=f"{time.time():.3f}")
-        if found is not None:
-            meta.update({k: v for k, v in found.metadata.items() if k not in meta}, loss_tokens=str(found.loss_tokens))
-        return meta
-
-    def _tail(self, ids: "torch.Tensor", found: Optional[intents.Intent]) -> list[store.TensorBytes]:
-        tail = [store.tensor_bytes("input_ids", ids.contiguous())]
-        if found is not None:
-            tail.append(store.TensorBytes("loss_mask", "U8", (found.tokens,), [found.loss_mask()]))
-        return tail
-
-    def _write_whole(self, ids: "torch.Tensor", slices: list["torch.Tensor"], rid: Optional[str]) -> tuple:
-        key = store.sample_key(ids)
-        found = self._intent(key, int(ids.shape[0]))
-        tensors = [store.tensor_bytes(n, t) for n, t in zip(self.planes, slices)] + self._tail(ids, found)
-        n = int(ids.shape[0])
-        meta = self._meta(key, n, str(slices[0].dtype).replace("torch.", ""), rid, 1, found)
-        return store.write_temp(self.directory, key, tensors, meta, fsync=self.fsync), self._extra(found, rid, 1, n)
-
-    def _complete(self, part: OpenPrompt) -> tuple:
-        import torch
-
-        key = part.hasher.hexdigest()[: store.KEY_HEX]
-        ids = torch.cat(part.ids)
-        n = int(ids.shape[0])
-        found = self._intent(key, n)
-        meta = self._meta(key, n, part.dtype, part.rid, part.parts, found)
-        return part.sample.finish(key, self._tail(ids, found), meta, fsync=self.fsync), \
-            self._extra(found, part.rid, part.parts, n)
+        self.contents.put(sample, start, slices)
 
     def _finish(self, part: OpenPrompt) -> None:
         try:
-            w, extra = self._complete(part)
-            self._publish(w, extra)
-            with self._stats_lock:
-                self.stats.merged += 1
+            w, extra = self.contents.complete(part)
+            if self._publish(w, extra):
+                with self._stats_lock:
+                    self.stats.merged += 1
         except BaseException as e:  # noqa: BLE001 - the next pass raises it on the forward path
             part.sample.abandon()
             self._fail(e)
 
-    def _publish(self, w: store.Written, extra: dict[str, Any]) -> None:
-        final = store.publish(w, self.directory)
-        self.manifest.add(final, **extra)
+    def _publish(self, w: store.Written, extra: dict[str, Any]) -> bool:
+        """Move the sample into place and list it; False if the same tokens' sample was already there."""
+        try:
+            final = store.publish(w, self.directory)
+        except store.AlreadyPublished as e:  # a retried request, two clients: the first capture stays
+            with self._stats_lock:
+                self.stats.duplicates += 1
+            log.warning("hs_patch: %s", e)
+            store.log_error(self.directory, {"error": "duplicate", "key": w.key, "rid": extra.get("rid"),
+                                             "why": "a sample of these tokens is already in the capture dir "
+                                                    "(a retried request, or two clients sent the same tokens); "
+                                                    "the first capture is kept"})
+            return False
+        try:
+            self.manifest.add(final, **extra)
+        except BaseException:
+            final.path.unlink(missing_ok=True)  # never a sample in place that no manifest line describes
+            raise
         with self._stats_lock:
             self.stats.samples += 1
             self.stats.tokens += extra["tokens"]
             self.stats.bytes += final.nbytes
             self.stats.with_intent += "sample_id" in extra
-
-    def _extra(self, found: Optional[intents.Intent], rid: Optional[str], parts: int, n: int) -> dict[str, Any]:
-        extra: dict[str, Any] = {"rid": "" if rid is None else str(rid), "parts": parts, "tokens": n}
-        if found is not None:
-            extra.update(sample_id=found.metadata.get("sample_id", ""), run=found.metadata.get("run", ""),
-                         loss_tokens=found.loss_tokens)
-        return extra
-
-    def _intent(self, key: str, tokens: int) -> Optional[intents.Intent]:
-        try:
-            return intents.read(self.directory, key, tokens)
-        except intents.IntentError as e:
-            log.error("hs_patch: sample %s is written without the driver's loss mask: %s", key, e)
-            store.log_error(self.directory, {"error": "intent_unusable", "key": key, "why": str(e)})
-            return None
+        return True
 
     # ------------------------------------------------------------------ errors and status
     def _reject(self, rid: Optional[str], prefix: int, n: int, ids: "torch.Tensor",
@@ -397,6 +390,7 @@ class Writer:
         doc = {"pid": os.getpid(), "time": now, "directory": str(self.directory), "passes": st.passes,
                "samples": st.samples, "tokens": st.tokens, "bytes": st.bytes, "merged": st.merged,
                "skipped": st.skipped, "errors": st.errors, "with_intent": st.with_intent,
+               "duplicates": st.duplicates,
                "skip_rid_prefix": self.skip_rid_prefix, "queued": self.pending(),
                "error": None if self.error is None else str(self.error), **self.extra_status()}
         try:

@@ -17,6 +17,7 @@ from hs_patch.host.driver import chat, dataset, runstate
 from hs_patch import store
 from hs_patch.host.driver.client import SGLangClient
 from hs_patch.host.driver.run import EXIT_FAILURES, EXIT_OK, Driver
+from hs_patch.server import fingerprint
 from lab.drive_runs import config, drive, start_standin
 from lab.runcheck import assert_complete, final_samples, ledger, write_chats
 from lab.sglang_sim import reference
@@ -205,6 +206,7 @@ class NoCapture(BaseHTTPRequestHandler):
 
     radix = False
     capture_checks: "Path | None" = None
+    fingerprints = True  # False: its hook is older than the fidelity check (no fingerprints in its samples)
 
     def log_message(self, *a):
         pass
@@ -223,8 +225,10 @@ class NoCapture(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if NoCapture.capture_checks is not None and "-check-" in body["rid"]:
             ids = torch.tensor(body["input_ids"], dtype=torch.int64)
-            w = store.write_tensors(NoCapture.capture_checks, store.sample_key(ids), {"input_ids": ids},
-                                    {"format": store.FORMAT})
+            meta = {"format": "hs_patch.sample/2"}
+            if NoCapture.fingerprints:
+                meta = {"format": store.FORMAT, fingerprint.META: fingerprint.describe([])}
+            w = store.write_tensors(NoCapture.capture_checks, store.sample_key(ids), {"input_ids": ids}, meta)
             store.Manifest(NoCapture.capture_checks).add(w)
         self._json({"text": "", "output_ids": [1], "meta_info": {"id": "x", "prompt_tokens": 1}})
 
@@ -236,7 +240,19 @@ def nocapture():
     yield f"http://127.0.0.1:{srv.server_address[1]}"
     srv.shutdown()
     srv.server_close()
-    NoCapture.radix, NoCapture.capture_checks = False, None
+    NoCapture.radix, NoCapture.capture_checks, NoCapture.fingerprints = False, None, True
+
+
+def test_a_server_whose_hook_writes_no_fingerprints_is_refused_at_the_start(nocapture, tiny_model_dir, tmp_path):
+    """Its samples could not be checked plane by plane: refused within seconds, saying what to do."""
+    data = tmp_path / "chats.jsonl"
+    write_chats(data, 1)
+    NoCapture.capture_checks, NoCapture.fingerprints = tmp_path / "capture", False
+    cfg = config(nocapture, str(tmp_path / "capture"), tiny_model_dir, tmp_path, [data])
+    with pytest.raises(runstate.RunError, match="stores no fingerprints .*Run hs-patch apply with this version and "
+                                                "restart the server"):
+        Driver(cfg).run()
+    assert not list((tmp_path / "capture").glob("*.safetensors")), "the probe's sample is removed all the same"
 
 
 def test_consecutive_failures_stop_the_run_cleanly(nocapture, tiny_model_dir, tmp_path):

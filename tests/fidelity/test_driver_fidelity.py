@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import pytest
 
-from hs_patch import store
+from hs_patch import reader, store
 from hs_patch.host.fidelity import check as fidelity
+from hs_patch.host.fidelity import settings
 from hs_patch.host.driver import runstate
 from hs_patch.host.driver.run import EXIT_FAILURES, EXIT_OK
 from lab.runcheck import ledger, write_chats
+from lab import sabotage
 from lab.drive_runs import drive, start_standin
 
 
@@ -62,3 +66,54 @@ def test_a_model_dir_without_its_head_is_refused_at_start_unless_the_check_is_of
     with pytest.raises(runstate.RunError, match="--no-fidelity-check"):
         drive(standin, model, tmp_path, [data])
     assert drive(standin, model, tmp_path / "off", [data], fidelity_check=False).exit_code == EXIT_OK
+
+
+def test_a_sample_with_a_wrong_plane_is_not_kept_and_every_kept_one_records_its_check(standin, tiny_model_dir,
+                                                                                       tmp_path):
+    """One sample's layer.1 holds layer 2's input (the real hook in the stand-in, lab.sabotage): the
+    driver's check rejects it naming the plane, the others are kept, and each kept sample says how it
+    was checked: its header (the driver's settings, through the intent) and its manifest line (the
+    result)."""
+    data = tmp_path / "d.jsonl"
+    ids = write_chats(data, 4, words=40)
+    tag = hashlib.sha256(ids[1].encode()).hexdigest()[:8]  # in every request id the driver sends for it
+    undo = sabotage.install(case_of=lambda rid: "wrong_layer" if f"-{tag}-" in rid else None)
+    try:
+        summary = drive(standin, tiny_model_dir, tmp_path, [data], concurrency=1)
+    finally:
+        undo()
+    failed = [e for e in ledger(tmp_path / "state") if e["event"] == "failed"]
+    assert [(e["sample_id"], e["stage"]) for e in failed] == [(ids[1], "fidelity")]
+    assert "layer.1: the stored rows, normalised with layer 1's input norm" in failed[0]["error"]
+    assert summary.status["fidelity"]["rejected"] == 1 and summary.status["fidelity"]["check"]["rows_per_chunk"] == 8
+    kept = store.read_manifest(tmp_path / "samples")
+    assert sorted(e["sample_id"] for e in kept.values()) == sorted(ids[:1] + ids[2:])
+    for e in kept.values():
+        assert e["fidelity"]["ok"] and e["fidelity"]["check"] == settings.VERSION and e["fidelity"]["rows"] >= 2
+        meta = reader.read_header(tmp_path / "samples" / e["file"]).metadata
+        assert json.loads(meta["fidelity_check"]) == {"version": settings.VERSION, "on": True, "rows_per_chunk": 8,
+                                                      "fraction": 0.01, "positions": 32, "tie_tolerance": 0.02}
+    rejected = [r for r in runstate.read_jsonl(tmp_path / "state" / fidelity.FIDELITY_LOG) if not r["ok"]]
+    assert [r["sample_id"] for r in rejected] == [ids[1]] and rejected[0]["rows"]["relations"]["layer.1"]["chi2"] > \
+        rejected[0]["rows"]["relations"]["layer.1"]["bound"]
+
+
+def test_a_resume_under_a_weaker_check_is_refused_unless_accepted_and_each_sample_keeps_its_own(
+        standin, tiny_model_dir, tmp_path):
+    data = tmp_path / "d.jsonl"
+    write_chats(data, 3, words=40)
+    assert drive(standin, tiny_model_dir, tmp_path, [data], limit=1).exit_code == EXIT_OK
+    with pytest.raises(runstate.RunError, match="checked more strictly than this start would: the check is off"):
+        drive(standin, tiny_model_dir, tmp_path, [data], fidelity_check=False)
+    with pytest.raises(runstate.RunError, match="--fidelity-rows 4 .the run used 8.*--accept-weaker-check"):
+        drive(standin, tiny_model_dir, tmp_path, [data], fidelity_rows=4, limit=2)
+    assert drive(standin, tiny_model_dir, tmp_path, [data], fidelity_rows=4, limit=2,
+                 accept_weaker_check=True).exit_code == EXIT_OK
+    starts = [e for e in ledger(tmp_path / "state") if e["event"] == "run_start"]
+    assert starts[-1]["weaker_check"] == ["--fidelity-rows 4 (the run used 8)"]
+    checks = json.loads((tmp_path / "state" / "run.json").read_text())["fidelity_checks"]
+    assert [c["check"]["rows_per_chunk"] for c in checks] == [8, 4]
+    rows = sorted(json.loads(reader.read_header(tmp_path / "samples" / e["file"]).metadata["fidelity_check"])
+                  ["rows_per_chunk"] for e in store.read_manifest(tmp_path / "samples").values())
+    assert rows == [4, 8], "each sample says how it was checked"
+    assert drive(standin, tiny_model_dir, tmp_path, [data]).exit_code == EXIT_OK  # stronger again: allowed

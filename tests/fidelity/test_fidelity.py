@@ -219,3 +219,40 @@ def test_dashboard_shows_the_fidelity_counts_and_the_last_rejection():
     text = console.export_text()
     assert "1/2 ok" in text and "1 (1 in a row, stop at 4)" in text
     assert "sample bbbbbbbbbbbb rejected: 30 of 32 positions" in text
+
+
+def test_rejections_by_the_row_checks_stop_with_their_cause_and_the_dashboard_says_which_plane():
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from hs_patch.control.dashboard import render
+
+    problem = ("layer.2: the stored rows, normalised with layer 2's input norm, are not what layer 2's attention "
+               "read: another layer's state, one tensor-parallel rank's partial sum, or another prompt's rows")
+    bad = Check("d" * 32, "last", checked=1, rows={"problems": [problem], "log_norms": {"layer.2": 1.0}})
+    assert not bad.ok and bad.mismatches == 0
+    mon = FidelityMonitor(max_consecutive=2)
+    assert mon.observe(bad, {"sglang_release": "0.5.16", "tp_size": "8"}) is None
+    reason = mon.observe(bad, {"sglang_release": "0.5.16", "tp_size": "8"})
+    assert reason and "last: layer.2: the stored rows" in reason
+    assert "not the fully reduced input of layer i" in reason and "hs-patch verify" in reason
+    snap = {"run": "r1", "driver": {"state": "running", "samples": {"total": 2, "done": 0},
+                                    "fidelity": mon.status()}}
+    progress = Progress()
+    console = Console(record=True, width=240)
+    console.print(render(snap, "gpu-host", progress, progress.add_task("x")))
+    assert "sample dddddddddddd rejected: layer.2: the stored rows" in console.export_text()
+
+
+def test_a_plane_far_outside_the_runs_own_statistics_is_a_warning_never_a_rejection():
+    from hs_patch.host.fidelity import policy
+
+    mon = FidelityMonitor()
+    for i in range(policy.OUTLIER_AFTER + 10):
+        assert mon.observe(Check(f"{i:032x}", "last", checked=1,
+                                 rows={"log_norms": {"layer.30": 2.0 + 0.01 * (i % 5)}}), {}) is None
+    odd = Check("e" * 32, "last", checked=1, rows={"log_norms": {"layer.30": 3.0}})
+    assert odd.ok and mon.observe(odd, {}) is None
+    st = mon.status()
+    assert st["warnings"] == 1 and "eeeeeeeeeeee: layer.30" in st["last_warning"] and st["rejected"] == 0
+    assert 2.02 < st["planes"]["layer.30"]["mean_log_norm"] < 2.05  # the odd one counted in, not rejected

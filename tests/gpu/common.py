@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import requests
 
@@ -47,6 +48,17 @@ def hs_patch_cli(*args: str) -> dict:
     res = json.loads(out.stdout.strip().splitlines()[-1])
     res["exit_code"] = out.returncode
     return res
+
+
+def start_phase(a: Any, name: str, tag: str, res: dict) -> Path:
+    """A phase's start: its results recorded under ``name_tag``, the install patched (a throughput
+    run may have left it pristine), and its capture directory, empty."""
+    REC.data[f"{name}_{tag}"] = res
+    st = hs_patch_cli("apply", "--site", a.site)
+    assert st["exit_code"] == 0 and st["state"] == "patched", st
+    dump = Path(a.dump_root) / f"dump-{name}-{tag}"
+    shutil.rmtree(dump, ignore_errors=True)
+    return dump
 
 
 def pristine_copy(site: str, dest: Path) -> Path:

@@ -33,7 +33,7 @@ from pathlib import Path
 import requests
 import torch
 
-from common import REC, Server, hs_patch_cli, wait_for_samples
+from common import REC, Server, start_phase, wait_for_samples
 from hs_patch import reader, store
 from hs_patch.host.fidelity.check import FidelityChecker, LMHead, compare
 from hs_patch.host.model_files import head_and_norm, rms_norm
@@ -69,11 +69,7 @@ def _margins(head: LMHead, states: torch.Tensor, server: list[int]) -> dict:
 
 def production(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
     res: dict = {"model": model_dir}
-    REC.data[f"production_{tag}"] = res
-    st = hs_patch_cli("apply", "--site", a.site)
-    assert st["exit_code"] == 0 and st["state"] == "patched", st
-    dump = Path(a.dump_root) / f"dump-prod-{tag}"
-    shutil.rmtree(dump, ignore_errors=True)
+    dump = start_phase(a, "production", tag, res)
     chunk = 512
     lengths = [40, 2000, 300, 777, 128, 1500, 64, 1024]
     rng = random.Random(11)

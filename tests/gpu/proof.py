@@ -35,9 +35,17 @@ output in bench/RESULTS.md). In one run it:
    same-pass fidelity check (fp32 lm_head argmax vs SGLang's own top-1 from
    return_logprob) on every position of batched and chunked prompts, its near-tie margins,
    wrong states, the --derive-post-norm gap and the check's CPU cost at Kimi-K2.5's head size;
-8. writes everything as JSON under --out as it goes and prints a table last.
+8. sabotage (``tests/gpu/sabotage.py``, not in the default phases; ONE call of about 2-3 minutes:
+   ``--phases sabotage``): issue #25's wrong captures (wrong layer, a rank's partial sum, zeros,
+   pre-norm zeros, another prompt's rows in a chunked prompt's first chunk, the pre-norm state as
+   the post-norm one, rows misplaced in the staging buffer, a shift) made on purpose in the real
+   server's capture hook, each rejected by the driver's check while clean samples pass (with
+   the norm relation's chi-square per block on the real fused kernels), and the fingerprints'
+   GPU time per pass at Kimi-K2.5's width;
+9. writes everything as JSON under --out as it goes and prints a table last.
 
-usage: python3 tests/gpu/proof.py --site /tmp/site --out "$OUT" [--phases fidelity,extract,throughput,micro,production,tp]
+usage: python3 tests/gpu/proof.py --site /tmp/site --out "$OUT"
+       [--phases fidelity,extract,throughput,micro,production,tp,sabotage]
 """
 
 from __future__ import annotations
@@ -60,10 +68,11 @@ sys.path[:0] = [str(HERE.parents[1]), str(HERE.parent), str(HERE)]
 
 import torch  # noqa: E402
 
-from common import REC, Server, hs_patch_cli, wait_for_samples  # noqa: E402
+from common import REC, Server, hs_patch_cli, start_phase, wait_for_samples  # noqa: E402
 from extract import extraction, summarize_extraction  # noqa: E402
 from hs_patch import reader, store  # noqa: E402
 from production import production  # noqa: E402
+from sabotage import sabotage, summarize_sabotage  # noqa: E402
 from throughput import copy_microbench, projection, summarize, throughput  # noqa: E402
 from tp_compare import summarize_tp, tp_compare  # noqa: E402
 
@@ -85,12 +94,8 @@ def fidelity(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     res: dict = {"model": model_dir}
-    REC.data[f"fidelity_{tag}"] = res
-    st = hs_patch_cli("apply", "--site", a.site)  # a throughput run may have left it pristine
-    assert st["exit_code"] == 0 and st["state"] == "patched", st
+    dump = start_phase(a, "fidelity", tag, res)
     layers = list(range(a.layers))
-    dump = Path(a.dump_root) / f"dump-fid-{tag}"
-    shutil.rmtree(dump, ignore_errors=True)
     chunk = 1024
     lengths = [2500, 37, 200, 513, 1000, 64, 128, 777]  # 2500 > chunk: prefilled in 3 passes
     rng = random.Random(7)
@@ -206,7 +211,8 @@ def main() -> int:
     ap.add_argument("--work", default="/tmp/hs-proof", help="models and logs")
     ap.add_argument("--dump-root", default="/dev/shm/hs-proof", help="capture directories (tmpfs, as in production)")
     ap.add_argument("--phases", default="fidelity,throughput,micro",
-                    help="any of fidelity,extract,throughput,micro,production,tp")
+                    help="any of fidelity,extract,throughput,micro,production,tp,sabotage (sabotage: one call "
+                         "of 2-3 minutes on the H200, issue #25's wrong captures each rejected)")
     ap.add_argument("--hidden", default="1024", help="comma-separated hidden sizes to run, e.g. 1024,7168")
     ap.add_argument("--layers", type=int, default=4, help="model depth for the fidelity run")
     ap.add_argument("--tp-layers", type=int, default=61, help="model depth for the throughput runs (Kimi: 61)")
@@ -267,6 +273,10 @@ def main() -> int:
             if "extract" in phases:
                 extraction(a, model(a, h, a.tp_layers, a.tp_preset),
                            f"{tag}_l{a.tp_layers}_{a.tp_preset}_c{a.chunk}_long{a.long_prompts}")
+            if "sabotage" in phases:
+                s = sabotage(a, model(a, h, a.layers), tag)
+                REC.log(f"{tag} sabotage: clean pass {s['all_clean_pass']}, every case rejected "
+                        f"{s['all_cases_rejected']}")
             if "production" in phases:
                 p = production(a, model(a, h, a.layers), tag)
                 REC.log(f"{tag} production check: agree {p['agree']}/{p['positions']}, first token "
@@ -310,6 +320,8 @@ def summary(r: dict) -> None:
                   f"for which SGLang returned all rows: {f['return_hidden_states_batched_rows_ok']}/{len(f['requests'])}")
             print(f"lm_head first token: "
                   f"{f['lm_head_match']}; chunked sample reassembled: {f['chunked_reassembled']}")
+        if k.startswith("sabotage_") and "cases" in f:
+            summarize_sabotage(k, f)
         if k.startswith("production_") and "positions" in f:
             print(f"\n{k}: same-pass top-1 {f['agree']}/{f['positions']} positions, first token {f['first_token']}; "
                   f"disagreement margins max {f['disagree_margin_max']} p99 {f['disagree_margin_p99']} std; "

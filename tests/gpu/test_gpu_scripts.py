@@ -94,3 +94,24 @@ def test_tp_phase_runs_end_to_end_and_catches_a_server_that_is_not_tp(standin_si
     assert res["ranks"] == {"capturing": [(0, 1)], "silent": [], "ok": False}
     assert not res["ok"]
     tp_compare.summarize_tp("cpu", res)
+
+
+@pytest.mark.slow
+def test_sabotage_phase_rejects_every_case_on_a_standin_started_as_the_gpu_phase_starts_sglang(standin_site,
+                                                                                                 tiny_model_dir,
+                                                                                                 tmp_path):
+    """The one-call GPU phase of issue #25, rehearsed: the stand-in server is started the way the phase
+    starts SGLang (tests/gpu/sabotage_site first on its PYTHONPATH, HS_TEST_SABOTAGE=1), so the
+    sabotage is installed inside the server process, and every case must come back rejected with the
+    clean samples passing."""
+    import sabotage
+
+    a = argparse.Namespace(site=str(standin_site), work=str(tmp_path / "work"), dump_root=str(tmp_path / "dumps"),
+                           port=free_port_block(1), mem_fraction=0.3, tp_size=1)
+    res = sabotage.sabotage(a, str(tiny_model_dir), "cpu")
+    assert res["server_log_has_sabotage"]
+    assert res["all_clean_pass"] and len(res["clean"]) == len(sabotage.CASES), res["clean"]
+    assert res["all_cases_rejected"], {c: r["problems"] for c, r in res["cases"].items()}
+    assert all(c["chunks"] >= 2 for c in res["cases"].values()), "rows of every chunk were checked"
+    assert res["clean_chi2_per_block_max"] is not None and res["gpu_cost"] == {}
+    sabotage.summarize_sabotage("sabotage_cpu", res)

@@ -53,8 +53,8 @@ SGLANG = "0.5.9"
 VENV = "/opt/hs-patch/venv"
 STANDIN_DIR = "/opt/hs-patch/standin"
 # the stand-in server and what it imports, copied as the package lab/ (run as {STANDIN_DIR}/lab/standin_server.py)
-STANDIN_FILES = ("__init__.py", "standin_server.py", "standin_engine.py", "standin_requests.py", "sglang_sim.py",
-                 "hf_reference.py", "sglang_wheels.py")
+STANDIN_FILES = ("__init__.py", "standin_server.py", "standin_engine.py", "standin_requests.py", "standin_spec.py",
+                 "sglang_sim.py", "hf_reference.py", "sglang_wheels.py")
 STANDIN_NEEDS = ("torch==2.13.0", "transformers", "safetensors", "requests", "pyyaml")
 MODEL = "/models/tiny"
 EXAMPLE = ROOT / "examples" / "data" / "tiny_chat.jsonl"

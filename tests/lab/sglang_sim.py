@@ -3,24 +3,26 @@
 SGLang cannot be imported here (it needs a GPU stack), so this harness executes the
 patched method's source, taken from the release's real ``deepseek_v2.py`` after
 ``hs-patch``'s edits, against a stand-in model whose layers replay a tiny random
-``transformers`` DeepseekV3 computed on the same tokens. What runs of each release's own
-code, per family (hs_patch.releases):
+``transformers`` DeepseekV3 computed on the same tokens, for every release hs_patch knows
+(its family, hs_patch.releases, decides which of SGLang's steps the layer calls). The
+stand-in keeps SGLang's conventions that matter to the capture:
 
-- layer-point (0.5.9 .. 0.5.13.post1): the patched ``DeepseekV2DecoderLayer.forward`` too;
-- communicator (0.5.14 .. 0.5.20): the release's own
-  ``LayerCommunicator.prepare_attn_and_capture_last_layer_outputs`` (communicator.py), which
-  decides whether the collector gets a clone (``_post_attn_residual_is_read_only``, and from
-  0.5.17 the collector's ``copies_on_append``);
-- layer-boundary (0.5.21 .. 0.5.23): a stand-in for ``layer_boundary/stage.py``'s
-  ``capture(value, owned=)`` and ``residual_batch``'s final norm callback;
-- from 0.5.17 the release's own ``AuxHiddenStatePacker`` (aux_hidden_states.py).
-
-The stand-in keeps SGLang's conventions that matter to the capture: the residual stream is
-``hidden_states + residual`` and the layer input norm adds them IN PLACE into ``residual``
-(``fused_add_rmsnorm``), so a capture that keeps a reference instead of a copy reads a later
-value; and with flashinfer all-reduce fusion a layer returns a per-rank partial sum of its MLP
-output that the NEXT layer's input step completes (the DESIGN.md trap: ``hidden_states +
-residual`` in the model loop is then wrong).
+- the residual stream is ``hidden_states + residual`` and the layer input norm adds
+  them IN PLACE into ``residual`` (``fused_add_rmsnorm``), so a capture that keeps a
+  reference instead of a copy reads a later value;
+- with flashinfer all-reduce fusion a layer returns a per-rank partial sum of its MLP
+  output and the NEXT layer's input step completes the all-reduce (the DESIGN.md trap:
+  ``hidden_states + residual`` in the layer-point family's model loop is then wrong);
+- the communicator family (0.5.14 .. 0.5.20) runs the release's OWN
+  ``LayerCommunicator.prepare_attn_and_capture_last_layer_outputs`` from its communicator.py
+  (which decides whether the collector gets a clone: ``_post_attn_residual_is_read_only``,
+  from 0.5.17 ``copies_on_append``); the layer-boundary family (0.5.21 .. 0.5.23) a stand-in
+  for ``attn_boundary.prepare(..., capture_gathered=)`` (0.5.21: ``captured_last_layer_outputs=``;
+  its collector's ``capture(value, owned=...)``) and ``residual_batch.final_norm(..., capture=)``
+  (0.5.21: ``norm(..., capture_output=)``); from 0.5.17 ``AuxHiddenStatePacker`` is the
+  release's own class, loaded from its wheel (``ReleaseCode``);
+- the patched ``DeepseekV2DecoderLayer.forward`` itself runs too, for every release (the
+  line the patch adds after ``prepare_attn``, handing the hook what the attention reads).
 
 Each request in a pass is looked up by the id the test gives it, so batched, chunked
 and prefix-cached passes can be played exactly as SGLang's scheduler would send them.
@@ -100,8 +102,8 @@ class Sim:
     """A stand-in DeepseekV2Model for ``release`` whose layers replay ``refs``."""
 
     def __init__(self, release: str, patched_source: str, model: Any, refs: dict[str, Reference],
-                 *, code: Optional["ReleaseCode"] = None, fusion: bool = False,
-                 layers_to_capture: tuple[int, ...] = (), hook: Any = None):
+                 *, fusion: bool = False, layers_to_capture: tuple[int, ...] = (), hook: Any = None,
+                 code: Optional["ReleaseCode"] = None):
         """``code``: the release's own files the harness runs besides ``patched_source`` (ReleaseCode.read)."""
         self.release, self.refs, self.fusion = release, refs, fusion
         self.family = RELEASES[release].family.name
@@ -111,14 +113,14 @@ class Sim:
         tree = ast.parse(patched_source)
         cls = {c.name: c for c in tree.body if isinstance(c, ast.ClassDef)}
         self.model_forward = _function(cls["DeepseekV2Model"], "forward", ns)
-        layer_forward = _function(cls["DeepseekV2DecoderLayer"], "forward", ns) if self.family == "layer-point" else None
+        layer_forward = _function(cls["DeepseekV2DecoderLayer"], "forward", ns)
         self.comm_capture = None
         if self.family == "communicator":
             if code is None or code.communicator is None:
                 raise ValueError(f"SGLang {release}: the communicator family runs its own communicator.py; pass code=")
-            tree = ast.parse(code.communicator)
-            node = next(c for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and c.name == "LayerCommunicator")
-            self.comm_capture = _function(node, "prepare_attn_and_capture_last_layer_outputs", ns)
+            comm = next(c for c in ast.walk(ast.parse(code.communicator))
+                        if isinstance(c, ast.ClassDef) and c.name == "LayerCommunicator")
+            self.comm_capture = _function(comm, "prepare_attn_and_capture_last_layer_outputs", ns)
         m = types.SimpleNamespace(
             _hs_capture=hook, start_layer=0, end_layer=self.n_layers, first_k_dense_replace=1,
             layers_to_capture=list(layers_to_capture), enable_a2a_moe=False, gemm_output_zero_allocator_size=0,
@@ -178,21 +180,21 @@ class Sim:
             def norm(h: torch.Tensor, fb: ForwardBatch, norm: FusedNorm, capture_output: Any = None) -> torch.Tensor:
                 return _ResidualBatch.final_norm(h, fb, norm, capture_output)
 
-        class _AttnTpContext:  # 0.5.13 .. 0.5.13.post1's decoder layer clears the attention inputs
-            def clear_attn_inputs(self) -> None:
-                pass
-
         ns: dict[str, Any] = {
             "torch": torch, "nullcontext": nullcontext, "Optional": Optional, "Union": Any, "Any": Any,
             "List": list, "ForwardBatch": ForwardBatch, "BumpAllocator": lambda **kw: None,
             "PPProxyTensors": dict, "get_global_expert_distribution_recorder": _Recorder,
             "get_global_server_args": lambda: types.SimpleNamespace(enable_piecewise_cuda_graph=False,
                                                                     disable_piecewise_cuda_graph=True),
-            "get_attn_tp_context": _AttnTpContext,
             "nsa_use_prefill_cp": lambda fb: False, "dsa_use_prefill_cp": lambda fb, flag: False,
             "mla_use_prefill_cp": lambda fb, flag: False, "is_cp_v2_active": lambda fb: False,
             "check_cuda_graph_backend": lambda phase, backend: False, "Phase": _Phase, "Backend": _Backend,
             "IndexTopKShareState": _IndexTopK, "residual_batch": _ResidualBatch,
+            # what the decoder layer's forward reads (0.5.16, 0.5.23)
+            "get_attn_tp_context": lambda: types.SimpleNamespace(clear_attn_inputs=lambda: None),
+            "maybe_prefetch_next_full_attention_kv": lambda fb, layer_id: None,
+            "get_forward": lambda: types.SimpleNamespace(scoped=lambda **kw: nullcontext()),
+            "residual_access": types.SimpleNamespace(buffer=lambda h: h),
             "_is_gfx95_supported": False, "DeepseekV2MLP": type("DeepseekV2MLP", (), {}),
             "DeepseekV2MoE": type("DeepseekV2MoE", (), {}), "AuxHiddenStateAccumulator": Any,
         }
@@ -242,48 +244,71 @@ class Sim:
         def attention(**kw: Any) -> torch.Tensor:
             return sim._gather(kw["forward_batch"], lambda r: r.attn_out[i])
 
-        if layer_forward is not None:  # layer-point: run the patched DeepseekV2DecoderLayer.forward
-            comm = types.SimpleNamespace(
-                prepare_attn=prepare_attn, prepare_mlp=prepare_mlp,
-                should_fuse_mlp_allreduce_with_next_layer=lambda fb: sim._fuse(i),
-                should_use_reduce_scatter=lambda fb: False,
-                postprocess_layer=lambda h, r, fb: (h, r))
-            layer = types.SimpleNamespace(
-                layer_communicator=comm, self_attn=attention, nsa_enable_prefill_cp=False, dsa_enable_prefill_cp=False,
-                mla_enable_prefill_cp=False, layer_scatter_modes=None,
-                mlp=lambda h, fb, fuse, rs, gz: sim._mlp_out(fb, i, fuse))
-            return lambda *a, **kw: layer_forward(layer, *a, **kw)
+        def mlp(h: torch.Tensor, fb: ForwardBatch, *a: Any) -> torch.Tensor:
+            fuse = a[0] if len(a) == 3 else sim._fuse(i)  # through 0.5.15.post1 the layer passes its decision
+            return sim._mlp_out(fb, i, fuse)
 
-        # communicator: the release's prepare_attn_and_capture_last_layer_outputs, on this layer's steps
         comm = types.SimpleNamespace(
-            prepare_attn=lambda h, r, fb, quant_format="", post_residual_addition=None: prepare_attn(h, r, fb),
-            _communicate_simple_fn=lambda hidden_states, forward_batch, context: hidden_states, _context=None,
-            _post_attn_residual_is_read_only=lambda residual: sim.fusion)  # only the fused path writes afresh
+            prepare_attn=prepare_attn, prepare_mlp=prepare_mlp,
+            should_fuse_mlp_allreduce_with_next_layer=lambda fb: sim._fuse(i),
+            should_use_reduce_scatter=lambda fb: False,
+            postprocess_layer=lambda h, r, fb: (h, r))
 
-        def layer_communicator(positions, h, fb, residual, za, gz, l4, prev_topk_indices=None,
-                               captured_last_layer_outputs=None, next_full_attention_layer_id=None):
-            h, residual = sim.comm_capture(comm, h, residual, fb, captured_last_layer_outputs=captured_last_layer_outputs)
-            h = attention(forward_batch=fb)
-            h, residual = prepare_mlp(h, residual, fb)
-            h = sim._mlp_out(fb, i, sim._fuse(i))
-            if sim._fuse(i):
-                h._sglang_needs_allreduce_fusion = True
-            return h, residual, None
+        if sim.comm_capture is not None:  # the communicator family: the release's own step, on this layer's
+            own = types.SimpleNamespace(  # (only flashinfer's fused path writes a fresh residual)
+                prepare_attn=lambda h, r, fb, quant_format="", post_residual_addition=None: prepare_attn(h, r, fb),
+                _communicate_simple_fn=lambda hidden_states, forward_batch, context: hidden_states, _context=None,
+                _post_attn_residual_is_read_only=lambda residual: sim.fusion)
+            comm.prepare_attn_and_capture_last_layer_outputs = lambda *a, **kw: sim.comm_capture(own, *a, **kw)
 
-        def layer_boundary(positions, h, fb, za, gz, l4, prev_topk_indices=None,
-                           captured_last_layer_outputs=None, next_full_attention_layer_id=None):
-            stream = fb.residual_stream
-            h, stream["residual"] = prepare_attn(h, stream["residual"], fb)
-            if captured_last_layer_outputs is not None:  # layer_boundary/stage.py, 0.5.21 .. 0.5.23
-                captured_last_layer_outputs.capture(stream["residual"], owned=False)
-            h = attention(forward_batch=fb)
-            h, stream["residual"] = prepare_mlp(h, stream["residual"], fb)
-            h = sim._mlp_out(fb, i, sim._fuse(i))
-            if sim._fuse(i):
-                h._sglang_needs_allreduce_fusion = True
-            return h, None
+        class Attention:  # 0.5.23 asks the attention module for a decode-TP scope
+            def __call__(self, **kw: Any) -> torch.Tensor:
+                return attention(**kw)
 
-        return layer_communicator if self.family == "communicator" else layer_boundary
+            def maybe_use_decode_attn_tp(self, fb: ForwardBatch) -> Any:
+                return nullcontext()
+
+        class AttnBoundary:  # 0.5.21 on: the layer_boundary stage of the attention (layer_boundary/stage.py)
+            input_on_attn_tp_slices = input_on_attention_tp_slices = False  # 0.5.22 on, 0.5.21
+
+            def prepare(self, h, fb, *, capture_gathered=None, captured_last_layer_outputs=None, quant_format=""):
+                if capture_gathered is None:  # 0.5.21's keyword (a collector can be falsy: it has a length)
+                    capture_gathered = captured_last_layer_outputs
+                stream = fb.residual_stream
+                h, stream["residual"] = prepare_attn(h, stream["residual"], fb)
+                if capture_gathered is not None:
+                    capture_gathered.capture(stream["residual"], owned=False)
+                return h
+
+            def finish(self, h, fb):
+                return h
+
+        class FfnExit:
+            def __enter__(self) -> "FfnExit":
+                return self
+
+            def __exit__(self, *exc: Any) -> None:
+                return None
+
+            def finish(self, h: torch.Tensor) -> torch.Tensor:
+                if sim._fuse(i):
+                    h._sglang_needs_allreduce_fusion = True
+                return h
+
+        class FfnBoundary:
+            def prepare(self, h, fb):
+                stream = fb.residual_stream
+                h, stream["residual"] = prepare_mlp(h, stream["residual"], fb)
+                return h
+
+            def exit(self, fb):
+                return FfnExit()
+
+        layer = types.SimpleNamespace(
+            layer_communicator=comm, self_attn=Attention(), nsa_enable_prefill_cp=False, dsa_enable_prefill_cp=False,
+            mla_enable_prefill_cp=False, layer_scatter_modes=None, _gfx95_quant_format="", mlp=mlp,
+            attn_boundary=AttnBoundary(), ffn_boundary=FfnBoundary(), _resolve_gfx95_quant_format=lambda: "")
+        return lambda *a, **kw: layer_forward(layer, *a, **kw)
 
     # -- one forward pass
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
@@ -317,7 +342,7 @@ def _strip(fn: ast.FunctionDef) -> ast.FunctionDef:
 class ReleaseCode:
     """A release's own files the harness runs besides its patched ``deepseek_v2.py``."""
 
-    aux: Any = None                    # aux_hidden_states.py as a module (0.5.17 on: AuxHiddenStatePacker)
+    aux: Any = None                     # aux_hidden_states.py as a module (0.5.17 on: AuxHiddenStatePacker)
     communicator: Optional[str] = None  # communicator.py's source (the communicator family's capture step)
 
     @classmethod

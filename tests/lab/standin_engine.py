@@ -37,7 +37,7 @@ class Engine:
     def __init__(self, model_dir: str, capture_dir: Optional[str], *, release: str = RELEASE_DEFAULT,
                  wheel: Optional[str] = None, chunked_prefill_size: int = 8192, batch_window_ms: float = 5.0,
                  context_length: Optional[int] = None, installed: bool = False,
-                 max_total_num_tokens: int = 1 << 20):
+                 max_total_num_tokens: int = 1 << 20, speculative: Optional[Any] = None):
         from transformers import AutoTokenizer, DeepseekV3ForCausalLM
 
         from lab.sglang_sim import Sim
@@ -45,6 +45,7 @@ class Engine:
         if release not in RELEASES:
             raise SystemExit(f"--release {release}: the patch supports {', '.join(RELEASES)}")
         self.release, self.model_dir = release, str(model_dir)
+        self.spec = speculative  # lab.standin_spec.Speculative: EAGLE-3's reporting, emulated over greedy decoding
         self.chunk = chunked_prefill_size
         self.window = batch_window_ms / 1000.0
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
@@ -60,9 +61,10 @@ class Engine:
         n = cfg.num_hidden_layers
         env = dict(os.environ, HS_CAPTURE="1" if capture_dir else "0",
                    HS_CAPTURE_DIR=str(Path(capture_dir or "/nonexistent").resolve()))
-        env.setdefault("HS_CAPTURE_LAYERS", ",".join(map(str, sorted({1, n // 2, n - 1}))))
+        if len(capture_config.default_layers(n)) < 3:  # the product's default has fewer planes on a shallow model
+            env.setdefault("HS_CAPTURE_LAYERS", ",".join(map(str, sorted({1, n // 2, n - 1}))))
         cap = capture_config.from_env(env)
-        cap.check_layers(n)
+        cap = cap.for_model(n)
         problems = capture_checks.capture_refusals(cap, {"tp_size": 1, "chunked_prefill_size": self.chunk})
         if problems:  # what hook.attach refuses in a real server
             raise SystemExit("stand-in: " + "; ".join(problems))
@@ -115,7 +117,8 @@ class Engine:
                 "max_req_input_len": self.max_req_input_len, "model_path": self.model_dir,
                 "hs_capture_dir": self.capture.directory if self.hook else None,
                 "hs_capture_layers": list(self.capture.layers) if self.hook else None,
-                "passes": self.passes}
+                "passes": self.passes, "speculative_algorithm": None,
+                **(self.spec.info() if self.spec else {})}
 
     def close(self) -> None:
         if self.hook is not None:
@@ -242,7 +245,11 @@ class Engine:
                     with self.model_lock, torch.no_grad():
                         out = self.model(input_ids=step, use_cache=True, **{cache_arg: past})
                     past = getattr(out, cache_arg)
-                    out_ids.append(int(out.logits[0, -1].argmax()))
+                    if self.spec is not None and self.spec.flip_at == len(out_ids):  # an emulated near-tie flip
+                        best, top2 = int(out.logits[0, -1].argmax()), out.logits[0, -1].topk(2).indices.tolist()
+                        out_ids.append(next(t for t in top2 if t != best))
+                    else:
+                        out_ids.append(int(out.logits[0, -1].argmax()))
                     if req.return_logprob and len(out_ids) > 1:   # the first came from the prefill pass
                         self._output_logprob(req, out.logits[0, -1], out_ids[-1])
                     step = torch.tensor([[out_ids[-1]]])
@@ -259,7 +266,8 @@ class Engine:
         req.result = {"text": self.tokenizer.decode(out_ids, skip_special_tokens=True), "output_ids": out_ids,
                       "meta_info": {"id": req.rid, "finish_reason": finish, "prompt_tokens": len(req.ids),
                                     "completion_tokens": len(out_ids), "cached_tokens": 0,
-                                    "e2e_latency": round(time.time() - req.start, 4), **req.logprobs}}
+                                    "e2e_latency": round(time.time() - req.start, 4), **req.logprobs,
+                                    **(self.spec.meta(req.ids, out_ids) if self.spec else {})}}
         req.done.set()
 
     # ------------------------------------------------------------------ logprobs and parsing (standin_requests)

@@ -39,7 +39,8 @@ Length checks as SGLang makes them: ``len >= context_len`` and ``len + max_new_t
 are refused (tokenizer manager), and ``len >= max_req_input_len`` (scheduler), with HTTP 400.
 
 Capture settings come from the same HS_CAPTURE_* variables as the real server
-(HS_CAPTURE_DIR is ``--capture-dir``; HS_CAPTURE_LAYERS defaults to 1,<mid>,<last>).
+(HS_CAPTURE_DIR is ``--capture-dir``; HS_CAPTURE_LAYERS defaults to the product's [2, n//2, n-3], or
+1,<mid>,<last> on models too shallow for three distinct planes).
 Dependencies: torch, transformers, safetensors and the standard library. The engine (model,
 forward, scheduling) is :mod:`lab.standin_engine`, the requests and logprobs
 :mod:`lab.standin_requests`; this module is the HTTP side and the command line.
@@ -71,6 +72,7 @@ import torch  # noqa: E402
 from hs_patch.releases import RELEASES  # noqa: E402
 from lab.standin_engine import RELEASE_DEFAULT, Engine, log  # noqa: E402
 from lab.standin_requests import BadRequest, Request  # noqa: E402
+from lab.standin_spec import Speculative  # noqa: E402
 
 
 def read_config_api_key(path: Optional[str]) -> Optional[str]:
@@ -196,6 +198,13 @@ def main(argv: Optional[list[str]] = None) -> None:
                     "not 1 (a pristine stand-in)")
     ap.add_argument("--api-key", help="require this key (Authorization: Bearer), as SGLang's --api-key")
     ap.add_argument("--config", help="SGLang's --config file: its api-key is used like --api-key")
+    g = ap.add_argument_group("EAGLE-3 (emulated over greedy decoding: lab/standin_spec.py)")
+    g.add_argument("--speculative-algorithm")
+    g.add_argument("--speculative-draft-model-path", help="a directory with config.json "
+                   "(standin_draft_accuracy, standin_flip_at)")
+    g.add_argument("--speculative-num-steps", type=int)
+    g.add_argument("--speculative-eagle-topk", type=int)
+    g.add_argument("--speculative-num-draft-tokens", type=int)
     a, ignored = ap.parse_known_args(argv)
     if ignored and not (a.installed_sglang or a.accept_sglang_flags):
         ap.error(f"unrecognized arguments: {' '.join(ignored)}")
@@ -207,7 +216,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     torch.set_num_threads(a.threads)
     engine = Engine(a.model, a.capture_dir, release=a.release, wheel=a.sglang_wheel,
                     chunked_prefill_size=a.chunked_prefill_size, batch_window_ms=a.batch_window_ms,
-                    context_length=a.context_length, installed=a.installed_sglang)
+                    context_length=a.context_length, installed=a.installed_sglang,
+                    speculative=Speculative.from_args(a.speculative_algorithm, a.speculative_draft_model_path,
+                                                      a.speculative_num_steps, a.speculative_eagle_topk,
+                                                      a.speculative_num_draft_tokens))
     server = StandinServer(engine, a.host, a.port, api_key=a.api_key or read_config_api_key(a.config))
     if ignored:
         log.info("stand-in: SGLang server flags accepted and ignored: %s", " ".join(ignored))

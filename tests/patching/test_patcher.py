@@ -15,6 +15,7 @@ from conftest import REPRESENTATIVES, SUPPORTED, UNSUPPORTED, extract_site
 from hs_patch.flags import REQUIRED_FLAGS
 from hs_patch.host import patch_cli as cli
 from hs_patch.host.patching import patcher
+from hs_patch.host.patching.earlier import earlier_edits
 from hs_patch.host.patching.nearest import region_digests
 from hs_patch.releases import RELEASES, TARGET, anchor_lines, apply_edits
 
@@ -130,14 +131,14 @@ def test_a_release_published_later_is_refused_and_status_shows_what_differs(site
     assert code == cli.EXIT_REFUSED and "SGLang 0.5.24 is installed" in res["error"] and target.read_bytes() == before
     code, res = run_cli("status", "--site", str(site), capsys=capsys)
     near = res["nearest"]
-    assert (near["release"], near["anchors_found"], near["anchors"]) == ("0.5.23", 4, 5)
+    assert (near["release"], near["anchors_found"], near["anchors"]) == ("0.5.23", 5, 6)
     assert near["regions"]["DeepseekV2Model.forward"] == "differs"
     assert near["regions"]["DeepseekV2DecoderLayer.forward"] == "same"
     (diff,) = near["anchor_diffs"]
-    assert diff["edit"] == 2 and f"-{old.rstrip()}" in diff["diff"] and f"+{new.rstrip()}" in diff["diff"]
+    assert diff["edit"] == 3 and f"-{old.rstrip()}" in diff["diff"] and f"+{new.rstrip()}" in diff["diff"]
     assert cli.main(["status", "--site", str(site)]) == 0
     out = capsys.readouterr().out
-    assert "nearest known release: SGLang 0.5.23 (layer-boundary family): 4 of 5 patch anchors found once" in out
+    assert "nearest known release: SGLang 0.5.23 (layer-boundary family): 5 of 6 patch anchors found once" in out
     assert "a reviewed step" in out
 
 
@@ -178,6 +179,11 @@ def test_ast_check_rejects_a_misplaced_hook(version, release_sources):
             "else _hs.collector(  # hs_patch\n                        0,"),
         "something else changed": text.replace("self.capture_aux_hidden_states = False",
                                                "self.capture_aux_hidden_states = True"),
+        "the attention's input not handed over": text.replace(
+            "captured_last_layer_outputs.hs_attn_input(hidden_states)", "pass"),
+        "another tensor handed as the attention's input": text.replace(
+            "captured_last_layer_outputs.hs_attn_input(hidden_states)",
+            "captured_last_layer_outputs.hs_attn_input(residual)"),
     }
     for what, bad in mutations.items():
         assert bad != text, what
@@ -213,16 +219,30 @@ def test_missing_target_explains_site(tmp_path, capsys):
     assert code == cli.EXIT_REFUSED and "directory that contains sglang/" in res["error"]
 
 
-@pytest.mark.parametrize("site", REPRESENTATIVES, indirect=True)
-def test_a_file_patched_by_the_earlier_layout_is_upgraded_by_apply(site: Path, capsys, request):
-    """hs-patch 0.1.0 imported the hook from hs_patch.hook: verify fails on such a file (the
-    module is gone), apply upgrades it to today's patch, revert gives the pristine file back."""
+def _patched_earlier(how: str, release, pristine: str) -> str:
+    """The file as an earlier hs-patch patched it: 0.1.0 imported the hook from hs_patch.hook;
+    before issue #25 the decoder layers did not hand the hook their attention's input."""
+    if how == "hs_patch.hook":
+        return apply_edits(release, pristine).replace("from hs_patch.server.hook import attach",
+                                                      "from hs_patch.hook import attach").replace(
+            "(see hs_patch.server.hook)", "(see hs_patch.hook)")
+    for edit in earlier_edits(release):
+        pristine = pristine.replace(edit.anchor, edit.replacement)
+    assert "hs_attn_input" not in pristine and "hs_patch" in pristine
+    return pristine
+
+
+# the releases an earlier hs-patch knew: the only files it can have patched
+@pytest.mark.parametrize("how", ["hs_patch.hook", "no attention input"])
+@pytest.mark.parametrize("site", ["0.5.9", "0.5.16", "0.5.23"], indirect=True)
+def test_a_file_patched_by_an_earlier_hs_patch_is_upgraded_by_apply(site: Path, how: str, capsys, request):
+    """verify fails on such a file (its hook calls do not match the hook any more: the module is gone,
+    or the hook refuses passes without the attention input), apply upgrades it to today's patch,
+    revert gives the pristine file back from it too."""
     target = site / TARGET
     pristine = target.read_bytes()
     release = RELEASES[request.node.callspec.params["site"]]
-    earlier = apply_edits(release, pristine.decode()).replace(
-        "from hs_patch.server.hook import attach", "from hs_patch.hook import attach").replace(
-        "(see hs_patch.server.hook)", "(see hs_patch.hook)")
+    earlier = _patched_earlier(how, release, pristine.decode())
     target.write_text(earlier)
     code, res = run_cli("status", "--site", str(site), capsys=capsys)
     assert res["state"] == "outdated" and res["release"] == release.version

@@ -1,12 +1,12 @@
 """The patched capture code path of every supported release, executed on the CPU.
 
-``sglang_sim`` runs the real patched ``DeepseekV2Model.forward`` of each release (and, per
-family, its patched decoder layer, its own communicator step, its own AuxHiddenStatePacker)
-against layers that replay a tiny random transformers DeepseekV3; the samples written must
-equal the transformers states bit for bit. Every release runs batched and chunked passes in
-each final mode under the deferred all-reduce (``test_every_release_captures_exactly``); the
-tests of one behaviour in depth run on one release per spelling of the edits
-(``conftest.REPRESENTATIVES``).
+``sglang_sim`` runs the real patched ``DeepseekV2Model.forward`` and decoder layer forward of
+each release (and, in the communicator family, its own communicator step; from 0.5.17 its own
+AuxHiddenStatePacker) against layers that replay a tiny random transformers DeepseekV3; the
+samples written must equal the transformers states bit for bit. Every release runs batched and
+chunked passes in each final mode under the deferred all-reduce
+(``test_every_release_captures_exactly``); the tests of one behaviour in depth run on one
+release per spelling of the edits (``conftest.REPRESENTATIVES``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hs_patch.server import config, hook, checks as server_checks
+from hs_patch.server import config, fingerprint, hook, checks as server_checks
 from hs_patch import reader, store
 from hs_patch.flags import REQUIRED_FLAGS
 from hs_patch.server.inplace import InPlaceSample
@@ -166,7 +166,11 @@ def test_chunked_prefill_is_written_once_in_place(version, release_sources, tiny
     assert a.metadata["parts"] == "3" and a.metadata["format"] == store.FORMAT
     assert h.writer.stats.merged == 1 and h.writer.stats.errors == 0
     plane_bytes = 23 * 64 * 2 * 5
-    assert store.read_manifest(tmp_path / "dump")[a.key]["bytes"] == InPlaceSample.HEADER_ROOM + plane_bytes + 23 * 8
+    fingerprint_bytes = 23 * len(h.streams) * fingerprint.BLOCKS * 4  # 8 fp32 a row of each stream
+    assert len(h.streams) == 8  # 5 planes, what layers 0, 1 and 3's attention read
+    assert store.read_manifest(tmp_path / "dump")[a.key]["bytes"] == \
+        InPlaceSample.HEADER_ROOM + plane_bytes + 23 * 8 + fingerprint_bytes
+    assert a.metadata["chunks"] == "0,8,17"
     assert not list((tmp_path / "dump" / store.TMPDIR).iterdir()), "no partial file may outlive its prompt"
     assert not (tmp_path / "dump" / store.ERRORS).exists()
 
@@ -268,7 +272,8 @@ def test_attach_refuses_unsupported_settings_and_gates_ranks(tiny_model, tmp_pat
     current.update(settings(tp_rank=0))
     h = hook.attach(None, tiny_model.config, "0.5.16")
     assert h.planes == ["layer.1", "layer.2", "final.pre_norm", "final.post_norm"]  # default HS_CAPTURE_FINAL=both
-    assert (h.writer.metadata["tp_rank"], h.writer.metadata["tp_size"]) == ("0", "8"), "every sample says who wrote it"
+    assert (h.writer.contents.metadata["tp_rank"], h.writer.contents.metadata["tp_size"]) == ("0", "8"), \
+        "every sample says who wrote it"
     h.close()
     monkeypatch.setenv("HS_CAPTURE_LAYERS", "1,4")
     with pytest.raises(config.ConfigError, match="layers 0..3"):

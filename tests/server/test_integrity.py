@@ -22,27 +22,16 @@ from hs_patch import files, reader, store
 from hs_patch.host.patching import patcher
 from hs_patch.releases import TARGET
 from hs_patch.server import config, hook
+from lab.passes import Batch, play
 
 H = 16
 
 
-class _Mode:
-    name = "EXTEND"
-
-
-class _Batch:
-    def __init__(self, lens):
-        self.forward_mode = _Mode()
-        self.extend_seq_lens_cpu = list(lens)
-        self.extend_prefix_lens_cpu = [0] * len(lens)
-        self.orig_seq_lens = list(lens)
-
-
 def _pass(h: hook.CaptureHook, lens: list[int], value: float, start: int = 0) -> None:
     n = sum(lens)
-    p = h.begin(_Batch(lens), torch.arange(start, start + n))
-    p.collector(0, None).capture(torch.full((n, H), value, dtype=torch.bfloat16))
-    p.finish(torch.zeros(n, H))
+    zeros = torch.zeros(n, H, dtype=torch.bfloat16)
+    play(h, Batch(lens), torch.arange(start, start + n), {0: torch.full((n, H), value, dtype=torch.bfloat16)},
+         zeros, zeros)
 
 
 @contextlib.contextmanager
@@ -123,13 +112,12 @@ def test_a_full_dump_filesystem_stops_capture_with_every_listed_sample_intact(tm
                                                   slots=2, slot_tokens=64), hidden_size=H, metadata={})
         for i in range(200):
             try:
-                p = h.begin(_Batch([40]), torch.arange(i * 40, i * 40 + 40))
+                play(h, Batch([40]), torch.arange(i * 40, i * 40 + 40),
+                     {0: torch.full((40, H), float(i), dtype=torch.bfloat16)},
+                     torch.full((40, H), -float(i), dtype=torch.bfloat16), torch.zeros(40, H, dtype=torch.bfloat16))
             except RuntimeError as e:
                 assert "the sample writer failed" in str(e)
                 break
-            p.collector(0, None).capture(torch.full((40, H), float(i), dtype=torch.bfloat16))
-            p.final_prenorm(torch.full((40, H), -float(i), dtype=torch.bfloat16))
-            p.finish(torch.zeros(40, H))
             time.sleep(0.01)
         else:
             pytest.fail("256 KiB never filled")

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from hs_patch.server import config, hook, checks as server_checks
 from hs_patch import reader, store
 from hs_patch.server.writer import PassRecord, Writer
+from lab.passes import Batch, play
 from lab.sample_files import flip_byte
 
 H = 16
@@ -144,29 +145,21 @@ def test_writer_failure_stops_capture_loudly(tmp_path):
     h = hook.CaptureHook(config.CaptureConfig(enabled=True, slot_tokens=64, directory=str(tmp_path / "d"), layers=(0,),
                                               final="none", slots=1), hidden_size=H, metadata={})
     (tmp_path / "d" / store.TMPDIR).write_text("not a directory")  # every write now fails
-    p = h.begin(_Batch([3]), torch.tensor([1, 2, 3]))
-    p.collector(0, None).capture(torch.zeros(3, H, dtype=torch.bfloat16))
-    p.finish(torch.zeros(3, H))
+    zeros = torch.zeros(3, H, dtype=torch.bfloat16)
+    play(h, Batch([3]), torch.tensor([1, 2, 3]), {0: zeros}, zeros, zeros)
     deadline = time.monotonic() + 10
     while h.writer.error is None and time.monotonic() < deadline:
         time.sleep(0.01)
     with pytest.raises(RuntimeError, match="the sample writer failed"):
-        h.begin(_Batch([3]), torch.tensor([1, 2, 3]))
+        h.begin(Batch([3]), torch.tensor([1, 2, 3]))
     h.writer.close()
     status = json.loads((tmp_path / "d" / "hook_status.json").read_text())
     assert status["error"] and status["errors"] == 1
 
 
-class _Mode:
-    name = "EXTEND"
-
-
-class _Batch:
-    def __init__(self, lens, prefix=None):
-        self.forward_mode = _Mode()
-        self.extend_seq_lens_cpu = list(lens)
-        self.extend_prefix_lens_cpu = list(prefix or [0] * len(lens))
-        self.orig_seq_lens = [p + n for p, n in zip(self.extend_prefix_lens_cpu, lens)]
+def ones(n: int) -> tuple[dict[int, torch.Tensor], torch.Tensor, torch.Tensor]:
+    x = torch.ones(n, H, dtype=torch.bfloat16)
+    return {0: x}, x, x
 
 
 def test_back_pressure_waits_then_fails_loudly(tmp_path):
@@ -180,19 +173,15 @@ def test_back_pressure_waits_then_fails_loudly(tmp_path):
     for n in (2, 3):
         if n == 3:
             threading.Timer(0.2, gate.set).start()  # the writer catches up while pass 2 waits
-        p = h.begin(_Batch([n]), torch.arange(n))
-        p.collector(0, None).capture(torch.ones(n, H, dtype=torch.bfloat16))
-        p.finish(torch.zeros(n, H))
+        play(h, Batch([n]), torch.arange(n), *ones(n))
     assert h.waits == 1 and h.wait_seconds > 0.1
     deadline = time.monotonic() + 10
     while h._free.qsize() == 0 and time.monotonic() < deadline:  # pass 2 written
         time.sleep(0.01)
     gate.clear()
-    p = h.begin(_Batch([4]), torch.arange(4))
-    p.collector(0, None).capture(torch.ones(4, H, dtype=torch.bfloat16))
-    p.finish(torch.zeros(4, H))
+    play(h, Batch([4]), torch.arange(4), *ones(4))
     with pytest.raises(RuntimeError, match="HS_CAPTURE_STALL_SECONDS"):
-        h.begin(_Batch([5]), torch.arange(5))
+        h.begin(Batch([5]), torch.arange(5))
     gate.set()
     h.close()
     assert len(store.read_manifest(tmp_path)) == 3
@@ -206,9 +195,7 @@ def test_back_pressure_warning_is_rate_limited(tmp_path, caplog):
     h.writer._start = lambda rec: (time.sleep(0.05), real_start(rec))[1]
     with caplog.at_level("WARNING", logger="hs_patch"):
         for n in range(2, 7):
-            p = h.begin(_Batch([n]), torch.arange(n))
-            p.collector(0, None).capture(torch.ones(n, H, dtype=torch.bfloat16))
-            p.finish(torch.zeros(n, H))
+            play(h, Batch([n]), torch.arange(n), *ones(n))
     h.close()
     busy = [r for r in caplog.records if "staging buffers are busy" in r.getMessage()]
     assert h.waits == 4 and len(busy) == 1

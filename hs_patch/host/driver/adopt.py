@@ -8,7 +8,10 @@ renamed into the samples directory (same filesystem: checked when the run starts
 samples manifest gets its ``op: add`` line with the writer's size and sha256, and the
 capture manifest its ``op: remove``. A crash in between leaves either the file in the
 capture dir (redone, then swept) or a file in the samples dir without a manifest line
-(removed on resume), never a sample counted as done without its file.
+(removed on resume), never a sample counted as done without its file. The writer never
+moves a sample over another (a retried request keeps its first capture:
+:func:`hs_patch.store.publish`), so the file at the entry's name is the one the entry's
+sha256 describes, and the one the fidelity check read.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from hs_patch import intent, reader, store
 from hs_patch.host.driver.capture_dir import CaptureWatcher
@@ -31,8 +34,9 @@ def same_filesystem(a: str | os.PathLike, b: str | os.PathLike) -> bool:
 
 
 def adopt(watcher: CaptureWatcher, entry: Mapping[str, Any], samples_dir: str | Path, *, sample_id: str,
-          run: str) -> store.Written:
-    """Move the capture ``entry``'s file into ``samples_dir`` and record it; returns what was adopted."""
+          run: str, fidelity: Optional[Mapping[str, Any]] = None) -> store.Written:
+    """Move the capture ``entry``'s file into ``samples_dir`` and record it (with the fidelity check's
+    result, when one ran); returns what was adopted."""
     key = entry["key"]
     raw_path = watcher.directory / entry["file"]
     if entry.get("sample_id") != sample_id:
@@ -60,8 +64,9 @@ def adopt(watcher: CaptureWatcher, entry: Mapping[str, Any], samples_dir: str | 
                              "samples dir on the capture dir's filesystem (--samples-dir)") from None
         raise
     written = store.Written(key, final, int(entry["bytes"]), entry["sha256"])
+    extra = {} if fidelity is None else {"fidelity": dict(fidelity)}
     store.Manifest(samples_dir).add(written, tokens=int(meta["num_tokens"]), loss_tokens=int(entry["loss_tokens"]),
-                                    sample_id=sample_id, run=run, parts=entry.get("parts", 1))
+                                    sample_id=sample_id, run=run, parts=entry.get("parts", 1), **extra)
     watcher.forget(key, reason="adopted", run=run, sample_id=sample_id)
     intent.remove(watcher.directory, key)
     return written

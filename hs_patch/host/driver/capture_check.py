@@ -25,10 +25,11 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
-from hs_patch import store
+from hs_patch import reader, store
 from hs_patch.host.driver.chat import encode_text
 from hs_patch.host.driver.client import ClientError, SGLangClient
 from hs_patch.host.driver.runstate import RunError
+from hs_patch.server import fingerprint
 
 HOOK_STATUS = "hook_status.json"
 NO_STATUS_GRACE = 5.0    # s after the answer: a hook writing here has written its status at start
@@ -100,8 +101,9 @@ def _size(path: Path) -> int:
 
 
 def check(client: SGLangClient, capture_dir: Path, tokenizer: Any, rid_prefix: str, *, timeout: float,
-          release: str = "", poll: float = 0.05) -> dict[str, Any]:
-    """Send the probe, wait for its sample, remove it; raise CaptureCheckFailed saying what is wrong."""
+          release: str = "", poll: float = 0.05, fingerprints: bool = False) -> dict[str, Any]:
+    """Send the probe, wait for its sample, remove it; raise CaptureCheckFailed saying what is wrong.
+    ``fingerprints``: the probe's sample must carry the fingerprints the fidelity check reads."""
     ids = encode_text(tokenizer, f"hs-patch capture check {uuid.uuid4().hex[:12]}")
     problem = skip_prefix_problem(_status(capture_dir), rid_prefix, capture_dir)
     if problem:
@@ -126,9 +128,21 @@ def check(client: SGLangClient, capture_dir: Path, tokenizer: Any, rid_prefix: s
     while True:
         rec, offset = _find(capture_dir, key, offset)
         if rec is not None:
-            (capture_dir / rec["file"]).unlink(missing_ok=True)
-            store.Manifest(capture_dir).remove(key, reason="driver capture check")
-            return {"key": key, "rids": rids, "seconds": round(time.monotonic() - t0, 3)}
+            try:
+                meta = reader.read_header(capture_dir / rec["file"]).metadata
+            except store.SampleError as e:
+                meta = {"error": str(e)}
+            finally:
+                (capture_dir / rec["file"]).unlink(missing_ok=True)
+                store.Manifest(capture_dir).remove(key, reason="driver capture check")
+            if fingerprints and fingerprint.META not in meta:
+                raise CaptureCheckFailed(
+                    f"the capture hook writing into {capture_dir} stores no fingerprints (sample format "
+                    f"{meta.get('format')!r}): the hs_patch inside the server is older than this driver's, so the "
+                    "fidelity check cannot check its planes. Run hs-patch apply with this version and restart the "
+                    "server (or --no-fidelity-check: then nothing checks the samples)")
+            return {"key": key, "rids": rids, "seconds": round(time.monotonic() - t0, 3),
+                    "format": meta.get("format"), "fingerprints": fingerprint.META in meta}
         st = _status(capture_dir)
         final = time.monotonic() >= deadline
         waited = float("inf") if final else time.time() - answered

@@ -33,8 +33,7 @@ class CaptureWatcher:
         self.poll = poll
         self.seq = 0                                   # number of add records seen so far
         self.live: dict[str, dict[str, Any]] = {}      # key -> latest add record (with "_seq")
-        self._offset = 0
-        self._partial = b""
+        self._offset = 0   # the end of the last complete line read
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self.read_new()
@@ -53,23 +52,29 @@ class CaptureWatcher:
                 pass  # the directory is briefly unavailable; try again at the next poll
 
     def read_new(self) -> None:
-        """Read what was appended since the last call and wake the waiters."""
+        """Read the lines completed since the last call and wake the waiters.
+
+        Only whole lines are consumed: the offset stays at the end of the last complete line, so
+        an append cut short (a full disk: the writer cuts the file back to where the line began
+        and the next append writes there; a killed writer: the next append cuts the torn line off)
+        is read again as it finally stands, never glued to the line after it."""
         try:
             size = self.path.stat().st_size
         except FileNotFoundError:
             return
         with self._cond:
-            if size < self._offset:  # the manifest was replaced: read it again from the start
-                self._offset, self._partial, self.live = 0, b"", {}
+            if size < self._offset:  # complete lines went away: the manifest was replaced, read it again
+                self._offset, self.live = 0, {}
             if size == self._offset:
                 return
             with open(self.path, "rb") as f:
                 f.seek(self._offset)
                 data = f.read(size - self._offset)
-            self._offset += len(data)
-            lines = (self._partial + data).split(b"\n")
-            self._partial = lines.pop()  # an incomplete last line waits for its end
-            for raw in lines:
+            end = data.rfind(b"\n") + 1  # an incomplete last line is read again, whole, next time
+            if not end:
+                return
+            self._offset += end
+            for raw in data[:end].split(b"\n"):
                 if not raw.strip():
                     continue
                 try:

@@ -121,8 +121,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "/health (default: %(default)s)")
     g = p.add_argument_group("fidelity check (every sample, before it is kept)")
     g.add_argument("--no-fidelity-check", dest="fidelity_check", action="store_false",
-                   help="do not check the dumped states (by default argmax of the model's lm_head over each sample's "
-                        "final state at its last position must equal the token the server generated in that pass)")
+                   help="do not check the dumped states (by default every plane of every sample is checked: each "
+                        "row against the fingerprints the hook took on the GPU, rows of every chunk against the "
+                        "model's norm weights (layer identity, full reduction, the final norm), and argmax of the "
+                        "model's lm_head over the final state at its last position against the token the server "
+                        "generated in that pass)")
+    g.add_argument("--fidelity-rows", type=int, default=D["fidelity_rows"], metavar="N",
+                   help="rows of every chunk of a sample read and checked against the fingerprints and the "
+                        "norm weights: its first, its last and N-2 drawn by key (default: %(default)s)")
     g.add_argument("--fidelity-fraction", type=float, default=D["fidelity_fraction"], metavar="F",
                    help="share of samples (chosen by key) also checked at their last --fidelity-positions positions "
                         "against the server's own top-1 of the same pass (return_logprob) (default: %(default)s)")
@@ -135,6 +141,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fidelity-max-consecutive", type=int, default=D["fidelity_max_consecutive"], metavar="K",
                    help="stop the run after K mismatching samples in a row, saying what is likely wrong "
                         "(default: %(default)s)")
+    g.add_argument("--accept-weaker-check", action="store_true",
+                   help="resume a run under a weaker fidelity check than it used (off, fewer rows or positions, a "
+                        "smaller fraction, a looser tolerance): refused without this; each sample records how it "
+                        "was checked (its header's fidelity_check, its manifest line's fidelity)")
     g = p.add_argument_group("back-pressure and progress")
     g.add_argument("--high-water", type=float, default=D["high_water"], metavar="PCT", help="pause sending when the "
                    "filesystem of --capture-dir or --samples-dir is this full (default: %(default)s)")
@@ -157,7 +167,7 @@ def drive_config(a: argparse.Namespace) -> Any:
         raise SystemExit(f"--chat-template-kwargs is not JSON: {e}") from None
     if not isinstance(kwargs, dict):
         raise SystemExit("--chat-template-kwargs must be a JSON object")
-    for name in ("concurrency", "max_tokens", "max_consecutive_failures"):
+    for name in ("concurrency", "max_tokens", "max_consecutive_failures", "fidelity_rows"):
         if getattr(a, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     if a.max_line_chars < 0:

@@ -53,6 +53,15 @@ class DriveConfig:
     fidelity_positions: int = 32
     fidelity_tie_tolerance: float = 0.02
     fidelity_max_consecutive: int = 5
+    fidelity_rows: int = 8              # rows of every chunk checked against the fingerprints and the norms
+    accept_weaker_check: bool = False   # resume under a weaker fidelity check than the run's (recorded)
+
+    def fidelity_settings(self) -> dict[str, Any]:
+        """The fidelity check this run does, as each sample records it (hs_patch.host.fidelity.settings)."""
+        from hs_patch.host.fidelity.settings import settings
+
+        return settings(self.fidelity_check, rows=self.fidelity_rows, fraction=self.fidelity_fraction,
+                        positions=self.fidelity_positions, tie_tolerance=self.fidelity_tie_tolerance)
 
     def __post_init__(self) -> None:
         check_run_name(self.run)  # it names directories: never '../x', '' or '.'

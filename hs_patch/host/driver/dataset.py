@@ -144,8 +144,10 @@ def count_lines(paths: list[str], max_chars: int = 1 << 20, *, limit: int = 0,
     return c
 
 
-def read(paths: list[str], max_chars: int = 1 << 20) -> Iterator[Union[Record, Reject]]:
-    """Every non-blank line of every file, in order, as a Record or a Reject."""
+def read(paths: list[str], max_chars: int = 1 << 20, *, prompts_only: bool = False
+         ) -> Iterator[Union[Record, Reject]]:
+    """Every non-blank line of every file, in order, as a Record or a Reject. ``prompts_only``: a chat
+    needs no assistant turn (held-out prompts for ``hs-extract accept``)."""
     for p in paths:
         name = source_name(p)
         for item in datafile.lines(p, max_chars):
@@ -156,12 +158,12 @@ def read(paths: list[str], max_chars: int = 1 << 20) -> Iterator[Union[Record, R
             if not item.text.strip():
                 continue
             try:
-                yield parse_line(item.text, name, item.number)
+                yield parse_line(item.text, name, item.number, prompts_only=prompts_only)
             except Invalid as e:
                 yield Reject(name, item.number, e.reason, str(e))
 
 
-def parse_line(raw: Union[bytes, str], source: str, line: int) -> Record:
+def parse_line(raw: Union[bytes, str], source: str, line: int, *, prompts_only: bool = False) -> Record:
     text = raw.decode("utf-8", "surrogateescape") if isinstance(raw, bytes) else raw
     try:
         text.encode("utf-8")
@@ -190,7 +192,7 @@ def parse_line(raw: Union[bytes, str], source: str, line: int) -> Record:
     if fmt == "input_ids":
         rec.input_ids, rec.loss_mask = _tokens(obj)
     else:
-        rec.messages = _conversation(obj[fmt], fmt)
+        rec.messages = _conversation(obj[fmt], fmt, need_assistant=not prompts_only)
     return rec
 
 
@@ -242,7 +244,7 @@ def _content(value: Any, where: str) -> str:
     raise Invalid("bad_field", f"{where}: content must be a string or a list of text parts")
 
 
-def _conversation(turns: Any, fmt: str) -> list[dict[str, str]]:
+def _conversation(turns: Any, fmt: str, need_assistant: bool = True) -> list[dict[str, str]]:
     role_key, text_key = ("role", "content") if fmt == "messages" else ("from", "value")
     if not isinstance(turns, list):
         raise Invalid("bad_field", f"'{fmt}' must be a list of turns, got {type(turns).__name__}")
@@ -260,7 +262,7 @@ def _conversation(turns: Any, fmt: str) -> list[dict[str, str]]:
         if not isinstance(raw_role, str) or raw_role.lower() not in allowed:
             raise Invalid("bad_role", f"{where}: role {raw_role!r} is not one of {', '.join(allowed)}")
         out.append({"role": ROLE_MAP[raw_role.lower()], "content": _content(turn[text_key], where)})
-    if not any(t["role"] == "assistant" for t in out):
+    if need_assistant and not any(t["role"] == "assistant" for t in out):
         raise Invalid("no_assistant_turn", f"'{fmt}' has no assistant turn: nothing to train on")
     return out
 

@@ -74,7 +74,7 @@ class Driver(SampleSteps):
     def _status_extra(self) -> dict[str, Any]:
         out: dict[str, Any] = {"dump": self.bp.status() if self.bp else {}}
         if self.monitor is not None:
-            out["fidelity"] = self.monitor.status()
+            out["fidelity"] = dict(self.monitor.status(), check=self.cfg.fidelity_settings())
         if self.shipped is not None:
             with self.status.lock:
                 done = set(self.status.c.done_keys)
@@ -105,7 +105,10 @@ class Driver(SampleSteps):
             locks.append(runstate.take_lock(self.state_dir / runstate.LOCK, f"run {cfg.run!r}"))
             locks.append(runstate.take_lock(self.capture_dir / CAPTURE_LOCK, f"capture dir {self.capture_dir}"))
             locks.append(runstate.take_lock(self.samples_dir / SAMPLES_LOCK, f"samples dir {self.samples_dir}"))
-            return self._run_locked(runstate.check_params(self.state_dir, cfg.identity()))
+            resumed = runstate.check_params(self.state_dir, cfg.identity())
+            self.weaker_check = runstate.check_fidelity(self.state_dir, cfg.fidelity_settings(),
+                                                        accept_weaker=cfg.accept_weaker_check)
+            return self._run_locked(resumed)
         finally:
             for fd in locks:
                 os.close(fd)
@@ -180,7 +183,8 @@ class Driver(SampleSteps):
         self.server_version = str(info.get("version", ""))
         self.limit = limits.effective(cfg.max_tokens, info)
         checked = capture_check.check(self.client, self.capture_dir, self.tokenizer, f"hs-{cfg.run}-",
-                                      timeout=cfg.raw_timeout, release=self.server_version)
+                                      timeout=cfg.raw_timeout, release=self.server_version,
+                                      fingerprints=cfg.fidelity_check)
         self._start_fidelity()
         done = self.done = runstate.load_done(self.samples_dir, self.state_dir / runstate.SHIPPED)
         counts = dataset.count_lines(cfg.data, self.max_chars, limit=cfg.limit, owns=cfg.owns())
@@ -191,6 +195,7 @@ class Driver(SampleSteps):
         self.ledger.write("run_start", resumed=resumed, driver=__version__,
                           params=dict(asdict(cfg), server=redact_url(cfg.server)), capture_check=checked,
                           max_tokens_effective=self.limit.tokens, blank_lines=counts.blank,
+                          fidelity_check=cfg.fidelity_settings(), weaker_check=self.weaker_check,
                           server={k: info.get(k) for k in ("version", "model_path", "tp_size", "chunked_prefill_size",
                                                            "disable_radix_cache", "standin")},
                           done_verified=done.live, done_shipped=done.shipped, discarded=done.discarded)

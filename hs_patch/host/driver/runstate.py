@@ -104,6 +104,25 @@ def check_params(state_dir: Path, params: Mapping[str, Any]) -> bool:
     return False
 
 
+def check_fidelity(state_dir: Path, check: Mapping[str, Any], *, accept_weaker: bool) -> list[str]:
+    """Record this start's fidelity check in run.json; refuse one weaker than any the run used before,
+    unless ``accept_weaker`` (then how it is weaker is returned, for the ledger)."""
+    from hs_patch.host.fidelity.settings import weaker
+
+    path = state_dir / RUN_JSON
+    doc = json.loads(path.read_text())
+    used = doc.get("fidelity_checks") or []
+    why = sorted({w for old in used for w in weaker(check, old["check"])})
+    if why and not accept_weaker:
+        raise RunError(f"run {doc['params'].get('run')!r} was checked more strictly than this start would: "
+                       f"{'; '.join(why)}. Its samples so far passed the stricter check; run with the same fidelity "
+                       "options, or pass --accept-weaker-check to mix them knowingly (each sample records its check)")
+    if not used or used[-1]["check"] != dict(check):
+        doc["fidelity_checks"] = used + [{"t": round(time.time(), 3), "check": dict(check)}]
+        write_text_atomic(path, json.dumps(doc, indent=2, sort_keys=True), fsync=True)
+    return why
+
+
 _SENT_OR_DONE = re.compile(rb'"event": ?"(?:sent|done)"')
 
 

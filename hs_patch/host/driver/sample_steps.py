@@ -8,6 +8,7 @@ feeding, sweeps, status); split out so each module says one thing.
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 import uuid
 from typing import Optional
@@ -18,6 +19,7 @@ from hs_patch.host.fidelity import check as fidelity
 from hs_patch.host.driver.adopt import AdoptError, adopt
 from hs_patch.host.driver.capture_dir import RawTimeout
 from hs_patch.host.driver.client import ClientError
+from hs_patch.host.fidelity import settings
 from hs_patch.host.fidelity.policy import FidelityMonitor
 from hs_patch.host.model_files import ModelFileError
 
@@ -43,35 +45,37 @@ class SampleSteps:
                                     f"{e}. Point --model at the served model's directory, or run with "
                                     "--no-fidelity-check (then nothing checks the dumped states)") from None
         self.checker = fidelity.FidelityChecker(head, self.state_dir, tie_tolerance=cfg.fidelity_tie_tolerance,
-                                                positions=cfg.fidelity_positions, batch=cfg.concurrency)
+                                                positions=cfg.fidelity_positions, batch=cfg.concurrency,
+                                                rows=cfg.fidelity_rows)
         self.monitor = FidelityMonitor(cfg.fidelity_max_consecutive)
 
     def _stop_fidelity(self) -> None:
         if self.checker is not None:
             self.checker.close()
 
-    def _check_fidelity(self, rec: dataset.Record, key: str, entry: dict, response: dict) -> bool:
-        """True if the sample the hook wrote gives the server's own tokens of the same pass (or no check runs);
-        else it is removed, logged to fidelity.jsonl, failed, and K such in a row stop the run."""
+    def _check_fidelity(self, rec: dataset.Record, key: str, entry: dict, response: dict) -> Optional[dict]:
+        """The check's result for the sample's manifest line if every plane of the sample the hook wrote is
+        what the server computed ({} when no check runs); else None: it is removed, logged to
+        fidelity.jsonl, failed, and K such in a row stop the run."""
         if self.checker is None:
-            return True
+            return {}
         path = self.capture_dir / entry["file"]
         try:
             chk = self.checker.check(key, path, response, sample_id=rec.sample_id, run=self.cfg.run)
             meta = reader.read_header(path).metadata
         except (store.SampleError, ClientError, OSError, RuntimeError, ValueError, KeyError) as e:
             self._failed(rec, key, "fidelity", f"the fidelity check could not run: {e}")
-            return False
+            return None
         reason = self.monitor.observe(chk, meta)
         if chk.ok:
-            return True
+            return settings.result(chk)
         self.watcher.remove(key, reason="fidelity mismatch", run=self.cfg.run, sample_id=rec.sample_id)
-        self._failed(rec, key, "fidelity", f"the dumped final state gives other tokens than the server's at "
-                                           f"{chk.mismatches} of {chk.checked} {chk.kind} position(s) "
-                                           f"(see {self.state_dir}/{fidelity.FIDELITY_LOG}); sample not kept")
+        what = chk.problems[0] if chk.problems else (f"the dumped final state gives other tokens than the server's "
+                                                     f"at {chk.mismatches} of {chk.checked} {chk.kind} position(s)")
+        self._failed(rec, key, "fidelity", f"{what} (see {self.state_dir}/{fidelity.FIDELITY_LOG}); sample not kept")
         if reason:
             self.request_stop(reason + "; fix the cause, then run the same command again", EXIT_FAILURES)
-        return False
+        return None
 
     def _failed(self, rec: dataset.Record, key: Optional[str], stage: str, error: str) -> None:
         if self.stop.is_set():  # interrupted by the stop, not a failure of its own: redone on resume
@@ -177,6 +181,12 @@ class SampleSteps:
         if not self.bp.wait(self.stop):
             return
         rid = self._rid("hs-", rec)
+        self.watcher.read_new()
+        if self.watcher.get(key) is not None:  # an earlier capture of these tokens (another run's, another
+            # client's): the writer never moves a sample over another, so it would stand in for this one
+            self.watcher.remove(key, reason="an earlier capture of the same tokens, before sending them again",
+                                run=cfg.run, sample_id=rec.sample_id)
+        prov = dict(prov, fidelity_check=json.dumps(cfg.fidelity_settings(), sort_keys=True))  # into the header
         try:
             intent.write(self.capture_dir, key, mask, prov)  # the hook writes mask + provenance into the sample
         except (OSError, intent.IntentError) as e:
@@ -206,10 +216,12 @@ class SampleSteps:
                     f"HS_CAPTURE_DIR={self.capture_dir} (= --capture-dir)? Does its HS_CAPTURE_SKIP_RID_PREFIX "
                     f"match this request id {rid}? Is its writer failing (errors.jsonl, hook_status.json)?"))
                 return
-            if not self._check_fidelity(rec, key, entry, out):  # before the shipper can see it
+            checked = self._check_fidelity(rec, key, entry, out)  # before the shipper can see it
+            if checked is None:
                 return
             try:
-                written = adopt(self.watcher, entry, self.samples_dir, sample_id=rec.sample_id, run=cfg.run)
+                written = adopt(self.watcher, entry, self.samples_dir, sample_id=rec.sample_id, run=cfg.run,
+                                fidelity=checked or None)
                 adopted = True
             except (AdoptError, OSError) as e:
                 self._failed(rec, key, "adopt", str(e))

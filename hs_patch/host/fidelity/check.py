@@ -1,6 +1,9 @@
-"""Production fidelity check: is the dumped final state the one the server computed in that pass?
+"""Production fidelity check: is every plane of a sample what the server computed in that pass?
 
-Per sample: argmax of an fp32 ``lm_head`` over the dumped final state at the last prompt
+Two checks per sample, both on every sample. The row checks (:mod:`hs_patch.host.fidelity.rows`):
+every row of every plane against the fingerprints the capture hook took on the GPU (finite, not
+zeros), and rows of every chunk against them and against what the model's own norm weights say
+(layer identity, full reduction, the final norm). And the same-pass top-1, below: argmax of an fp32 ``lm_head`` over the dumped final state at the last prompt
 position must equal the token the server generated in the SAME pass (greedy,
 ``max_new_tokens`` 1). On a sampled fraction (chosen by key, so a resumed run samples the
 same ones) the last N positions are compared with the server's own top-1 of that pass
@@ -33,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from hs_patch import reader, store
 from hs_patch.host.driver.client import generated_token, server_top1
+from hs_patch.host.fidelity.rows import DEFAULT_ROWS, Norms, check_rows
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -65,10 +69,16 @@ class Check:
     plane: str = ""
     details: list[Position] = field(default_factory=list)   # disagreements only
     hints: dict[str, float] = field(default_factory=dict)   # alternative explanations that fit better
+    rows: dict[str, Any] = field(default_factory=dict)      # the row checks (rows.RowCheck.record())
+
+    @property
+    def problems(self) -> list[str]:
+        """What the row checks found wrong (empty: every checked row is right)."""
+        return list(self.rows.get("problems", []))
 
     @property
     def ok(self) -> bool:
-        return self.mismatches == 0
+        return self.mismatches == 0 and not self.problems
 
     def record(self, **extra: Any) -> dict[str, Any]:
         d = asdict(self)
@@ -79,18 +89,19 @@ class Check:
 class LMHead:
     """An fp32 LM head and the final norm, for argmax over dumped final states."""
 
-    def __init__(self, head: "torch.Tensor", norm: "torch.Tensor", eps: float):
+    def __init__(self, head: "torch.Tensor", norm: "torch.Tensor", eps: float, directory: Optional[Path] = None):
         import torch
 
         self.weight = head.to(torch.float32).contiguous()
         self.norm, self.eps = norm, eps
+        self.directory = directory  # where the row checks read each captured layer's input norm
 
     @classmethod
     def from_model_dir(cls, directory: str | Path) -> "LMHead":
         from hs_patch.host.model_files import head_and_norm
 
         head, norm, info = head_and_norm(directory)
-        return cls(head, norm, info.rms_norm_eps)
+        return cls(head, norm, info.rms_norm_eps, Path(directory))
 
     def logits(self, states: "torch.Tensor") -> "torch.Tensor":
         """fp32 logits [N, V] of post-norm states [N, H]."""
@@ -177,8 +188,11 @@ class FidelityChecker:
     """
 
     def __init__(self, head: LMHead, log_dir: str | Path, *, tie_tolerance: float = DEFAULT_TIE_TOLERANCE,
-                 positions: int = DEFAULT_POSITIONS, batch: int = 32):
+                 positions: int = DEFAULT_POSITIONS, batch: int = 32, norms: Optional[Norms] = None,
+                 rows: int = DEFAULT_ROWS):
         self.head, self.tol, self.positions, self.batch = head, tie_tolerance, positions, batch
+        self.norms = norms if norms is not None else Norms(head.norm, head.eps, head.directory)
+        self.rows = rows
         self.log = store.Manifest(log_dir, FIDELITY_LOG)
         self._q: list[_Job] = []
         self._cv = threading.Condition()
@@ -187,8 +201,9 @@ class FidelityChecker:
         self._thread.start()
 
     def prepare(self, job: _Job) -> None:
-        """Read the rows to check and the server's tokens for them."""
+        """Run the row checks; read the final states to check and the server's tokens for them."""
         with reader.open_sample(job.path) as s:
+            rows = check_rows(s, self.norms, per_chunk=self.rows).record()
             n = s.num_tokens
             if "input_top_logprobs" in (job.response.get("meta_info") or {}):
                 start = max(0, n - self.positions)
@@ -200,7 +215,7 @@ class FidelityChecker:
                 job.positions, job.server, kind = [n - 1], [generated_token(job.response)], "last"
             job.states, plane = self.head.post_norm(s, job.positions[0], n)
             job.check = Check(job.key, kind, checked=len(job.positions), parts=int(s.metadata.get("parts", 1)),
-                              plane=plane)
+                              plane=plane, rows=rows)
 
     def check(self, key: str, path: str | Path, response: dict[str, Any], **log_extra: Any) -> Check:
         """Check one final sample against the server's answer to its request; logged."""

@@ -3,10 +3,16 @@
 One mismatching sample is rejected (its sample is not kept) and the run goes on; K in a
 row stop the run, because then the capture itself is wrong and every further sample would
 be too. The stop message names what is likely wrong, from the pattern of the failures.
+
+The run's own statistics of each plane (the mean log norm of the rows the check read, per
+sample) are kept too: a sample far outside them is counted and shown as a warning, never
+rejected for it (statistics learned from a run cannot say which layer is right: a capture
+wrong from the start is learned; the row checks' relations decide).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from typing import Any, Mapping, Optional
@@ -14,6 +20,8 @@ from typing import Any, Mapping, Optional
 from hs_patch.host.fidelity.check import DERIVED, Check
 
 DEFAULT_MAX_CONSECUTIVE = 5
+OUTLIER_STD = 6.0       # a plane's log norm this many standard deviations off the run's is a warning
+OUTLIER_AFTER = 50      # samples of the run before warnings start
 
 
 class FidelityMonitor:
@@ -27,6 +35,9 @@ class FidelityMonitor:
         self.last_mismatch: Optional[dict[str, Any]] = None
         self._recent: deque[tuple[Check, dict[str, str]]] = deque(maxlen=max_consecutive)
         self._passed_parts: set[int] = set()
+        self.stats: dict[str, list[float]] = {}   # plane -> [count, mean, M2] of per-sample mean log norms
+        self.warnings = 0
+        self.last_warning: Optional[str] = None
         self._lock = threading.Lock()
 
     def observe(self, check: Check, metadata: Mapping[str, str]) -> Optional[str]:
@@ -36,6 +47,7 @@ class FidelityMonitor:
             self.sampled += check.kind == "positions"
             self.positions += check.checked
             self.ties += check.ties
+            self._statistics(check)
             if check.ok:
                 self.passed += 1
                 self.consecutive = 0
@@ -44,25 +56,56 @@ class FidelityMonitor:
             self.rejected += 1
             self.consecutive += 1
             self.last_mismatch = {"key": check.key, "kind": check.kind, "mismatches": check.mismatches,
-                                  "checked": check.checked}
+                                  "checked": check.checked, "problems": check.problems[:3]}
             self._recent.append((check, dict(metadata)))
             if self.consecutive < self.max_consecutive:
                 return None
-            return (f"fidelity: {self.consecutive} samples in a row whose dumped final state does not give the "
-                    f"server's own tokens ({self.rejected} of {self.checked} rejected); likely: "
+            return (f"fidelity: {self.consecutive} samples in a row whose dumped states are not what the server "
+                    f"computed ({self.rejected} of {self.checked} rejected; last: "
+                    f"{'; '.join(check.problems[:2]) or 'other tokens than the server at the checked positions'}); "
+                    "likely: "
                     + diagnose(list(self._recent), ever_passed=self.passed > 0, passed_parts=self._passed_parts))
+
+    def _statistics(self, check: Check) -> None:
+        """Welford's running mean and variance of each plane's log norm; a far-off sample is a warning."""
+        for plane, value in check.rows.get("log_norms", {}).items():
+            n, mean, m2 = self.stats.setdefault(plane, [0, 0.0, 0.0])
+            if n >= OUTLIER_AFTER and m2 > 0 and abs(value - mean) > OUTLIER_STD * math.sqrt(m2 / (n - 1)):
+                self.warnings += 1
+                self.last_warning = (f"sample {check.key[:12]}: {plane} rows have log norm {value:.3f}, the run's is "
+                                     f"{mean:.3f} +- {math.sqrt(m2 / (n - 1)):.3f} (a warning, not a verdict)")
+            n += 1
+            delta = value - mean
+            mean += delta / n
+            self.stats[plane] = [n, mean, m2 + delta * (value - mean)]
 
     def status(self) -> dict[str, Any]:
         with self._lock:
+            planes = {p: {"mean_log_norm": round(m, 4), "std": round(math.sqrt(m2 / (n - 1)), 4) if n > 1 else None}
+                      for p, (n, m, m2) in self.stats.items()}
             return {"checked": self.checked, "passed": self.passed, "rejected": self.rejected,
                     "sampled": self.sampled, "positions": self.positions, "ties": self.ties,
                     "consecutive_mismatches": self.consecutive, "max_consecutive": self.max_consecutive,
-                    "last_mismatch": self.last_mismatch}
+                    "last_mismatch": self.last_mismatch, "planes": planes, "warnings": self.warnings,
+                    "last_warning": self.last_warning}
 
 
 def diagnose(recent: list[tuple[Check, dict[str, str]]], *, ever_passed: bool, passed_parts: set[int]) -> str:
     """The likeliest causes of a run of mismatches, most specific first."""
     causes = []
+    problems = [p for c, _ in recent for p in c.problems]
+    if any("no fingerprints" in p for p in problems):
+        causes.append("the capture hook inside the server is older than this driver: run hs-patch apply and restart "
+                      "the server")
+    if any("differ from what the forward pass held" in p for p in problems):
+        causes.append("rows changed between the GPU and the file (the staging copy or the writer): report it with "
+                      "the server log and hook_status.json")
+    if any("all zeros" in p or "NaN or Inf" in p for p in problems):
+        causes.append("the captured states are zeros or not finite: the capture point reads a buffer SGLang has "
+                      "not filled (run hs-patch verify)")
+    if any("input norm, are not what layer" in p for p in problems):
+        causes.append("a stored layer.<i> is not the fully reduced input of layer i (another layer's state or a "
+                      "capture point before the all-reduce): run hs-patch verify; a changed or re-installed SGLang")
     shifts = [max(c.hints.values()) for c, _ in recent if c.hints]
     if shifts and min(shifts) >= 0.5:
         causes.append("the states are shifted by one position against the tokens (an offset error where passes "

@@ -33,9 +33,9 @@ def region_sources(text: str) -> dict[str, str]:
 
 
 def region_digests(text: str) -> tuple[str, ...]:
-    """sha256[:16] of each of REGIONS' source in ``text`` ("-" where it is absent): a Release's ``regions``."""
+    """sha256[:8] of each of REGIONS' source in ``text`` ("-" where it is absent): a Release's ``regions``."""
     src = region_sources(text)
-    return tuple(hashlib.sha256(src[f"{c}.{m}"].encode()).hexdigest()[:16] if f"{c}.{m}" in src else "-"
+    return tuple(hashlib.sha256(src[f"{c}.{m}"].encode()).hexdigest()[:8] if f"{c}.{m}" in src else "-"
                  for c, m in REGIONS)
 
 

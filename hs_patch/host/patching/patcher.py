@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hs_patch.files import write_all
+from hs_patch.host.patching.earlier import from_earlier_layout, from_earlier_patch
 from hs_patch.releases import (LAYER_POINT, RELEASES, TARGET, PatchError, Release, apply_edits, by_patched_sha,
-                               by_pristine_sha, from_earlier_layout)
+                               by_pristine_sha)
 
 BACKUP_SUFFIX = ".hs_patch.orig"
 SUPPORTED = f"every release from {next(iter(RELEASES))} to {list(RELEASES)[-1]}"
@@ -47,7 +48,7 @@ class Target:
     sha256: str
     text: str
     release: Release | None
-    state: str  # pristine | patched | outdated (patched by an earlier hs-patch layout) | unknown
+    state: str  # pristine | patched | outdated (patched by an earlier hs-patch) | unknown
     installed_version: str | None
     backup: Path = field(init=False)
 
@@ -89,6 +90,8 @@ def inspect_target(site: str | os.PathLike | None) -> Target:
     if release is None:
         current = from_earlier_layout(text)
         release, state = by_patched_sha(_sha(current)), "outdated"
+        if release is None:  # patched by an hs-patch before the attention input was handed to the hook
+            release, current = from_earlier_patch(current) or (None, current)
         text = current if release is not None else text
     if release is None:
         state = "unknown"
@@ -211,8 +214,8 @@ def verify(site: str | os.PathLike | None = None) -> dict:
                     "SGLang, then run hs-patch apply.")
         raise VerifyFailed(msg)
     if t.state == "outdated":
-        raise VerifyFailed(f"{t.path} was patched by an earlier hs-patch (it imports hs_patch.hook, which no longer "
-                           "exists): run hs-patch apply to upgrade the patch")
+        raise VerifyFailed(f"{t.path} was patched by an earlier hs-patch (its hook calls no longer match this "
+                           "hs_patch: the hook refuses its passes): run hs-patch apply to upgrade the patch")
     _check_version(t)
     try:
         compile(t.text, str(t.path), "exec")
@@ -274,7 +277,8 @@ def check_patched(text: str, release: Release) -> None:
     - ``forward`` begins the pass before the layer loop, passes ``_hs.collector(i, ...)``
       as every layer's ``captured_last_layer_outputs``, captures the pre-norm state at the
       final norm, and finishes after the norm and before returning;
-    - layer-point family: the decoder layer captures ``residual`` right after ``prepare_attn``;
+    - the decoder layer hands the hook what its attention reads right after its input step
+      (the family's ``prepare``); the layer-point family's also captures ``residual`` there;
     - undoing the edits gives back the release's pristine file, byte for byte.
     """
     tree = ast.parse(text)
@@ -308,14 +312,18 @@ def check_patched(text: str, release: Release) -> None:
           and ast.unparse(finish[0].args[0]) == "hidden_states",
           "_hs.finish(hidden_states) must come after the final norm and before the last return")
 
+    lfwd = _method(tree, "DeepseekV2DecoderLayer", "forward")
+    prepare = release.family.prepare
+    prep = [n for n in lfwd.body if isinstance(n, ast.Assign) and _calls(n, prepare)]
+    idx = lfwd.body.index(prep[0]) if len(prep) == 1 else -1
+    nxt = lfwd.body[idx + 1] if idx >= 0 else None
+    attn = _calls(nxt, "captured_last_layer_outputs.hs_attn_input") if isinstance(nxt, ast.If) else []
+    _need(len(attn) == 1 and ast.unparse(attn[0].args[0]) == "hidden_states",
+          f"the decoder layer must hand the hook its attention's input right after {prepare.split('.')[-1]}")
     if release.family is LAYER_POINT:
-        lfwd = _method(tree, "DeepseekV2DecoderLayer", "forward")
         _need("captured_last_layer_outputs" in [a.arg for a in lfwd.args.args],
               "DeepseekV2DecoderLayer.forward must take captured_last_layer_outputs")
-        prep = [n for n in lfwd.body if isinstance(n, ast.Assign) and _calls(n, "self.layer_communicator.prepare_attn")]
-        idx = lfwd.body.index(prep[0]) if len(prep) == 1 else -1
-        nxt = lfwd.body[idx + 1] if idx >= 0 else None
-        _need(isinstance(nxt, ast.If) and _calls(nxt, "captured_last_layer_outputs.capture")
+        _need(_calls(nxt, "captured_last_layer_outputs.capture")
               and ast.unparse(_calls(nxt, "captured_last_layer_outputs.capture")[0].args[0]) == "residual",
               "the decoder layer must capture `residual` right after prepare_attn")
 

@@ -44,10 +44,11 @@ def check_args(site: str | None, release: str | None, args: list[str]) -> dict[s
 
 
 def serving_ids(layers: Any, release: str | None, model: str | None) -> dict[str, Any]:
-    """The drafter eagle_config that serves the captured layers on this release (hs_patch.serving)."""
+    """The drafter eagle_config that serves the captured layers on this release (hs_patch.serving).
+    Unset HS_CAPTURE_LAYERS means the model's own default, known only with ``--model``."""
     from hs_patch import serving
 
-    if not layers or not release:
+    if not release:
         return {}
     n, arch = None, ""
     if model:
@@ -58,8 +59,17 @@ def serving_ids(layers: Any, release: str | None, model: str | None) -> dict[str
             n, arch = info.num_hidden_layers, info.architecture
         except ModelFileError as e:
             return {"error": str(e)}
+    if not layers:
+        if n is None:
+            return {"release": release, "note": "HS_CAPTURE_LAYERS unset: the model's default [2, n//2, n-3]; "
+                                                "give --model DIR for the drafter's ids"}
+        layers = config.default_layers(n)
+        defaulted = {"layers_default": list(layers)}
+    else:
+        defaulted = {}
     try:
         ids = serving.eagle_ids(release, list(layers), n, arch)
     except serving.NotServable as e:
         return {"release": release, "refused": str(e)}
-    return {"release": release, "eagle_aux_hidden_state_layer_ids": ids, "checked_with_model": n is not None}
+    return {"release": release, "eagle_aux_hidden_state_layer_ids": ids, "checked_with_model": n is not None,
+            **defaulted}

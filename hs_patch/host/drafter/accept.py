@@ -1,0 +1,282 @@
+"""``hs-extract accept``: what a trained drafter gets accepted, measured against a running
+EAGLE-3 server on held-out chats.
+
+Each conversation's prompt is every turn before its last assistant turn (the whole
+conversation when it has none), rendered with the model's chat template and generation prompt
+and sent as token ids, greedy (temperature 0). SGLang reports per request
+``meta_info.completion_tokens`` and ``spec_verify_ct`` (verification passes); the accept length
+is their ratio (it counts the bonus token, so an untrained drafter gives 1.0), per conversation
+and in total (sum over sum, as SGLang's own ``avg_spec_accept_length``, but for exactly these
+requests). With ``--plain`` (the same target without speculative decoding) every output is
+compared token by token; where the two differ, the plain server's log-probabilities at the
+first difference tell whether it is a near-tie (the two tokens within ``--tie-margin`` nats:
+batch-dependent bf16 rounding may flip it) or a real mismatch (a drafter must never change a
+greedy output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional
+
+DESCRIPTION = __doc__.split("\n\n", 1)[1] + """
+output: a summary line (--json: one JSON object) and, with --out FILE, the whole report (every
+conversation, every difference) as JSON, written atomically.
+
+exit codes: 0 measured (and, with --plain, every difference is a near-tie); 1 error or nothing
+measured; 3 with --plain, an output differs beyond a near-tie (listed)
+"""
+
+EXIT_OK, EXIT_ERROR, EXIT_MISMATCH = 0, 1, 3
+SPEC_KEYS = ("speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
+             "speculative_num_draft_tokens", "speculative_draft_model_path")
+
+
+@dataclass
+class Conversation:
+    sample_id: str
+    prompt_tokens: int
+    completion_tokens: int = 0
+    verify_ct: int = 0
+    accept_length: Optional[float] = None
+    output_ids: list[int] = field(default_factory=list)
+    error: str = ""
+    greedy: dict[str, Any] = field(default_factory=dict)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", required=True, metavar="URL", help="the EAGLE-3 server (SGLang with "
+                   "--speculative-algorithm EAGLE3 and the drafter)")
+    p.add_argument("--data", required=True, nargs="+", metavar="FILE", help="held-out chats, JSONL (the formats "
+                   "hs-extract drive reads; pre-tokenized lines are sent as they are)")
+    p.add_argument("--model", "--tokenizer", dest="model", required=True, metavar="DIR",
+                   help="the served model's directory (tokenizer and chat template)")
+    p.add_argument("--plain", metavar="URL", help="the same target served without speculative decoding: every "
+                   "output is compared with its greedy output")
+    p.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="tokens generated per "
+                   "conversation (default: %(default)s; generation also stops at the model's end of turn)")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
+    p.add_argument("--limit", type=int, default=0, metavar="N", help="only the first N conversations (0: all)")
+    p.add_argument("--concurrency", type=int, default=16, metavar="N", help="requests in flight (default: "
+                   "%(default)s; SGLang batches them as it would in production)")
+    p.add_argument("--tie-margin", type=float, default=0.25, metavar="NATS", help="a difference is a near-tie when "
+                   "the plain server's log-probabilities of the two tokens differ by at most this (default: "
+                   "%(default)s: two bf16 units of a logit between 16 and 32; seen on the H200: every "
+                   "difference within 0.125)")
+    p.add_argument("--api-key-file", metavar="FILE", help="the servers' API key (else $SGLANG_API_KEY)")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code (Kimi)")
+    p.add_argument("--chat-template-kwargs", default="{}", metavar="JSON", help="extra chat template variables")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="per request (default: %(default)s)")
+    p.add_argument("--out", metavar="FILE", help="write the whole report here (JSON)")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+
+
+def prompts(paths: list[str], tokenizer: Any, template_kwargs: dict[str, Any], limit: int
+            ) -> tuple[list[tuple[str, list[int]]], list[dict[str, Any]]]:
+    """(sample id, prompt token ids) per usable line, and the rejected lines."""
+    from hs_patch.host.driver import chat, dataset
+
+    out, rejects = [], []
+    for item in dataset.read(paths, prompts_only=True):
+        if limit and len(out) >= limit:
+            break
+        if isinstance(item, dataset.Reject):
+            rejects.append(item.as_dict())
+            continue
+        try:
+            if item.input_ids is not None:
+                ids = list(item.input_ids)
+            else:
+                msgs = item.messages or []
+                last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=len(msgs))
+                if last == 0:
+                    raise dataset.Invalid("assistant_first", "no turn before the assistant's: nothing to prompt with")
+                text = chat.render(tokenizer, msgs[:last], generation_prompt=True, template_kwargs=template_kwargs)
+                ids = chat.encode_text(tokenizer, text)
+        except dataset.Invalid as e:
+            rejects.append(dataset.Reject(item.source, item.line, e.reason, str(e)).as_dict())
+            continue
+        out.append((item.sample_id, ids))
+    return out, rejects
+
+
+def spec_settings(info: dict[str, Any]) -> dict[str, Any]:
+    return {k: info.get(k) for k in SPEC_KEYS}
+
+
+def measure_one(client: Any, sid: str, ids: list[int], params: dict[str, Any], k: int) -> Conversation:
+    from hs_patch.host.driver.client import ClientError
+
+    c = Conversation(sid, len(ids))
+    try:
+        out = client.generate(ids, params, f"accept-{os.getpid()}-{k}")
+    except ClientError as e:
+        c.error = str(e)
+        return c
+    meta = out["meta_info"]
+    c.output_ids = [int(t) for t in out.get("output_ids") or []]
+    c.completion_tokens = int(meta.get("completion_tokens") or len(c.output_ids))
+    c.verify_ct = int(meta.get("spec_verify_ct") or 0)
+    c.accept_length = round(c.completion_tokens / c.verify_ct, 4) if c.verify_ct else None
+    return c
+
+
+def compare(plain: Any, c: Conversation, ids: list[int], params: dict[str, Any], tie_margin: float, k: int) -> None:
+    """Fill ``c.greedy``: identical, or the first difference and whether it is a near-tie."""
+    from hs_patch.host.driver.client import ClientError
+
+    try:
+        ref = [int(t) for t in plain.generate(ids, params, f"accept-plain-{os.getpid()}-{k}").get("output_ids") or []]
+        n = min(len(ref), len(c.output_ids))
+        at = next((i for i in range(n) if ref[i] != c.output_ids[i]), None)
+        if at is None and len(ref) == len(c.output_ids):
+            c.greedy = {"identical": True}
+            return
+        if at is None:  # one stopped earlier (an end of turn the other did not emit at the same place)
+            c.greedy = {"identical": False, "at": n, "spec_len": len(c.output_ids), "plain_len": len(ref),
+                        "near_tie": False, "why": "lengths differ with a common prefix"}
+            return
+        prefix = ids + c.output_ids[:at]
+        probe = plain.generate(prefix, {"max_new_tokens": 1, "temperature": 0.0}, f"accept-tie-{os.getpid()}-{k}",
+                               return_logprob=True, logprob_start_len=len(prefix) - 1, top_logprobs_num=20)
+        top = {int(e[1]): float(e[0]) for e in (probe["meta_info"].get("output_top_logprobs") or [[]])[0] if e}
+        spec_tok, plain_tok = c.output_ids[at], ref[at]
+        margin = None if spec_tok not in top or plain_tok not in top else round(top[plain_tok] - top[spec_tok], 5)
+        c.greedy = {"identical": False, "at": at, "spec_token": spec_tok, "plain_token": plain_tok,
+                    "margin_nats": margin, "near_tie": margin is not None and margin <= tie_margin}
+    except ClientError as e:
+        c.greedy = {"error": str(e)}
+
+
+def summarize(convs: list[Conversation], settings: dict[str, Any], rejects: list[dict], plain: bool,
+              seconds: float) -> dict[str, Any]:
+    ok = [c for c in convs if not c.error]
+    comp, ver = sum(c.completion_tokens for c in ok), sum(c.verify_ct for c in ok)
+    s: dict[str, Any] = {"server_settings": settings, "conversations": len(convs), "measured": len(ok),
+                         "failed": len(convs) - len(ok), "rejected_lines": len(rejects),
+                         "completion_tokens": comp, "verify_ct": ver,
+                         "accept_length": round(comp / ver, 4) if ver else None, "seconds": round(seconds, 1)}
+    per = sorted(c.accept_length for c in ok if c.accept_length is not None)
+    if per:
+        s["per_conversation"] = {"min": per[0], "median": per[len(per) // 2], "max": per[-1]}
+    if plain:
+        g = [c.greedy for c in ok]
+        diff = [x for x in g if x.get("identical") is False]
+        s["greedy"] = {"compared": len([x for x in g if "identical" in x]), "identical": sum(1 for x in g if x.get(
+            "identical")), "differing": len(diff), "near_tie": sum(1 for x in diff if x.get("near_tie")),
+            "mismatch": sum(1 for x in diff if not x.get("near_tie")), "errors": sum(1 for x in g if "error" in x)}
+    return s
+
+
+def run(a: argparse.Namespace, progress: Callable[[int, int], None] = lambda done, total: None) -> dict[str, Any]:
+    from hs_patch.host.driver.chat import load_tokenizer
+    from hs_patch.host.driver.client import SGLangClient, read_api_key
+
+    kwargs = json.loads(a.chat_template_kwargs)
+    key = read_api_key(a.api_key_file)
+    spec = SGLangClient(a.server, timeout=a.timeout, api_key=key)
+    settings = spec_settings(spec.server_info(timeout=30))
+    if str(settings["speculative_algorithm"] or "").upper() not in ("EAGLE3", "EAGLE"):
+        raise ValueError(f"{spec.display_url} does not run EAGLE-3 (speculative_algorithm "
+                         f"{settings['speculative_algorithm']!r}): start it with --speculative-algorithm EAGLE3 "
+                         "--speculative-draft-model-path DRAFTER")
+    plain = SGLangClient(a.plain, timeout=a.timeout, api_key=key) if a.plain else None
+    if plain is not None and plain.server_info(timeout=30).get("speculative_algorithm"):
+        raise ValueError(f"--plain {plain.display_url} runs speculative decoding itself: give a server of the same "
+                         "target without --speculative-algorithm")
+    work, rejects = prompts(a.data, load_tokenizer(a.model, a.trust_remote_code), kwargs, a.limit)
+    if not work:
+        raise ValueError(f"no usable conversation in {', '.join(a.data)} ({len(rejects)} rejected lines)")
+    params = {"max_new_tokens": a.max_new_tokens, "temperature": 0.0, "ignore_eos": a.ignore_eos}
+    t0, done = time.time(), 0
+
+    def one(k: int) -> Conversation:
+        sid, ids = work[k]
+        c = measure_one(spec, sid, ids, params, k)
+        if plain is not None and not c.error:
+            compare(plain, c, ids, params, a.tie_margin, k)
+        return c
+
+    convs = []
+    with ThreadPoolExecutor(max(1, a.concurrency)) as pool:
+        for c in pool.map(one, range(len(work))):
+            convs.append(c)
+            done += 1
+            progress(done, len(work))
+    summary = summarize(convs, settings, rejects, plain is not None, time.time() - t0)
+    report = {**summary, "server": spec.display_url, "plain": plain.display_url if plain else None,
+              "max_new_tokens": a.max_new_tokens, "tie_margin": a.tie_margin,
+              "by_conversation": [{k: v for k, v in asdict(c).items() if k != "output_ids"} for c in convs],
+              "rejects": rejects}
+    if a.out:
+        from hs_patch.files import write_text_atomic
+
+        write_text_atomic(a.out, json.dumps(report, indent=1) + "\n", fsync=True, mode=0o600)
+    return summary
+
+
+def run_args(a: argparse.Namespace) -> int:
+    from hs_patch.host.driver.client import ClientError
+
+    if a.max_new_tokens < 1 or a.concurrency < 1 or a.limit < 0:
+        print("hs-extract accept: --max-new-tokens and --concurrency must be >= 1, --limit >= 0", file=sys.stderr)
+        return EXIT_ERROR
+    try:
+        json.loads(a.chat_template_kwargs)
+    except ValueError:
+        print(f"hs-extract accept: --chat-template-kwargs {a.chat_template_kwargs!r} is not JSON", file=sys.stderr)
+        return EXIT_ERROR
+    bar = _Bar(not a.json and sys.stderr.isatty())
+    try:
+        with bar:
+            s = run(a, bar.update)
+    except (ClientError, ValueError, OSError) as e:
+        print(f"hs-extract accept: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    if a.json:
+        print(json.dumps(s, sort_keys=True))
+    else:
+        st = s["server_settings"]
+        print(f"accept length {s['accept_length']} over {s['measured']} conversations "
+              f"({s['completion_tokens']} tokens in {s['verify_ct']} verify passes) at steps "
+              f"{st['speculative_num_steps']}, topk {st['speculative_eagle_topk']}, draft tokens "
+              f"{st['speculative_num_draft_tokens']}; {s['failed']} failed, {s['rejected_lines']} lines rejected")
+        if "greedy" in s:
+            g = s["greedy"]
+            print(f"greedy: {g['identical']}/{g['compared']} identical to the plain server, {g['near_tie']} "
+                  f"near-ties, {g['mismatch']} mismatches" + (f" (see {a.out})" if a.out and g["mismatch"] else ""))
+    if s["measured"] == 0:
+        return EXIT_ERROR
+    return EXIT_MISMATCH if s.get("greedy", {}).get("mismatch") else EXIT_OK
+
+
+class _Bar:
+    """A rich progress bar on a terminal (conversations, rate, ETA); nothing otherwise."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.progress, self.task = enabled, None, None
+
+    def __enter__(self) -> "_Bar":
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(TextColumn("accept"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                                     transient=True)
+            self.progress.__enter__()
+        return self
+
+    def update(self, done: int, total: int) -> None:
+        if self.progress is not None:
+            if self.task is None:
+                self.task = self.progress.add_task("accept", total=total)
+            self.progress.update(self.task, completed=done)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.progress is not None:
+            self.progress.__exit__(*exc)

@@ -1,0 +1,50 @@
+"""Prefill passes played into the real capture hook as the patched ``deepseek_v2.py`` plays them.
+
+For tests and benchmarks that drive :class:`hs_patch.server.hook.CaptureHook` without the
+SGLang simulation (``lab.sglang_sim``): a forward batch with the fields the hook reads, and
+:func:`play`, which hands the hook every captured layer's residual and what its attention
+read, the final norm's input and output, in the patch's order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+
+from hs_patch.host.model_files import rms_norm
+
+
+class _Mode:
+    name = "EXTEND"
+
+
+class Batch:
+    """The fields of SGLang's ForwardBatch the hook reads: one prefill pass of requests."""
+
+    def __init__(self, lens: Sequence[int], prefix: Optional[Sequence[int]] = None,
+                 full: Optional[Sequence[int]] = None, rids: Optional[Sequence[str]] = None):
+        self.forward_mode = _Mode()
+        self.extend_seq_lens_cpu = list(lens)
+        self.extend_prefix_lens_cpu = list(prefix) if prefix is not None else [0] * len(lens)
+        self.orig_seq_lens = list(full) if full is not None else list(lens)
+        if rids is not None:
+            self.rids = list(rids)
+
+
+def attention_input(x: torch.Tensor) -> torch.Tensor:
+    """What a layer whose input norm weight is all ones reads: ``x`` normalised (as the check derives it)."""
+    return rms_norm(x, torch.ones(x.shape[-1], dtype=x.dtype), 1e-6)
+
+
+def play(hook: Any, batch: Batch, ids: torch.Tensor, layers: Mapping[int, torch.Tensor], pre: torch.Tensor,
+         post: torch.Tensor, *, owned: bool = False) -> None:
+    """One pass: ``layers[i]`` is the residual entering layer i for every captured i (its attention
+    reads it normalised with weight one); ``pre``/``post`` the final norm's input and output."""
+    p = hook.begin(batch, ids)
+    for i in hook.cfg.layers:
+        tee = p.collector(i, None)
+        tee.capture(layers[i], owned=owned)
+        tee.hs_attn_input(attention_input(layers[i]))
+    p.final_prenorm(pre, owned=owned)
+    p.finish(post)
