@@ -17,6 +17,9 @@ UNSUPPORTED = "0.5.8"  # a real release the patch does not know
 # One release per spelling of the edits (a family and its release's own slots), the newest of
 # each: the tests that exercise one code path in depth run on these, the rest on every release.
 REPRESENTATIVES = tuple({(r.family.name, tuple(sorted(r.own.items()))): v for v, r in RELEASES.items()}.values())
+# One release per family, the three hs-patch knew first: for the costliest tests of one code path.
+FAMILY_REPRESENTATIVES = ("0.5.9", "0.5.16", "0.5.23")
+assert sorted(RELEASES[v].family.name for v in FAMILY_REPRESENTATIVES) == sorted({r.family.name for r in RELEASES.values()})
 
 
 # Importing Ansible replaces sys.intern, after which torch._dynamo (loaded by transformers with a
