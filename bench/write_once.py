@@ -64,8 +64,8 @@ class HashCounter:
             self.n += sum(len(memoryview(b).cast("B")) for b in buffers)
             return real_write(fd, buffers, digest)
 
-        def file_sha(path):
-            size, digest = real_file(path)
+        def file_sha(path, **kw):
+            size, digest = real_file(path, **kw)
             self.n += size
             return size, digest
 

@@ -29,6 +29,7 @@ from hs_patch.host.driver.client import HEALTH_PROBE_IDS, RetryPolicy, SGLangCli
 from hs_patch.host.driver.config import DriveConfig
 from hs_patch.host.driver.adopt import same_filesystem
 from hs_patch.host.driver.runstatus import RunStatus, nothing_extracted
+from hs_patch.host.driver.turns import Turns
 from hs_patch.host.driver.sample_steps import (CAPTURE_PARAMS, EXIT_ERROR, EXIT_FAILURES, EXIT_INCOMPLETE,  # noqa: F401
                                         EXIT_OK, EXIT_SIGNAL, SampleSteps)  # (re-exported)
 
@@ -63,6 +64,7 @@ class Driver(SampleSteps):
         self.status = RunStatus(cfg.run, self.state_dir / runstate.STATUS, prometheus=cfg.prometheus or None,
                                 extra=self._status_extra)
         self.bp: Optional[BackPressure] = None
+        self.turns = Turns(cfg.concurrency)  # requests at the server; cfg.awaiting more wait for their samples
         self.shipped: Optional[runstate.ShippedTail] = None
 
     # ------------------------------------------------------------------ control
@@ -243,9 +245,10 @@ class Driver(SampleSteps):
 
     # ------------------------------------------------------------------ feeding
     def _feed(self) -> None:
-        work: queue.Queue = queue.Queue(maxsize=2 * self.cfg.concurrency)
+        n = self.cfg.concurrency + self.cfg.awaiting  # the turns at the server bound what is sent (turns.py)
+        work: queue.Queue = queue.Queue(maxsize=2 * n)
         workers = [threading.Thread(target=self._worker, args=(work,), name=f"hs-drive-{i}", daemon=True)
-                   for i in range(self.cfg.concurrency)]
+                   for i in range(n)]
         for w in workers:
             w.start()
         items = dataset.read(self.cfg.data, self.max_chars)

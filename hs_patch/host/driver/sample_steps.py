@@ -19,6 +19,7 @@ from hs_patch.host.fidelity import check as fidelity
 from hs_patch.host.driver.adopt import AdoptError, adopt
 from hs_patch.host.driver.capture_dir import RawTimeout
 from hs_patch.host.driver.client import ClientError
+from hs_patch.host.driver.turns import Turn, Turns
 from hs_patch.host.fidelity import settings
 from hs_patch.host.fidelity.policy import FidelityMonitor
 from hs_patch.host.model_files import ModelFileError
@@ -32,6 +33,7 @@ class SampleSteps:
 
     checker: Optional[fidelity.FidelityChecker] = None
     monitor: Optional[FidelityMonitor] = None
+    turns: Turns
 
     def _start_fidelity(self) -> None:
         """The production fidelity check: the LM head read by name from the model dir (--no-fidelity-check: off)."""
@@ -169,7 +171,13 @@ class SampleSteps:
                 self.regen_keys.add(key)
             self.ledger.write("regen_turn", sample_id=rec.sample_id, turn=turn, key=key, rid=rid,
                               prompt_tokens=len(prompt))
-            res = self.client.generate(prompt, params, rid, context={"sample_id": rec.sample_id})
+            turn = self.turns.take(self.stop)
+            if turn is None:
+                raise ClientError("stopped before the regeneration request was sent")
+            try:
+                res = self.client.generate(prompt, params, rid, context={"sample_id": rec.sample_id})
+            finally:
+                turn.release()
             meta = res["meta_info"]
             self.ledger.write("regen_done", sample_id=rec.sample_id, turn=turn, rid=rid,
                               completion_tokens=meta.get("completion_tokens"), finish_reason=meta.get("finish_reason"))
@@ -177,6 +185,18 @@ class SampleSteps:
         return out
 
     def _capture(self, rec: dataset.Record, key: str, ids: list[int], mask: list[int], prov: dict[str, str]) -> None:
+        """Send the sample's tokens in a turn at the server (``turns.py``), given back once the server has
+        answered; then wait for the sample, check it and adopt it while the next request has the turn."""
+        turn = self.turns.take(self.stop)
+        if turn is None:
+            return
+        try:
+            self._capture_in_turn(rec, key, ids, mask, prov, turn)
+        finally:
+            turn.release()
+
+    def _capture_in_turn(self, rec: dataset.Record, key: str, ids: list[int], mask: list[int], prov: dict[str, str],
+                         turn: Turn) -> None:
         cfg = self.cfg
         if not self.bp.wait(self.stop):
             return
@@ -207,6 +227,8 @@ class SampleSteps:
             except ClientError as e:
                 self._failed(rec, key, "generate", str(e))
                 return
+            finally:
+                turn.release()  # answered: the next request goes while this sample is written, checked, adopted
             try:
                 entry = self.watcher.wait(key, after, cfg.raw_timeout)
             except RawTimeout:
