@@ -19,7 +19,7 @@ from hs_patch.host.fidelity import check as fidelity
 from hs_patch.host.driver.adopt import AdoptError, adopt
 from hs_patch.host.driver.capture_dir import RawTimeout
 from hs_patch.host.driver.client import ClientError
-from hs_patch.host.driver.turns import Turn, Turns
+from hs_patch.host.driver.turns import Turn
 from hs_patch.host.fidelity import settings
 from hs_patch.host.fidelity.policy import FidelityMonitor
 from hs_patch.host.model_files import ModelFileError
@@ -33,7 +33,6 @@ class SampleSteps:
 
     checker: Optional[fidelity.FidelityChecker] = None
     monitor: Optional[FidelityMonitor] = None
-    turns: Turns
 
     def _start_fidelity(self) -> None:
         """The production fidelity check: the LM head read by name from the model dir (--no-fidelity-check: off)."""
@@ -91,7 +90,8 @@ class SampleSteps:
             self.request_stop(f"stopped after {n} consecutive failures (last: {error}); fix the cause, then run "
                               "the same command again to resume", EXIT_FAILURES)
 
-    def _process(self, rec: dataset.Record) -> None:
+    def _process(self, rec: dataset.Record, turn: Turn) -> None:
+        """One sample, begun in a turn at the server (held while it is tokenized, regenerated and sent)."""
         try:
             ids, mask, prov = self._tokens(rec)
         except dataset.Invalid as e:
@@ -115,7 +115,7 @@ class SampleSteps:
             self.ledger.write("duplicate", sample_id=rec.sample_id, key=key, duplicate_of=first)
             return
         try:
-            self._capture(rec, key, ids, mask, prov)
+            self._capture(rec, key, ids, mask, prov, turn)
         finally:
             with self.keys_lock:
                 self.inflight.pop(key, None)
@@ -171,32 +171,17 @@ class SampleSteps:
                 self.regen_keys.add(key)
             self.ledger.write("regen_turn", sample_id=rec.sample_id, turn=turn, key=key, rid=rid,
                               prompt_tokens=len(prompt))
-            turn = self.turns.take(self.stop)
-            if turn is None:
-                raise ClientError("stopped before the regeneration request was sent")
-            try:
-                res = self.client.generate(prompt, params, rid, context={"sample_id": rec.sample_id})
-            finally:
-                turn.release()
+            res = self.client.generate(prompt, params, rid, context={"sample_id": rec.sample_id})
             meta = res["meta_info"]
             self.ledger.write("regen_done", sample_id=rec.sample_id, turn=turn, rid=rid,
                               completion_tokens=meta.get("completion_tokens"), finish_reason=meta.get("finish_reason"))
             out.append({"role": "assistant", "content": res["text"]})
         return out
 
-    def _capture(self, rec: dataset.Record, key: str, ids: list[int], mask: list[int], prov: dict[str, str]) -> None:
-        """Send the sample's tokens in a turn at the server (``turns.py``), given back once the server has
-        answered; then wait for the sample, check it and adopt it while the next request has the turn."""
-        turn = self.turns.take(self.stop)
-        if turn is None:
-            return
-        try:
-            self._capture_in_turn(rec, key, ids, mask, prov, turn)
-        finally:
-            turn.release()
-
-    def _capture_in_turn(self, rec: dataset.Record, key: str, ids: list[int], mask: list[int], prov: dict[str, str],
-                         turn: Turn) -> None:
+    def _capture(self, rec: dataset.Record, key: str, ids: list[int], mask: list[int], prov: dict[str, str],
+                 turn: Turn) -> None:
+        """Send the sample's tokens in the worker's turn at the server (``turns.py``), given back once the server
+        has answered; then wait for the sample, check it and adopt it while the next request has the turn."""
         cfg = self.cfg
         if not self.bp.wait(self.stop):
             return

@@ -1,9 +1,10 @@
 """Turns at the server: at most ``--concurrency`` of the driver's requests are at the server at once.
 
-The driver's workers outnumber the turns (``--concurrency`` + ``--awaiting``): a worker holds a
-turn while its request is at the server and gives it back as soon as the server has answered,
-then waits for the sample the server's writer produces, checks it and adopts it while the next
-request already has the turn. The writer runs behind the forward passes (its staging buffers let
+The driver's workers outnumber the turns (``--concurrency`` + ``--awaiting``): a worker takes a
+turn before it takes a sample (so samples are prepared and sent in the dataset's order, at most
+``--concurrency`` at once, as before), holds it while the sample is tokenized and its request is at
+the server, and gives it back as soon as the server has answered; then it waits for the sample the
+server's writer produces, checks it and adopts it while the next request already has the turn. The writer runs behind the forward passes (its staging buffers let
 it), so a worker that kept its turn until its sample was written left the server idle meanwhile:
 on the H200 that cut ``hs-extract drive`` to about half the speed of a plain client on the same
 capturing server (issue #22).
