@@ -13,10 +13,11 @@ Rules it keeps: only plain prefill passes (``ForwardMode.EXTEND``), never decode
 while a CUDA graph is being captured or torch.compile traces; one tensor-parallel rank
 writes (under TP every rank holds the full residual stream); what the model computes
 and returns is never changed (captures are copies). On the GPU a captured tensor is
-snapshotted with a device clone on the compute stream (its storage is updated in place
-later), then copied to pinned host memory on a side stream, so the forward pass never
-waits for PCIe or disk; every captured tensor is also fingerprinted there, on the live
-tensor (``fingerprint.py``), for the driver's check of every plane. A background writer
+snapshotted into one of the device buffers made at start (``device_ring.py``; its storage is
+updated in place later) on the compute stream, then copied to pinned host memory on a side
+stream, so the forward pass never waits for PCIe or disk and allocates nothing sized by the
+pass; every captured tensor is also fingerprinted there, on the live tensor
+(``fingerprint.py``), for the driver's check of every plane. A background writer
 (``writer.py``) writes the files. When all staging buffers are busy the forward pass waits
 (back-pressure, logged); past HS_CAPTURE_STALL_SECONDS, or if the writer stopped (a failed
 write, or its coordinator thread ended), the server fails loudly with the cause. Nothing is
@@ -153,7 +154,8 @@ class CaptureHook:
         self.writer = Writer(cfg.directory, self.planes, meta, workers=cfg.writers,
                              skip_rid_prefix=cfg.skip_rid_prefix, fsync=not _on_tmpfs(cfg.directory),
                              extra_status=lambda: {"waits": self.waits, "wait_seconds": round(self.wait_seconds, 3),
-                                                   "free_slots": self._free.qsize(), "cleaned_at_start": self.cleaned})
+                                                   "free_slots": self._free.qsize(), "cleaned_at_start": self.cleaned,
+                                                   "host_bytes_at_start": self.host_bytes, "gpu": self._gpu_status()})
 
     # ------------------------------------------------------------------ per pass
     def begin(self, forward_batch: Any, input_ids: Optional[torch.Tensor]) -> Optional[Pass]:
@@ -236,6 +238,15 @@ class CaptureHook:
         self.waits += 1
         self.wait_seconds += time.monotonic() - t0
         return slot
+
+    def _gpu_status(self) -> Optional[dict[str, int]]:
+        """The writing rank's GPU memory (PyTorch's allocator: this process, every allocation, SGLang's too)."""
+        if self._ring is None:
+            return None
+        d = self._ring.device
+        return {"made_at_start": self.device_bytes, "allocated": torch.cuda.memory_allocated(d),
+                "max_allocated": torch.cuda.max_memory_allocated(d), "reserved": torch.cuda.memory_reserved(d),
+                "max_reserved": torch.cuda.max_memory_reserved(d)}
 
     def ring(self, device: torch.device) -> DeviceRing:
         """The device buffers captured tensors are snapshotted into (made at start on the model's GPU)."""

@@ -47,7 +47,7 @@ def _plain(server: Server, prompts: list[list[int]], concurrency: int, tag: str)
 
 
 def _drive(a: argparse.Namespace, server: Server, model_dir: str, dump: Path, prompts: list[list[int]],
-           rnd: int, tag: str) -> dict:
+           rnd: int, tag: str, extra: tuple[str, ...] = ()) -> dict:
     work = Path(a.work) / f"extract-{tag}-r{rnd}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -57,7 +57,7 @@ def _drive(a: argparse.Namespace, server: Server, model_dir: str, dump: Path, pr
     cmd = [sys.executable, "-m", "hs_patch.host.extract_cli", "drive", "--run", f"proof-{tag}-r{rnd}",
            "--data", str(data), "--model", model_dir, "--server", server.url, "--capture-dir", str(dump),
            "--state-dir", str(work / "state"), "--samples-dir", str(samples), "--concurrency", str(a.concurrency),
-           "--max-tokens", str(max(len(p) for p in prompts)), "--raw-timeout", "600", "--server-wait", "120"]
+           "--max-tokens", str(max(len(p) for p in prompts)), "--raw-timeout", "600", "--server-wait", "120", *extra]
     t = time.perf_counter()
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=server.env)
     wall = time.perf_counter() - t
