@@ -201,7 +201,7 @@ def dtype_name(t: "torch.Tensor") -> str:
 # Hash and write this much per call. Each call releases the GIL and must take it back after, and
 # inside SGLang the writer's threads share the GIL with the scheduler thread: taking it back costs
 # up to the interpreter's switch interval (5 ms) while the scheduler runs Python, so 1 MiB steps
-# held the writer to a fraction of its speed there (bench/writer_ceiling.py, RESULTS.md section 11).
+# held the writer to a fraction of its speed there (bench/writer_ceiling.py, bench/RESULTS.md section 11).
 # Per byte the CPU cost is the same at 1 MiB and at 64 MiB (sha256 dominates; reading a buffer
 # twice costs nothing measurable), so the steps are large: a 117 MB plane is two calls of each.
 STEP = 64 << 20
