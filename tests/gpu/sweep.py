@@ -29,16 +29,13 @@ import argparse
 import json
 import random
 import shutil
-import statistics
 import threading
-import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from common import REC, Server, hs_patch_cli, pristine_copy, wait_for_samples
-from extract import ROWS, _drive, _plain
+from common import REC, Server, hs_patch_cli, pristine_copy
+from extract import ROWS, end_round, medians, run_row
 
-from hs_patch import store
 from hs_patch.server.config import default_layers
 
 BYTES_PER_TOKEN = {7168: 71_945}  # the default capture at Kimi's width (hs_patch/server/config.py)
@@ -167,46 +164,19 @@ def _depth(a: argparse.Namespace, model_dir: str, layers: int, index: int, prist
             secs: dict[str, float] = {}
             for row in order:
                 with GpuMemory() as mem:
-                    if row == "pristine":
-                        secs[row] = _plain(servers["pristine"], prompts, a.concurrency, f"sw-{rnd}-p")
-                    elif row == "capture":
-                        t = time.perf_counter()
-                        _plain(servers["capture"], prompts, a.concurrency, f"sw-{rnd}-c")
-                        wait_for_samples(dump, {store.sample_key(p) for p in prompts}, timeout=600)
-                        secs[row] = time.perf_counter() - t
-                    else:
-                        d = _drive(a, servers["capture"], model_dir, dump, prompts, rnd, tag, drive_extra)
-                        secs[row] = d["active_s"]
-                        res["driver"].setdefault("runs", []).append(d)
-                if row != "driver":
-                    for f in dump.glob("*.safetensors"):  # keep /dev/shm small between rows
-                        f.unlink()
+                    secs[row] = run_row(a, row, servers, model_dir, dump, prompts, rnd, tag, res, drive_extra)
                 growth = mem.growth()
                 if growth is not None:
                     key = "pristine" if row == "pristine" else "capture"
                     res["memory"][f"{key}_growth_max"] = max(res["memory"].get(f"{key}_growth_max", 0), growth)
-            if rnd:
-                res["order"].append(order)
-                for row in ROWS:
-                    res[row]["tok_s"].append(total / secs[row])
-            hook = dump / "hook_status.json"
-            res["hook_status"] = json.loads(hook.read_text()) if hook.exists() else None
-            REC.log(f"sweep {tag} round {rnd} ({'warm-up, ' if not rnd else ''}order {','.join(order)}): "
-                    + ", ".join(f"{r} {total / secs[r]:.0f}" for r in order) + " tok/s; hook waits "
-                    + str((res["hook_status"] or {}).get("waits")))
-            REC.save()
+            end_round(res, f"sweep {tag}", rnd, order, total, secs, dump)
     finally:
         for s in servers.values():
             s.stop()
         shutil.rmtree(dump, ignore_errors=True)
-    per_token = BYTES_PER_TOKEN.get(hidden, planes * hidden * 2)
-    res["state_bytes_per_token"] = per_token
-    res["ratios_per_round"] = {f"{r}/pristine": [x / y for x, y in zip(res[r]["tok_s"], res["pristine"]["tok_s"])]
-                               for r in ("capture", "driver")}
-    res["ratios"] = {k: statistics.median(v) for k, v in res["ratios_per_round"].items()}
-    for r in ROWS:
-        res[r]["median_tok_s"] = statistics.median(res[r]["tok_s"])
-    res["engine_GBps_of_states"] = res["pristine"]["median_tok_s"] * per_token / 1e9
+    medians(res)
+    res["state_bytes_per_token"] = BYTES_PER_TOKEN.get(hidden, planes * hidden * 2)
+    res["engine_GBps_of_states"] = res["pristine"]["median_tok_s"] * res["state_bytes_per_token"] / 1e9
     REC.save()
     return res
 
