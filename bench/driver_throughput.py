@@ -10,8 +10,15 @@ GPU host, independent of how slow the CPU stand-in model is).
 What the driver costs per GB at Kimi-K2.5 size (adopting a sample the hook wrote):
 bench/write_once.py part 2.
 
+The driver's pipeline (issue #22): ``--settle-delay-ms D`` makes the stand-in's writer settle each
+pass D ms later, one pass after another (a writer slower than the engine, as on the H200 at 8
+layers), and ``--awaiting 0,32`` runs the driver with each: 0 is the driver before #22 (a request
+kept its place at the server until its sample was adopted), 32 the default (the next request goes
+once the server has answered).
+
     python3 bench/driver_throughput.py                      # defaults below, dirs on /dev/shm
     python3 bench/driver_throughput.py --samples 300 --concurrency 1,4,8 --json out.json
+    python3 bench/driver_throughput.py --concurrency 8 --awaiting 0,32 --settle-delay-ms 60
 """
 
 from __future__ import annotations
@@ -45,16 +52,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def part_a(base: Path, samples: int, words: int, concurrencies: list[int], hidden: int) -> list[dict]:
+def part_a(base: Path, samples: int, words: int, concurrencies: list[int], hidden: int, awaiting: list[int],
+           settle_ms: float) -> list[dict]:
     model = make_tiny_model_dir(base / "model", hidden=hidden)
     data = base / "bench.jsonl"
     ids = write_chats(data, samples, words=words)
     out = []
-    for conc in concurrencies:
-        run = base / f"c{conc}"
+    for conc, wait in [(c, w) for c in concurrencies for w in awaiting]:
+        run = base / f"c{conc}-a{wait}"
         port = free_port()
         server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "lab" / "standin_server.py"), "--model", str(model),
-                                   "--port", str(port), "--capture-dir", str(run / "capture"), "--threads", "1"],
+                                   "--port", str(port), "--capture-dir", str(run / "capture"), "--threads", "1",
+                                   "--settle-delay-ms", str(settle_ms)],
                                   stdout=open(base / "server.log", "ab"), stderr=subprocess.STDOUT)
         try:
             for _ in range(300):
@@ -65,7 +74,8 @@ def part_a(base: Path, samples: int, words: int, concurrencies: list[int], hidde
                     time.sleep(0.2)
             cfg = DriveConfig(run=f"bench{conc}", data=[str(data)], model=str(model),
                               server=f"http://127.0.0.1:{port}", capture_dir=str(run / "capture"),
-                              state_dir=str(run / "state"), samples_dir=str(run / "samples"), concurrency=conc)
+                              state_dir=str(run / "state"), samples_dir=str(run / "samples"), concurrency=conc,
+                              awaiting=wait)
             cpu0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
             summary = Driver(cfg).run()
             wall = time.perf_counter() - t0
@@ -78,7 +88,8 @@ def part_a(base: Path, samples: int, words: int, concurrencies: list[int], hidde
         assert_complete(run / "samples", run / "capture", ids)
         st = summary.status
         cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
-        row = {"concurrency": conc, "samples": samples, "wall_s": round(wall, 2),
+        row = {"concurrency": conc, "awaiting": wait, "settle_delay_ms": settle_ms, "samples": samples,
+               "wall_s": round(wall, 2),
                "samples_per_s": round(samples / wall, 1), "tokens_per_s": round(st["tokens"]["done_now"] / wall),
                "final_MB_per_s": round(st["bytes_written"] / wall / 1e6, 2),
                "tokens_per_sample": round(st["tokens"]["done_now"] / samples),
@@ -96,13 +107,16 @@ def main() -> None:
     ap.add_argument("--words", type=int, default=60, help="words per turn of the generated chats")
     ap.add_argument("--concurrency", default="1,4,8")
     ap.add_argument("--hidden", type=int, default=64, help="hidden size of the stand-in's tiny model")
+    ap.add_argument("--awaiting", default="32", help="comma-separated hs-extract drive --awaiting values")
+    ap.add_argument("--settle-delay-ms", type=float, default=0.0, help="the stand-in's writer settles each pass "
+                    "this much later (a writer slower than the engine)")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="hs-bench-driver-", dir=a.dir, ignore_cleanup_errors=True) as tmp:
         res = {"cpu_count": os.cpu_count(),
                "end_to_end": part_a(Path(tmp), a.samples, a.words, [int(x) for x in a.concurrency.split(",")],
-                                    a.hidden)}
+                                    a.hidden, [int(x) for x in a.awaiting.split(",")], a.settle_delay_ms)}
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
 

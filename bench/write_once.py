@@ -6,7 +6,9 @@ tokens prefilled in 1, 2, 8 and 16 chunks (each chunk one pass, with SGLang's
 ``orig_seq_lens``), with the driver's intents in place. Measured from the process's own
 I/O counters (/proc/self/io: ``wchar`` = bytes handed to write/pwrite, ``rchar`` = bytes
 read) and from the sha256 calls: bytes written, bytes hashed and bytes read back, each
-divided by the bytes of states (planes x hidden x 2 per token). Target: written 1.00.
+divided by the bytes of states (planes x hidden x 2 per token). Target: written 1.00. A chunked
+prompt's one hashing read maps its file (issue #22: one GIL hand-over per 256 MiB), so ``rchar``
+no longer counts it: it is in the hashed bytes (1.00 per file byte, whatever the chunks).
 
 Part 2 (driver CPU per GB): samples of Kimi-K2.5 width (hidden 7168) written by the hook
 with intents, then adopted by the driver's real code (``CaptureWatcher`` + ``adopt``: a
@@ -64,8 +66,8 @@ class HashCounter:
             self.n += sum(len(memoryview(b).cast("B")) for b in buffers)
             return real_write(fd, buffers, digest)
 
-        def file_sha(path):
-            size, digest = real_file(path)
+        def file_sha(path, **kw):
+            size, digest = real_file(path, **kw)
             self.n += size
             return size, digest
 

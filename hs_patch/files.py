@@ -23,6 +23,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import mmap
 import os
 import threading
 from pathlib import Path
@@ -106,11 +107,31 @@ def write_text_atomic(path: str | os.PathLike, text: str, *, fsync: bool = False
     write_atomic(path, text.encode("utf-8"), fsync=fsync, mode=mode)
 
 
-def file_sha256(path: str | os.PathLike) -> tuple[int, str]:
-    """(size, sha256) of a file, read in 8 MiB blocks."""
+MAPPED_STEP = 256 << 20  # bytes hashed per call when mapped
+
+
+def file_sha256(path: str | os.PathLike, *, mapped: bool = False) -> tuple[int, str]:
+    """(size, sha256) of a file, read in 8 MiB blocks (each block hashed while it is in the CPU cache).
+
+    ``mapped``: hashed in place through mmap, 256 MiB per call: about 10% more CPU than reading
+    (page faults), but two GIL hand-overs per 8 MiB block become one per 256 MiB, which is what
+    counts inside SGLang, where the capture writer's threads share the GIL with the scheduler
+    (bench/writer_ceiling.py). Only for a file no other process can truncate meanwhile (a
+    mapped page past a new end is a SIGBUS): the writer's own temporary files."""
     h = hashlib.sha256()
-    size = 0
     with open(path, "rb", buffering=0) as f:
+        if mapped:
+            size = os.fstat(f.fileno()).st_size
+            if size:
+                with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as m:
+                    view = memoryview(m)
+                    try:
+                        for start in range(0, size, MAPPED_STEP):
+                            h.update(view[start:start + MAPPED_STEP])
+                    finally:
+                        view.release()
+            return size, h.hexdigest()
+        size = 0
         buf = bytearray(8 << 20)
         view = memoryview(buf)
         while n := f.readinto(buf):

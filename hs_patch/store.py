@@ -198,16 +198,21 @@ def dtype_name(t: "torch.Tensor") -> str:
     return name
 
 
-CHUNK = 1 << 20  # hash and write 1 MiB at a time: the bytes are read from memory once
+# Hash and write this much per call. Each call releases the GIL and must take it back after, and
+# inside SGLang the writer's threads share the GIL with the scheduler thread: taking it back costs
+# up to the interpreter's switch interval (5 ms) while the scheduler runs Python, so 1 MiB steps
+# held the writer to a fraction of its speed there (bench/writer_ceiling.py, bench/RESULTS.md section 11).
+# Per byte the CPU cost is the same at 1 MiB and at 64 MiB (sha256 dominates; reading a buffer
+# twice costs nothing measurable), so the steps are large: a 117 MB plane is two calls of each.
+STEP = 64 << 20
 
 
 def _write_hashed(fd: int, buffers: list[Any], digest: Any) -> None:
-    """Write every buffer to ``fd`` and feed it to ``digest``, chunk by chunk, so each chunk
-    is hashed while it is still in the CPU cache (about twice as fast as two passes)."""
+    """Write every buffer to ``fd`` and feed it to ``digest``, ``STEP`` bytes per call."""
     for buf in buffers:
         view = memoryview(buf).cast("B")
-        for start in range(0, len(view), CHUNK):
-            chunk = view[start:start + CHUNK]
+        for start in range(0, len(view), STEP):
+            chunk = view[start:start + STEP]
             digest.update(chunk)
             write_all(fd, chunk)
 

@@ -31,7 +31,14 @@ ENV_DOCS = (
     ("HS_CAPTURE_SLOT_TOKENS", "--chunked-prefill-size", "Tokens one staging buffer holds; every buffer is "
      "allocated (pinned) at startup and a larger pass fails loudly. Default: the server's chunked-prefill size, "
      "the most tokens SGLang puts in one prefill pass."),
-    ("HS_CAPTURE_WRITERS", "4", "Writer threads that write and sha256-hash sample files."),
+    ("HS_CAPTURE_DEVICE_BUFFERS", "2", "Device buffers of HS_CAPTURE_SLOT_TOKENS rows on the writing rank's GPU, "
+     "made at startup (before SGLang sizes its KV cache): each captured tensor is copied into the next one on the "
+     "compute stream, then to a staging buffer on a side stream, so nothing sized by the pass is allocated on the "
+     "forward path. GPU memory: N x slot tokens x hidden x 2 bytes (2 x 8192 x 7168 x 2 = 235 MB). The forward "
+     "pass waits, on the GPU, only when a buffer's copy to the host (about 2 ms for 117 MB) has not ended by the "
+     "time its turn comes again."),
+    ("HS_CAPTURE_WRITERS", "8", "Writer threads that write and sha256-hash sample files (about 0.85 GB/s of "
+     "states a busy core; the writer's ceiling: docs/capture.md)."),
     ("HS_CAPTURE_STALL_SECONDS", "120", "How long a forward pass may wait for a free staging buffer before the "
      "server fails loudly instead of waiting on; must stay below SGLang's --watchdog-timeout (300)."),
     ("HS_CAPTURE_SKIP_RID_PREFIX", "nocap-", "Requests whose id starts with this are not captured (releases with "
@@ -58,7 +65,8 @@ class CaptureConfig:
     final: str = "both"
     slots: int = 3
     slot_tokens: int = 0  # 0: the server's --chunked-prefill-size (hook.attach)
-    writers: int = 4
+    device_buffers: int = 2
+    writers: int = 8
     stall_seconds: float = 120.0
     skip_rid_prefix: str = "nocap-"
     rank: int = 0
@@ -144,7 +152,8 @@ def from_env(env: Mapping[str, str] | None = None) -> CaptureConfig:
         final=final,
         slots=_int(env, "HS_CAPTURE_SLOTS", 3, 1),
         slot_tokens=_int(env, "HS_CAPTURE_SLOT_TOKENS", 0, 1),
-        writers=_int(env, "HS_CAPTURE_WRITERS", 4, 1),
+        device_buffers=_int(env, "HS_CAPTURE_DEVICE_BUFFERS", 2, 1),
+        writers=_int(env, "HS_CAPTURE_WRITERS", 8, 1),
         stall_seconds=stall_seconds,
         skip_rid_prefix=env.get("HS_CAPTURE_SKIP_RID_PREFIX", "nocap-"),
         rank=_int(env, "HS_CAPTURE_RANK", 0, 0),

@@ -13,10 +13,11 @@ Rules it keeps: only plain prefill passes (``ForwardMode.EXTEND``), never decode
 while a CUDA graph is being captured or torch.compile traces; one tensor-parallel rank
 writes (under TP every rank holds the full residual stream); what the model computes
 and returns is never changed (captures are copies). On the GPU a captured tensor is
-snapshotted with a device clone on the compute stream (its storage is updated in place
-later), then copied to pinned host memory on a side stream, so the forward pass never
-waits for PCIe or disk; every captured tensor is also fingerprinted there, on the live
-tensor (``fingerprint.py``), for the driver's check of every plane. A background writer
+snapshotted into one of the device buffers made at start (``device_ring.py``; its storage is
+updated in place later) on the compute stream, then copied to pinned host memory on a side
+stream, so the forward pass never waits for PCIe or disk and allocates nothing sized by the
+pass; every captured tensor is also fingerprinted there, on the live tensor
+(``fingerprint.py``), for the driver's check of every plane. A background writer
 (``writer.py``) writes the files. When all staging buffers are busy the forward pass waits
 (back-pressure, logged); past HS_CAPTURE_STALL_SECONDS, or if the writer stopped (a failed
 write, or its coordinator thread ended), the server fails loudly with the cause. Nothing is
@@ -42,6 +43,7 @@ from hs_patch.server import config as capture_config
 from hs_patch.server import checks as server_checks
 from hs_patch import files, serving, store
 from hs_patch.server import fingerprint, leftovers
+from hs_patch.server.device_ring import DeviceRing
 from hs_patch.server.passes import Pass, Slot
 from hs_patch.server.writer import Writer, skipped
 
@@ -82,11 +84,15 @@ def attach(model: torch.nn.Module, config: Any, release: str) -> Optional["Captu
         "num_hidden_layers": str(int(config.num_hidden_layers)),
     }
     meta.update(_serving_ids(release, cfg.layers, int(config.num_hidden_layers), meta["architecture"]))
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     hook = CaptureHook(cfg, hidden_size=int(config.hidden_size), metadata=meta, dtype=torch.get_default_dtype(),
-                       pinned=torch.cuda.is_available())
+                       pinned=device is not None, device=device)
     _register(hook)
-    log.info("hs_patch: capturing layers %s + final=%s into %s (rank %d of %d)",
-             list(cfg.layers), cfg.final, cfg.directory, settings["tp_rank"], settings["tp_size"])
+    log.info("hs_patch: capturing layers %s + final=%s into %s (rank %d of %d); made at start: %.2f GB of pinned "
+             "host staging (%d x %d tokens) and %.2f GB on %s (%d device buffers + fingerprints), nothing on the "
+             "forward path", list(cfg.layers), cfg.final, cfg.directory, settings["tp_rank"], settings["tp_size"],
+             hook.host_bytes / 1e9, cfg.slots, cfg.slot_tokens, hook.device_bytes / 1e9, device,
+             cfg.device_buffers)
     return hook
 
 
@@ -103,7 +109,7 @@ class CaptureHook:
     """One per captured model; owns the staging buffers, the copy stream and the writer."""
 
     def __init__(self, cfg: capture_config.CaptureConfig, *, hidden_size: int, metadata: dict[str, str],
-                 dtype: torch.dtype = torch.bfloat16, pinned: bool = False):
+                 dtype: torch.dtype = torch.bfloat16, pinned: bool = False, device: Optional[torch.device] = None):
         self.cfg = cfg
         fingerprint.check_hidden(hidden_size)
         self._lock_fd = _lock_capture_dir(cfg.directory)
@@ -121,8 +127,14 @@ class CaptureHook:
             raise capture_config.ConfigError("HS_CAPTURE_SLOT_TOKENS must be >= 1 (or unset: the server's "
                                              "--chunked-prefill-size)")
         itemsize = torch.empty((), dtype=dtype, device="cpu").element_size()
-        for _ in range(cfg.slots):  # all staging memory now: never an allocation on the forward path
-            self._free.put(Slot(cfg.slot_tokens, len(self.planes), len(self.streams), hidden_size, itemsize, pinned))
+        slots = [Slot(cfg.slot_tokens, len(self.planes), len(self.streams), hidden_size, itemsize, pinned, device)
+                 for _ in range(cfg.slots)]  # all staging memory now: never an allocation on the forward path
+        for slot in slots:
+            self._free.put(slot)
+        self._ring = None if device is None else \
+            DeviceRing(cfg.device_buffers, cfg.slot_tokens, hidden_size, itemsize, device)
+        self.host_bytes = sum(slot.host_bytes for slot in slots)
+        self.device_bytes = (self._ring.nbytes if self._ring else 0) + sum(slot.device_bytes for slot in slots)
         self._streams: dict[Any, torch.cuda.Stream] = {}
         self._current: Optional[Pass] = None
         self.waits = 0
@@ -142,7 +154,8 @@ class CaptureHook:
         self.writer = Writer(cfg.directory, self.planes, meta, workers=cfg.writers,
                              skip_rid_prefix=cfg.skip_rid_prefix, fsync=not _on_tmpfs(cfg.directory),
                              extra_status=lambda: {"waits": self.waits, "wait_seconds": round(self.wait_seconds, 3),
-                                                   "free_slots": self._free.qsize(), "cleaned_at_start": self.cleaned})
+                                                   "free_slots": self._free.qsize(), "cleaned_at_start": self.cleaned,
+                                                   "host_bytes_at_start": self.host_bytes, "gpu": self._gpu_status()})
 
     # ------------------------------------------------------------------ per pass
     def begin(self, forward_batch: Any, input_ids: Optional[torch.Tensor]) -> Optional[Pass]:
@@ -225,6 +238,23 @@ class CaptureHook:
         self.waits += 1
         self.wait_seconds += time.monotonic() - t0
         return slot
+
+    def _gpu_status(self) -> Optional[dict[str, int]]:
+        """The writing rank's GPU memory (PyTorch's allocator: this process, every allocation, SGLang's too)."""
+        if self._ring is None:
+            return None
+        d = self._ring.device
+        return {"made_at_start": self.device_bytes, "allocated": torch.cuda.memory_allocated(d),
+                "max_allocated": torch.cuda.max_memory_allocated(d), "reserved": torch.cuda.memory_reserved(d),
+                "max_reserved": torch.cuda.max_memory_reserved(d)}
+
+    def ring(self, device: torch.device) -> DeviceRing:
+        """The device buffers captured tensors are snapshotted into (made at start on the model's GPU)."""
+        if self._ring is None or self._ring.device != device:
+            raise RuntimeError(f"hs_patch: a captured state is on {device}, the capture's device buffers were made on "
+                               f"{None if self._ring is None else self._ring.device} at start (the current CUDA device "
+                               "when the model was built); please report this with the server's flags")
+        return self._ring
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
         s = self._streams.get(device)

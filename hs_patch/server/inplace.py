@@ -73,7 +73,7 @@ class InPlaceSample:
             raise
         os.close(self.fd)
         self.fd = -1
-        size, digest = file_sha256(self.path)
+        size, digest = file_sha256(self.path, mapped=True)  # our own file: nobody truncates it
         if size != offset:
             self.path.unlink(missing_ok=True)
             raise store.SampleError(f"{self.path}: {size} bytes on disk, {offset} written")

@@ -2,10 +2,12 @@
 
 :class:`hs_patch.server.hook.CaptureHook` begins a :class:`Pass` per captured prefill pass.
 Each captured tensor is fingerprinted on the live tensor (:mod:`hs_patch.server.fingerprint`)
-and copied to the pass's pinned staging slot: on the GPU it is snapshotted with a device clone
-on the compute stream (its storage is updated in place later) and copied to host memory on a
-side stream, so the forward pass never waits for PCIe or disk. ``finish`` hands the pass to the
-writer once every plane and every fingerprint stream is in.
+and copied to the pass's pinned staging slot: on the GPU it is snapshotted into one of the
+device buffers made at start (:mod:`hs_patch.server.device_ring`; its storage is updated in place
+later) on the compute stream and copied from there to host memory on a side stream, so the
+forward pass never waits for PCIe or disk and allocates nothing sized by the pass; on the CPU it
+is copied into the slot at once. ``finish`` hands the pass to the writer once every plane and
+every fingerprint stream is in.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ if TYPE_CHECKING:  # pragma: no cover
 class Slot:
     """Host staging memory for one pass, allocated once at startup (pinned on a GPU host): int64 ids and
     int32 prompt lengths for ``capacity`` tokens, one [capacity, H] buffer per plane, and the fingerprints
-    [streams, capacity, BLOCKS] fp32 (with a device twin made at the slot's first GPU pass, then reused)."""
+    [streams, capacity, BLOCKS] fp32, with their device twin on ``device`` (the GPU's, made now too)."""
 
-    def __init__(self, capacity: int, nplanes: int, nstreams: int, hidden: int, itemsize: int, pinned: bool):
+    def __init__(self, capacity: int, nplanes: int, nstreams: int, hidden: int, itemsize: int, pinned: bool,
+                 device: Optional[torch.device] = None):
         self.capacity, self.hidden, self.itemsize = capacity, hidden, itemsize
         # device="cpu" always: SGLang builds the model inside `with torch.device("cuda")`
         self.ids = torch.empty(capacity, dtype=torch.int64, device="cpu", pin_memory=pinned)
@@ -35,7 +38,9 @@ class Slot:
                      for _ in range(nplanes)]
         self.fp = torch.empty(nstreams, capacity, fingerprint.BLOCKS, dtype=torch.float32, device="cpu",
                               pin_memory=pinned)
-        self.fp_device: Optional[torch.Tensor] = None
+        self.fp_device = None if device is None else torch.empty(self.fp.shape, dtype=torch.float32, device=device)
+        self.host_bytes = sum(t.numel() * t.element_size() for t in (self.ids, self.lens, self.fp, *self._raw))
+        self.device_bytes = 0 if self.fp_device is None else self.fp_device.numel() * 4
 
     def plane(self, idx: int, like: torch.Tensor, tokens: int) -> torch.Tensor:
         """Plane ``idx``'s first ``tokens`` rows, viewed with ``like``'s dtype."""
@@ -46,9 +51,11 @@ class Slot:
         return self._raw[idx][: tokens * self.hidden * self.itemsize].view(like.dtype).view(tokens, self.hidden)
 
     def fingerprints_on(self, device: torch.device) -> torch.Tensor:
-        """Where a GPU pass computes its fingerprints: the slot's device buffer (made once)."""
+        """Where a GPU pass computes its fingerprints: the slot's device buffer (made at start)."""
         if self.fp_device is None or self.fp_device.device != device:
-            self.fp_device = torch.empty(self.fp.shape, dtype=torch.float32, device=device)
+            raise RuntimeError(f"hs_patch: a captured state is on {device}, the capture's device buffers were made "
+                               f"on {None if self.fp_device is None else self.fp_device.device} at start (the current "
+                               "CUDA device when the model was built); please report this with the server's flags")
         return self.fp_device
 
 
@@ -94,7 +101,6 @@ class Pass:
         self.fingerprinted = [False] * len(hook.streams)
         self.like: list[Optional[torch.Tensor]] = [None] * len(hook.planes)
         self.cuda: Optional[torch.device] = None
-        self.deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def copy_ids(self, ids: torch.Tensor, full: Any) -> None:
         """Copy the token ids and each request's whole prompt length (device tensors on a GPU)."""
@@ -139,6 +145,8 @@ class Pass:
         fingerprint.block_sums(t, out[stream, : self.tokens])
 
     def put(self, idx: int, t: torch.Tensor, owned: bool) -> None:
+        """Plane ``idx`` of this pass. ``owned`` (SGLang made this copy for us) changes nothing: every captured
+        tensor is copied into memory made at start, so an owned one's memory is free again at once."""
         if self.done[idx]:
             raise RuntimeError(f"hs_patch: {self.hook.planes[idx]} captured twice in one pass")
         self._check_shape(self.hook.planes[idx], t)
@@ -146,15 +154,16 @@ class Pass:
         self.like[idx] = t
         self.fingerprint(idx, t)  # a plane's stream index is its plane index
         dst = self.slot.plane(idx, t, self.tokens)
-        if t.is_cuda:
+        if t.is_cuda:  # snapshot now (SGLang updates its residual in place later), into memory made at start
+            ring = self.hook.ring(t.device)
+            k, src = ring.snapshot(t)  # owned (SGLang's own clone) or not: its memory is free again at once
             stream = self.hook.stream(t.device)
-            src = t if owned else t.clone()  # snapshot now: SGLang updates its residual in place later
             stream.wait_stream(torch.cuda.current_stream(t.device))
             with torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=True)
-            src.record_stream(stream)  # keep src's memory until the copy has run
-        else:  # CPU (tests, benchmarks): copy at finish(), like the asynchronous GPU copy would
-            self.deferred.append((dst, t if owned else t.clone()))
+            ring.read_by(k, stream)  # buffer k is written again only after this copy
+        else:  # CPU (tests, the stand-in, benchmarks): the copy into the slot is the snapshot
+            dst.copy_(t)
 
     def final_prenorm(self, t: torch.Tensor, owned: bool = False) -> None:
         hook = self.hook
@@ -179,8 +188,6 @@ class Pass:
         except BaseException:
             hook._free.put(self.slot)
             raise
-        for dst, src in self.deferred:
-            dst.copy_(src)
         n = self.tokens
         slot = self.slot
         wait = None

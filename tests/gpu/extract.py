@@ -47,7 +47,7 @@ def _plain(server: Server, prompts: list[list[int]], concurrency: int, tag: str)
 
 
 def _drive(a: argparse.Namespace, server: Server, model_dir: str, dump: Path, prompts: list[list[int]],
-           rnd: int, tag: str) -> dict:
+           rnd: int, tag: str, extra: tuple[str, ...] = ()) -> dict:
     work = Path(a.work) / f"extract-{tag}-r{rnd}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -57,7 +57,7 @@ def _drive(a: argparse.Namespace, server: Server, model_dir: str, dump: Path, pr
     cmd = [sys.executable, "-m", "hs_patch.host.extract_cli", "drive", "--run", f"proof-{tag}-r{rnd}",
            "--data", str(data), "--model", model_dir, "--server", server.url, "--capture-dir", str(dump),
            "--state-dir", str(work / "state"), "--samples-dir", str(samples), "--concurrency", str(a.concurrency),
-           "--max-tokens", str(max(len(p) for p in prompts)), "--raw-timeout", "600", "--server-wait", "120"]
+           "--max-tokens", str(max(len(p) for p in prompts)), "--raw-timeout", "600", "--server-wait", "120", *extra]
     t = time.perf_counter()
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=server.env)
     wall = time.perf_counter() - t
@@ -114,45 +114,62 @@ def extraction(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
                     [a.tokens] * max(0, a.warmup_prompts - min(2, a.long_prompts))
             prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
             total = sum(lengths)
-            secs = {}
-            for row in order:
-                if row == "pristine":
-                    secs[row] = _plain(servers["pristine"], prompts, a.concurrency, f"ex-{rnd}-p")
-                elif row == "capture":
-                    t = time.perf_counter()
-                    _plain(servers["capture"], prompts, a.concurrency, f"ex-{rnd}-c")
-                    wait_for_samples(dump, {store.sample_key(p) for p in prompts}, timeout=600)
-                    secs[row] = time.perf_counter() - t
-                    for f in dump.glob("*.safetensors"):  # keep /dev/shm small between rows
-                        f.unlink()
-                else:
-                    d = _drive(a, servers["capture"], model_dir, dump, prompts, rnd, tag)
-                    secs[row] = d["active_s"]
-                    res["driver"].setdefault("runs", []).append(d)
-            if rnd:
-                res["order"].append(order)
-                for row in ROWS:
-                    res[row]["tok_s"].append(total / secs[row])
-            hook = dump / "hook_status.json"  # after every round: a call cut at its time limit keeps it
-            res["hook_status"] = json.loads(hook.read_text()) if hook.exists() else None
-            REC.log(f"extract {tag} round {rnd} ({'warm-up, ' if not rnd else ''}order {','.join(order)}): "
-                    + ", ".join(f"{r} {total / secs[r]:.0f}" for r in ROWS) + " tok/s; hook waits "
-                    + str((res["hook_status"] or {}).get("waits")))
-            REC.save()
+            secs = {row: run_row(a, row, servers, model_dir, dump, prompts, rnd, tag, res) for row in order}
+            end_round(res, f"extract {tag}", rnd, order, total, secs, dump)
     finally:
         for s in servers.values():
             s.stop()
         shutil.rmtree(dump, ignore_errors=True)
+    driver_wall = [total_s["wall_s"] for total_s in res["driver"].get("runs", [])[1:]]
+    res["driver_wall_s"] = driver_wall
+    medians(res)
+    return res
+
+
+def run_row(a: argparse.Namespace, row: str, servers: dict[str, Server], model_dir: str, dump: Path,
+            prompts: list[list[int]], rnd: int, tag: str, res: dict, drive_extra: tuple[str, ...] = ()) -> float:
+    """Seconds of one row: the plain client on pristine; on the capturing server until every sample is in
+    its manifest; or hs-extract drive's active time (its run recorded under res["driver"]["runs"])."""
+    if row == "driver":
+        d = _drive(a, servers["capture"], model_dir, dump, prompts, rnd, tag, drive_extra)
+        res["driver"].setdefault("runs", []).append(d)
+        return d["active_s"]
+    if row == "pristine":
+        return _plain(servers["pristine"], prompts, a.concurrency, f"{tag}-{rnd}-p")
+    t = time.perf_counter()
+    _plain(servers["capture"], prompts, a.concurrency, f"{tag}-{rnd}-c")
+    wait_for_samples(dump, {store.sample_key(p) for p in prompts}, timeout=600)
+    seconds = time.perf_counter() - t
+    for f in dump.glob("*.safetensors"):  # keep /dev/shm small between rows
+        f.unlink()
+    return seconds
+
+
+def end_round(res: dict, what: str, rnd: int, order: list[str], total: int, secs: dict[str, float],
+              dump: Path) -> None:
+    """Record a round's speeds (round 0 warms up) and the hook's status (after every round: a call cut
+    at its time limit keeps it), log it, save the record."""
+    if rnd:
+        res["order"].append(order)
+        for row in ROWS:
+            res[row]["tok_s"].append(total / secs[row])
+    hook = dump / "hook_status.json"
+    res["hook_status"] = json.loads(hook.read_text()) if hook.exists() else None
+    REC.log(f"{what} round {rnd} ({'warm-up, ' if not rnd else ''}order {','.join(order)}): "
+            + ", ".join(f"{r} {total / secs[r]:.0f}" for r in order) + " tok/s; hook waits "
+            + str((res["hook_status"] or {}).get("waits")))
+    REC.save()
+
+
+def medians(res: dict) -> None:
+    """Each row's median tok/s and the per-round ratios to pristine with their medians."""
     per_round = {f"{r}/pristine": [x / y for x, y in zip(res[r]["tok_s"], res["pristine"]["tok_s"])]
                  for r in ("capture", "driver")}
     res["ratios_per_round"] = per_round
     res["ratios"] = {k: statistics.median(v) for k, v in per_round.items()}
-    driver_wall = [total_s["wall_s"] for total_s in res["driver"].get("runs", [])[1:]]
-    res["driver_wall_s"] = driver_wall
     for r in ROWS:
         res[r]["median_tok_s"] = statistics.median(res[r]["tok_s"])
     REC.save()
-    return res
 
 
 def summarize_extraction(k: str, f: dict) -> None:

@@ -36,9 +36,10 @@ YARN = {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096
 
 
 def build(out: str, hidden: int = 1024, layers: int = 4, seed: int = 0, device: str = "cpu",
-          preset: str = "small") -> dict:
+          preset: str = "small", weights: bool = True) -> dict:
     """Write the model to OUT; ``device="cuda"`` draws the random weights there (seconds, not
-    minutes, for 61 layers of hidden 7168)."""
+    minutes, for 61 layers of hidden 7168). ``weights=False``: the config and tokenizer only, for
+    SGLang's ``--load-format dummy`` (random weights made by the server: nothing to write or read)."""
     os.makedirs(out, exist_ok=True)
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -59,18 +60,21 @@ def build(out: str, hidden: int = 1024, layers: int = 4, seed: int = 0, device: 
         kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
         max_position_embeddings=131072, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
         rope_theta=50000.0, rope_scaling={**YARN, "rope_type": "yarn"})
-    torch.manual_seed(seed)
-    torch.set_default_dtype(torch.bfloat16)  # drawn in bf16: half the memory of fp32 then a cast
-    try:
-        with torch.device(device):
-            model = DeepseekV3ForCausalLM(cfg).to(torch.bfloat16)  # the router's fp32 weights too
-    finally:
-        torch.set_default_dtype(torch.float32)
-    with torch.no_grad():  # non-trivial routing
-        for name, p in model.named_parameters():
-            if name.endswith("e_score_correction_bias"):
-                p.copy_(torch.randn_like(p) * 0.01)
-    model.save_pretrained(out)
+    if weights:
+        torch.manual_seed(seed)
+        torch.set_default_dtype(torch.bfloat16)  # drawn in bf16: half the memory of fp32 then a cast
+        try:
+            with torch.device(device):
+                model = DeepseekV3ForCausalLM(cfg).to(torch.bfloat16)  # the router's fp32 weights too
+        finally:
+            torch.set_default_dtype(torch.float32)
+        with torch.no_grad():  # non-trivial routing
+            for name, p in model.named_parameters():
+                if name.endswith("e_score_correction_bias"):
+                    p.copy_(torch.randn_like(p) * 0.01)
+        model.save_pretrained(out)
+    else:
+        cfg.save_pretrained(out)
     # a plain DeepSeek/Kimi-style config.json: explicit rope keys and the attributes
     # SGLang's deepseek_v2.py reads that transformers' config does not write
     cj = json.load(open(os.path.join(out, "config.json")))

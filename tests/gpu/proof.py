@@ -35,17 +35,22 @@ output in bench/RESULTS.md). In one run it:
    same-pass fidelity check (fp32 lm_head argmax vs SGLang's own top-1 from
    return_logprob) on every position of batched and chunked prompts, its near-tie margins,
    wrong states, the --derive-post-norm gap and the check's CPU cost at Kimi-K2.5's head size;
-8. sabotage (``tests/gpu/sabotage.py``, not in the default phases; ONE call of about 2-3 minutes:
+8. sweep (``tests/gpu/sweep.py``, not in the default phases; ONE call of about 9 minutes on the H200:
+   ``--phases sweep``): issue #22's rate sweep: 8, 16 and 32 layers of the kimi-layer preset (about
+   2.1, 1.0 and 0.5 GB/s of states), pristine vs capture until written vs ``hs-extract drive`` side by
+   side in rotating order, and the GPU memory held and grown under load by each server (with
+   ``--chunk 16384 --long-prompts 8``: the peak at 16K-token passes, capture on vs off);
+9. sabotage (``tests/gpu/sabotage.py``, not in the default phases; ONE call of about 2-3 minutes:
    ``--phases sabotage``): issue #25's wrong captures (wrong layer, a rank's partial sum, zeros,
    pre-norm zeros, another prompt's rows in a chunked prompt's first chunk, the pre-norm state as
    the post-norm one, rows misplaced in the staging buffer, a shift) made on purpose in the real
    server's capture hook, each rejected by the driver's check while clean samples pass (with
    the norm relation's chi-square per block on the real fused kernels), and the fingerprints'
    GPU time per pass at Kimi-K2.5's width;
-9. writes everything as JSON under --out as it goes and prints a table last.
+10. writes everything as JSON under --out as it goes and prints a table last.
 
 usage: python3 tests/gpu/proof.py --site /tmp/site --out "$OUT"
-       [--phases fidelity,extract,throughput,micro,production,tp,sabotage]
+       [--phases fidelity,extract,throughput,micro,production,tp,sabotage,sweep]
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ from extract import extraction, summarize_extraction  # noqa: E402
 from hs_patch import reader, store  # noqa: E402
 from production import production  # noqa: E402
 from sabotage import sabotage, summarize_sabotage  # noqa: E402
+from sweep import summarize_sweep, sweep  # noqa: E402
 from throughput import copy_microbench, projection, summarize, throughput  # noqa: E402
 from tp_compare import summarize_tp, tp_compare  # noqa: E402
 
@@ -211,8 +217,13 @@ def main() -> int:
     ap.add_argument("--work", default="/tmp/hs-proof", help="models and logs")
     ap.add_argument("--dump-root", default="/dev/shm/hs-proof", help="capture directories (tmpfs, as in production)")
     ap.add_argument("--phases", default="fidelity,throughput,micro",
-                    help="any of fidelity,extract,throughput,micro,production,tp,sabotage (sabotage: one call "
-                         "of 2-3 minutes on the H200, issue #25's wrong captures each rejected)")
+                    help="any of fidelity,extract,throughput,micro,production,tp,sabotage,sweep (sabotage: one call "
+                         "of 2-3 minutes on the H200, issue #25's wrong captures each rejected; sweep: one call of "
+                         "about 9 minutes, issue #22's rates of states)")
+    ap.add_argument("--sweep-layers", default="8,16,32", help="sweep phase: model depths (kimi-layer preset)")
+    ap.add_argument("--sweep-hidden", type=int, default=7168, help="sweep phase: hidden size")
+    ap.add_argument("--sweep-weights", action="store_true", help="sweep phase: write real random checkpoints "
+                    "(slower; the driver's fidelity check on) instead of SGLang's --load-format dummy")
     ap.add_argument("--hidden", default="1024", help="comma-separated hidden sizes to run, e.g. 1024,7168")
     ap.add_argument("--layers", type=int, default=4, help="model depth for the fidelity run")
     ap.add_argument("--tp-layers", type=int, default=61, help="model depth for the throughput runs (Kimi: 61)")
@@ -291,6 +302,8 @@ def main() -> int:
             if "micro" in phases:
                 rec[f"micro_{tag}"] = copy_microbench(h)
                 REC.save()
+        if "sweep" in phases:
+            sweep(a, f"h{a.sweep_hidden}_c{a.chunk}_long{a.long_prompts}")
         if "micro" in phases:
             rec["micro_h7168"] = rec.get("micro_h7168") or copy_microbench(7168)
             rec["projection_kimi"] = projection(rec["micro_h7168"])
@@ -331,6 +344,8 @@ def summary(r: dict) -> None:
             summarize(k, f)
         if k.startswith("extract_") and "ratios" in f:
             summarize_extraction(k, f)
+        if k.startswith("sweep_") and "runs" in f:
+            summarize_sweep(k, f)
         if k.startswith("micro_"):
             print(f"\n{k}: clone {f['clone_ms']:.3f} ms ({f['clone_GBps']:.0f} GB/s), "
                   f"D2H {f['d2h_ms_side_stream']:.3f} ms ({f['d2h_GBps']:.0f} GB/s) for {f['tokens']}x{f['hidden']} bf16")

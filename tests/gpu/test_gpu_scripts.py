@@ -115,3 +115,31 @@ def test_sabotage_phase_rejects_every_case_on_a_standin_started_as_the_gpu_phase
     assert all(c["chunks"] >= 2 for c in res["cases"].values()), "rows of every chunk were checked"
     assert res["clean_chi2_per_block_max"] is not None and res["gpu_cost"] == {}
     sabotage.summarize_sabotage("sabotage_cpu", res)
+
+
+@pytest.mark.slow
+def test_sweep_phase_runs_every_depth_end_to_end_on_standins(standin_site, tmp_path):
+    """Issue #22's rate sweep, rehearsed: two depths, each with its pristine and capturing server started as
+    the GPU phase starts SGLang (dummy weights asked for; the stand-in loads the tiny model's), the three
+    rows in an order that rotates with the depth, and the driver without the fidelity check (dummy weights
+    have no LM head to read)."""
+    import sweep
+    from lab.tiny_model import make_tiny_model_dir
+
+    a = argparse.Namespace(site=str(standin_site), work=str(tmp_path / "work"), dump_root=str(tmp_path / "dumps"),
+                           prompts=4, tokens=40, long_prompts=1, long_tokens=150, concurrency=2, chunk=64, reps=1,
+                           port=free_port_block(4) - 1, mem_fraction=0.3, tp_size=1, warmup_prompts=2,
+                           round_offset=0, sweep_layers="8,16", sweep_hidden=64, sweep_weights=False)
+    res = sweep.sweep(a, "cpu", model_for=lambda n: str(make_tiny_model_dir(tmp_path / f"model-l{n}", layers=n)))
+    runs = res["runs"]
+    assert list(runs) == ["8", "16"]
+    assert [r["order"] for r in runs.values()] == [[["pristine", "capture", "driver"]],
+                                                   [["capture", "driver", "pristine"]]]
+    assert [r["prompts"] for r in runs.values()] == [4, 2], "fewer prompts at the deeper model, at least concurrency"
+    for r in runs.values():
+        assert all(len(r[row]["tok_s"]) == 1 for row in extract.ROWS)
+        assert all(d["exit_code"] == 0 and d["samples_clean"] for d in r["driver"]["runs"])
+        assert r["hook_status"]["errors"] == 0 and r["planes"] == 5 and r["engine_GBps_of_states"] > 0
+    logs = sorted((tmp_path / "logs").glob("server-sw-*.log"))
+    assert len(logs) == 4 and all("--load-format dummy" in p.read_text() for p in logs), "dummy weights asked for"
+    sweep.summarize_sweep("sweep_cpu", res)

@@ -37,7 +37,8 @@ class Engine:
     def __init__(self, model_dir: str, capture_dir: Optional[str], *, release: str = RELEASE_DEFAULT,
                  wheel: Optional[str] = None, chunked_prefill_size: int = 8192, batch_window_ms: float = 5.0,
                  context_length: Optional[int] = None, installed: bool = False,
-                 max_total_num_tokens: int = 1 << 20, speculative: Optional[Any] = None):
+                 max_total_num_tokens: int = 1 << 20, speculative: Optional[Any] = None,
+                 settle_delay: float = 0.0):
         from transformers import AutoTokenizer, DeepseekV3ForCausalLM
 
         from lab.sglang_sim import Sim
@@ -79,6 +80,14 @@ class Engine:
             logging.getLogger("hs_patch").info("hs_patch: capturing layers %s + final=%s into %s (rank 0 of 1)",
                                                list(cap.layers), cap.final, cap.directory)
         self.capture = cap
+        if self.hook and settle_delay:  # benches: a writer that settles a pass only this much later (a slow disk)
+            real_settle = self.hook.writer._settle
+
+            def slow_settle(p: Any) -> None:
+                time.sleep(settle_delay)
+                real_settle(p)
+
+            self.hook.writer._settle = slow_settle
         self.refs: dict[str, Any] = {}
         self.rows: dict[str, list[torch.Tensor]] = {}   # request -> the pass outputs (post-norm) so far
         self.sim = Sim(release, source, self.model, self.refs, hook=self.hook, code=code)

@@ -189,6 +189,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                     "$HS_PATCH_TEST_CACHE/wheels, ~/.cache/hs-patch-tests/wheels)")
     ap.add_argument("--chunked-prefill-size", type=int, default=8192, help="token budget of one prefill pass "
                     "(default: %(default)s)")
+    ap.add_argument("--settle-delay-ms", type=float, default=0.0, help="benchmarks: the capture writer settles "
+                    "each pass this much later, one pass after another, as a writer slower than the engine would")
     ap.add_argument("--batch-window-ms", type=float, default=5.0, help="requests arriving within this window are "
                     "prefilled together (default: %(default)s)")
     ap.add_argument("--context-length", type=int, help="default: the model's max_position_embeddings")
@@ -216,6 +218,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     torch.set_num_threads(a.threads)
     engine = Engine(a.model, a.capture_dir, release=a.release, wheel=a.sglang_wheel,
                     chunked_prefill_size=a.chunked_prefill_size, batch_window_ms=a.batch_window_ms,
+                    settle_delay=a.settle_delay_ms / 1000.0,
                     context_length=a.context_length, installed=a.installed_sglang,
                     speculative=Speculative.from_args(a.speculative_algorithm, a.speculative_draft_model_path,
                                                       a.speculative_num_steps, a.speculative_eagle_topk,

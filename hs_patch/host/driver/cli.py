@@ -103,8 +103,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--regen-top-p", type=float, default=D["regen_top_p"], metavar="P", help="nucleus sampling of the generated "
                    "turns (default: %(default)s)")
     g = p.add_argument_group("requests and failures")
-    g.add_argument("--concurrency", type=int, default=D["concurrency"], metavar="N", help="samples in flight at the server "
-                   "(default: %(default)s)")
+    g.add_argument("--concurrency", type=int, default=D["concurrency"], metavar="N", help="requests at the server at "
+                   "once (default: %(default)s)")
+    g.add_argument("--awaiting", type=int, default=D["awaiting"], metavar="N", help="samples the server has answered "
+                   "whose file the driver may still be waiting for, checking or adopting while the next --concurrency "
+                   "requests are at the server: the server's writer runs behind its forward passes, and a request "
+                   "that kept its place until its sample was written would leave the server idle; 0: each request "
+                   "waits for its sample before the next is sent (default: %(default)s)")
     g.add_argument("--retries", type=int, default=D["retries"], metavar="N", help="retries of a request on connection "
                    "errors, timeouts, 5xx and 429, with exponential backoff and jitter (default: %(default)s)")
     g.add_argument("--backoff", type=float, default=D["backoff"], metavar="S", help="first retry delay; doubles each "
@@ -170,6 +175,8 @@ def drive_config(a: argparse.Namespace) -> Any:
     for name in ("concurrency", "max_tokens", "max_consecutive_failures", "fidelity_rows"):
         if getattr(a, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if a.awaiting < 0:
+        raise SystemExit("--awaiting must be >= 0")
     if a.max_line_chars < 0:
         raise SystemExit("--max-line-chars must be >= 0 (0: the default bound)")
     from hs_patch.names import RunNameError, check_run_name

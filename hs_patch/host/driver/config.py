@@ -35,6 +35,7 @@ class DriveConfig:
     regen_temperature: float = 0.6
     regen_top_p: float = 1.0
     concurrency: int = 8
+    awaiting: int = 32                  # answered samples awaited, checked, adopted while the next requests are sent
     retries: int = 6
     backoff: float = 1.0
     backoff_max: float = 60.0

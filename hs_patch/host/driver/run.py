@@ -29,11 +29,13 @@ from hs_patch.host.driver.client import HEALTH_PROBE_IDS, RetryPolicy, SGLangCli
 from hs_patch.host.driver.config import DriveConfig
 from hs_patch.host.driver.adopt import same_filesystem
 from hs_patch.host.driver.runstatus import RunStatus, nothing_extracted
+from hs_patch.host.driver.turns import Turns
 from hs_patch.host.driver.sample_steps import (CAPTURE_PARAMS, EXIT_ERROR, EXIT_FAILURES, EXIT_INCOMPLETE,  # noqa: F401
                                         EXIT_OK, EXIT_SIGNAL, SampleSteps)  # (re-exported)
 
 CAPTURE_LOCK = ".hs-driver.lock"
 SAMPLES_LOCK = ".hs-samples.lock"
+REGEN_SWEPT = "regeneration prompt (captured by SGLang < 0.5.10)"
 
 
 @dataclass
@@ -63,6 +65,7 @@ class Driver(SampleSteps):
         self.status = RunStatus(cfg.run, self.state_dir / runstate.STATUS, prometheus=cfg.prometheus or None,
                                 extra=self._status_extra)
         self.bp: Optional[BackPressure] = None
+        self.turns = Turns(cfg.concurrency)  # requests at the server; cfg.awaiting more wait for their samples
         self.shipped: Optional[runstate.ShippedTail] = None
 
     # ------------------------------------------------------------------ control
@@ -129,7 +132,8 @@ class Driver(SampleSteps):
             self._sweep_intents()
             self.status.state = "running"
             self._feed()
-            self._sweep(self._own_raw_keys() | self.regen_keys, "end of run sweep")
+            self._sweep(set(self.regen_keys), REGEN_SWEPT)
+            self._sweep(self._own_raw_keys(), "end of run sweep")
             # the capture dir is this driver's alone (locked): whatever is left was not asked for by
             # this run (SGLang's warm-up request, another client)
             self._sweep(set(self.watcher.keys()), "not requested by this run")
@@ -204,7 +208,7 @@ class Driver(SampleSteps):
         while not self.stop.wait(self.cfg.status_interval):
             watcher = getattr(self, "watcher", None)
             if watcher is not None:
-                self._sweep(set(self.regen_keys), "regeneration prompt (captured by SGLang < 0.5.10)")
+                self._sweep(set(self.regen_keys), REGEN_SWEPT)
             if self.bp is not None and self.status.state in ("running", "paused"):
                 self.status.state = "paused" if self.bp.paused else "running"
             try:
@@ -243,9 +247,10 @@ class Driver(SampleSteps):
 
     # ------------------------------------------------------------------ feeding
     def _feed(self) -> None:
-        work: queue.Queue = queue.Queue(maxsize=2 * self.cfg.concurrency)
+        n = self.cfg.concurrency + self.cfg.awaiting  # the turns at the server bound what is sent (turns.py)
+        work: queue.Queue = queue.Queue(maxsize=2 * n)
         workers = [threading.Thread(target=self._worker, args=(work,), name=f"hs-drive-{i}", daemon=True)
-                   for i in range(self.cfg.concurrency)]
+                   for i in range(n)]
         for w in workers:
             w.start()
         items = dataset.read(self.cfg.data, self.max_chars)
@@ -277,13 +282,24 @@ class Driver(SampleSteps):
             self.ledger.write("stop", reason=self.stop_reason)
 
     def _worker(self, work: queue.Queue) -> None:
-        while (rec := work.get()) is not None:
-            if self.stop.is_set():
+        """Take a turn at the server (turns.py), then the next sample; the turn is given back once the server
+        has answered it, so at most --concurrency samples are being prepared and sent at once, in the
+        dataset's order, while up to --awaiting more wait for their files, are checked and adopted."""
+        while True:
+            turn = self.turns.take(self.stop)
+            rec = work.get()
+            if rec is None or turn is None or self.stop.is_set():
+                if turn is not None:
+                    turn.release()
+                if rec is None:
+                    return
                 continue
             try:
-                self._process(rec)
+                self._process(rec, turn)
             except Exception as e:  # noqa: BLE001 - one sample's bug must not kill the run; it is recorded
                 self._failed(rec, None, "internal", f"{type(e).__name__}: {e}")
+            finally:
+                turn.release()
 
     def _reject(self, rej: dataset.Reject) -> None:
         self.rejects.add(rej)

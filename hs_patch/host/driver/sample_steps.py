@@ -19,6 +19,7 @@ from hs_patch.host.fidelity import check as fidelity
 from hs_patch.host.driver.adopt import AdoptError, adopt
 from hs_patch.host.driver.capture_dir import RawTimeout
 from hs_patch.host.driver.client import ClientError
+from hs_patch.host.driver.turns import Turn
 from hs_patch.host.fidelity import settings
 from hs_patch.host.fidelity.policy import FidelityMonitor
 from hs_patch.host.model_files import ModelFileError
@@ -89,7 +90,8 @@ class SampleSteps:
             self.request_stop(f"stopped after {n} consecutive failures (last: {error}); fix the cause, then run "
                               "the same command again to resume", EXIT_FAILURES)
 
-    def _process(self, rec: dataset.Record) -> None:
+    def _process(self, rec: dataset.Record, turn: Turn) -> None:
+        """One sample, begun in a turn at the server (held while it is tokenized, regenerated and sent)."""
         try:
             ids, mask, prov = self._tokens(rec)
         except dataset.Invalid as e:
@@ -113,7 +115,7 @@ class SampleSteps:
             self.ledger.write("duplicate", sample_id=rec.sample_id, key=key, duplicate_of=first)
             return
         try:
-            self._capture(rec, key, ids, mask, prov)
+            self._capture(rec, key, ids, mask, prov, turn)
         finally:
             with self.keys_lock:
                 self.inflight.pop(key, None)
@@ -176,7 +178,10 @@ class SampleSteps:
             out.append({"role": "assistant", "content": res["text"]})
         return out
 
-    def _capture(self, rec: dataset.Record, key: str, ids: list[int], mask: list[int], prov: dict[str, str]) -> None:
+    def _capture(self, rec: dataset.Record, key: str, ids: list[int], mask: list[int], prov: dict[str, str],
+                 turn: Turn) -> None:
+        """Send the sample's tokens in the worker's turn at the server (``turns.py``), given back once the server
+        has answered; then wait for the sample, check it and adopt it while the next request has the turn."""
         cfg = self.cfg
         if not self.bp.wait(self.stop):
             return
@@ -207,6 +212,8 @@ class SampleSteps:
             except ClientError as e:
                 self._failed(rec, key, "generate", str(e))
                 return
+            finally:
+                turn.release()  # answered: the next request goes while this sample is written, checked, adopted
             try:
                 entry = self.watcher.wait(key, after, cfg.raw_timeout)
             except RawTimeout:

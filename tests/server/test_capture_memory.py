@@ -1,0 +1,121 @@
+"""Nothing sized by the pass is allocated on the forward path by the capture (issue #22).
+
+The patched forward of every release runs in the CPU simulation (``lab.sglang_sim``) with and
+without the hook, under a dispatch mode that counts the bytes of every new tensor storage an
+operation returns on the forward's thread. What capture adds must not grow with the pass: the
+hook copies each captured tensor into memory made at start (on the CPU into the staging slot, on
+a GPU through the device buffers of :mod:`hs_patch.server.device_ring`, whose snapshots are views
+of storage made at start). The one exception is SGLang 0.5.16's own EAGLE-3 capture path, which
+clones a captured layer's residual itself when a collector is given (its code, not the hook's;
+that copy is freed as soon as the hook has copied it into a device buffer): the test counts
+exactly those bytes. What the GPU allocates is measured on the GPU (tests/gpu/proof.py, phase
+``memory``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from hs_patch.server import config, hook
+from hs_patch.server.device_ring import DeviceRing
+from hs_patch.releases import RELEASES, TARGET, apply_edits
+from lab.sglang_sim import Part, Sim, load_aux_module, make_batch, reference
+
+LAYERS = (0, 1, 3)
+
+
+class NewStorages(TorchDispatchMode):
+    """Counts the bytes of the storages operations return that none of their inputs holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+        self.ops: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
+        out = func(*args, **(kwargs or {}))
+        held = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in held:
+                n = t.untyped_storage().nbytes()
+                self.bytes += n
+                self.ops[str(func)] = self.ops.get(str(func), 0) + n
+        return out
+
+
+def forward_bytes(release_sources: dict, version: str, tiny_model, tokens: int, tmp_path: Path,
+                  capture: bool) -> NewStorages:
+    """New storage bytes of one prefill pass of one ``tokens``-token request through the patched forward."""
+    ids = torch.randint(3, 250, (tokens,), generator=torch.Generator().manual_seed(tokens)).tolist()
+    refs = {"a": reference(tiny_model, ids)}
+    h = None
+    if capture:
+        cfg = config.CaptureConfig(enabled=True, directory=str(tmp_path / f"dump-{version}-{tokens}"), layers=LAYERS,
+                                   final="both", slots=2, slot_tokens=64)
+        h = hook.CaptureHook(cfg, hidden_size=int(tiny_model.config.hidden_size), metadata={"sglang_release": "t"})
+    aux = load_aux_module(release_sources["0.5.23"]) if version == "0.5.23" else None
+    source = apply_edits(RELEASES[version], (release_sources[version] / TARGET).read_text())
+    sim = Sim(version, source, tiny_model, refs, hook=h, aux_module=aux)
+    batch = make_batch(refs, [Part("a", 0, tokens)], rids=version != "0.5.9")
+    try:
+        with torch.no_grad(), NewStorages() as counted:
+            sim.forward(batch)
+    finally:
+        if h is not None:
+            h.close()
+    return counted
+
+
+@pytest.mark.parametrize("version", list(RELEASES))
+def test_capture_allocates_nothing_sized_by_the_pass(version, release_sources, tiny_model, tmp_path):
+    hidden = int(tiny_model.config.hidden_size)
+    added = {}
+    for tokens in (16, 48):
+        on = forward_bytes(release_sources, version, tiny_model, tokens, tmp_path, capture=True)
+        off = forward_bytes(release_sources, version, tiny_model, tokens, tmp_path, capture=False)
+        added[tokens] = on.bytes - off.bytes
+    # 0.5.16 clones each captured layer's residual in its own EAGLE-3 path (communicator.py) once a collector
+    # is passed; nothing else may grow with the pass
+    sglang_clones = {t: len(LAYERS) * t * hidden * 2 if version == "0.5.16" else 0 for t in added}
+    grown = (added[48] - sglang_clones[48]) - (added[16] - sglang_clones[16])
+    assert grown == 0, f"capture on {version} allocates {grown} more bytes for 32 more tokens: {added}"
+    assert added[16] - sglang_clones[16] < 16 * hidden * 2, f"capture allocates a plane's worth: {added}"
+
+
+def test_device_ring_snapshots_are_views_of_memory_made_at_start():
+    """The GPU path's buffers, exercised on the CPU device: each snapshot is a copy in storage made at
+    start (in turn), never a new allocation, and a captured state that does not fit is refused."""
+    ring = DeviceRing(2, rows=8, hidden=16, itemsize=2, device=torch.device("cpu"))
+    assert ring.nbytes == 2 * 8 * 16 * 2
+    starts = {b.data_ptr() for b in ring._raw}
+    x = [torch.randn(n, 16).to(torch.bfloat16) for n in (8, 5, 3)]
+    with NewStorages() as counted:
+        got = [ring.snapshot(t) for t in x]
+    assert [k for k, _ in got] == [0, 1, 0], "the buffers are used in turn"
+    assert counted.bytes == 0, counted.ops
+    for (k, view), t in zip(got[1:], x[1:]):
+        assert view.data_ptr() in starts and view.shape == t.shape and torch.equal(view, t)
+    x[2][0, 0] = 99  # a snapshot is a copy: a later in-place update of the live tensor does not reach it
+    assert not torch.equal(got[2][1], x[2])
+    with pytest.raises(RuntimeError, match="does not fit the device buffers"):
+        ring.snapshot(torch.zeros(9, 16, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="does not fit the device buffers"):
+        ring.snapshot(torch.zeros(4, 16, dtype=torch.float32))
+
+
+def test_the_capture_states_what_it_made_at_start(tmp_path):
+    cfg = config.CaptureConfig(enabled=True, directory=str(tmp_path / "d"), layers=LAYERS, final="both", slots=3,
+                               slot_tokens=128)
+    h = hook.CaptureHook(cfg, hidden_size=64, metadata={"sglang_release": "t"})
+    try:
+        planes, streams = 5, 5 + 3  # 3 layers + both finals; the attention inputs are fingerprinted only
+        per_slot = 128 * (8 + 4) + planes * 128 * 64 * 2 + streams * 128 * 8 * 4
+        assert h.host_bytes == 3 * per_slot
+        assert h.device_bytes == 0, "no GPU here: no device buffers"
+    finally:
+        h.close()
