@@ -14,12 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-# What each release needs on the command line with capture on.
-REQUIRED_FLAGS = {
-    "0.5.9": ["--disable-radix-cache"],
-    "0.5.16": ["--disable-radix-cache", "--disable-prefill-cuda-graph"],
-    "0.5.23": ["--disable-radix-cache", "--disable-prefill-cuda-graph"],
-}
+# What each release needs on the command line with capture on: no radix cache, and the prefill
+# CUDA graph off where it is on by default (0.5.10 .. 0.5.13.post1: the piecewise graph, for a
+# text model; 0.5.14 on: cuda_graph_config's prefill phase). 0.5.9's piecewise graph is opt-in.
+_RADIX = "--disable-radix-cache"
+_PIECEWISE_ON = ("0.5.10", "0.5.10.post1", "0.5.11", "0.5.12", "0.5.12.post1", "0.5.13", "0.5.13.post1")
+_PREFILL_GRAPH = ("0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21",
+                  "0.5.22", "0.5.23")
+REQUIRED_FLAGS = {"0.5.9": [_RADIX], **{v: [_RADIX, "--disable-piecewise-cuda-graph"] for v in _PIECEWISE_ON},
+                  **{v: [_RADIX, "--disable-prefill-cuda-graph"] for v in _PREFILL_GRAPH}}
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,10 @@ RULES = (
          "sequence over ranks: remove the flag"),
     Rule("piecewise_graph", "--enable-piecewise-cuda-graph", _on, "prefill CUDA graphs replay without running the "
          "capture hook: remove the flag"),
+    Rule("enforce_piecewise", "--enforce-piecewise-cuda-graph", _on, "it forces the prefill CUDA graph on, which "
+         "replays without running the capture hook: remove the flag"),
+    Rule("prefill_graph_backend", "--cuda-graph-backend-prefill", lambda v: str(v) != "disabled", "a prefill CUDA "
+         "graph replays without running the capture hook: remove the flag (--disable-prefill-cuda-graph turns it off)"),
     Rule("deterministic", "--enable-deterministic-inference", _on, "deterministic inference cuts prompts at aligned "
          "positions, so a cut prompt can sit before others in a pass and its next part is not the next to come: "
          "remove the flag"),

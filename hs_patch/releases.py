@@ -1,31 +1,31 @@
 """The SGLang releases the patch supports and the exact edits it makes to each.
 
-A release is recognised by the sha256 of its pristine ``deepseek_v2.py`` (read from the
-released wheels); the patched file's sha256 is recorded too, so ``verify`` can tell an
-intact patch from a damaged one. Each edit replaces one anchor that must occur exactly
-once in the pristine file. Every inserted line carries or follows an ``hs_patch`` marker.
+A release is recognised by the sha256 of its pristine ``deepseek_v2.py`` (from its wheel;
+three pairs share one file, told apart by the installed version); the patched file's sha256
+is recorded too, so ``verify`` can tell an intact patch from a damaged one. Each edit
+replaces one anchor that must occur exactly once in the pristine file, at the line recorded.
+Every inserted line carries or follows an ``hs_patch`` marker.
 
-Where the capture sits, per release (all capture the residual stream *entering* layer i,
-after the layer's input communication, so it is the fully reduced state):
-
-- 0.5.9: the decoder layer has no capture point, so the patch adds one right after
-  ``prepare_attn`` (which completes any all-reduce deferred by flashinfer fusion: the
-  trap where ``hidden_states + residual`` in the model loop is a per-rank partial sum).
-- 0.5.16: the layer's own ``captured_last_layer_outputs`` list (EAGLE-3's path).
-- 0.5.23: the layer's ``capture_gathered`` collector (``AuxHiddenStatePacker`` path).
-
-The last layer's output is taken where the final norm produces it (pre-norm residual
-and post-norm output), and SGLang's own EAGLE-3 capture keeps working alongside. Each
-captured layer also hands the hook what its attention reads (the layer's normed input):
-the fidelity check proves with it that the stored residual is that layer's, fully reduced
-(:mod:`hs_patch.server.fingerprint`).
+Releases are grouped into families by the code the patch touches; ``Family.where`` says
+where each captures (always the residual stream *entering* layer i, after the layer's input
+step, so fully reduced even where flashinfer fusion defers the previous layer's all-reduce).
+A family writes its edits once with ``<<slot>>`` names for the lines its releases spell
+differently; a release gives its own spelling in ``own``. The final norm's input and output
+are captured where the norm runs, and each captured layer hands the hook what its attention
+reads, which the fidelity check uses (:mod:`hs_patch.server.fingerprint`). Per-release
+findings: docs/capture.md.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 
 TARGET = "sglang/srt/models/deepseek_v2.py"
+# The regions of deepseek_v2.py the patch touches or depends on, compared by hs-patch status
+# for a file no release has (hs_patch.host.patching.nearest): (class, method).
+REGIONS = (("DeepseekV2DecoderLayer", "forward"), ("DeepseekV2Model", "__init__"), ("DeepseekV2Model", "forward"),
+           ("DeepseekV2ForCausalLM", "set_eagle3_layers_to_capture"))
 
 
 @dataclass(frozen=True)
@@ -35,33 +35,60 @@ class Edit:
 
 
 @dataclass(frozen=True)
+class Family:
+    name: str
+    where: str                # where the capture sits, one sentence
+    prepare: str              # the decoder layer's input step, after which the hook gets the attention input
+    edits: tuple[Edit, ...]   # with <<piece>> slots
+    pieces: Mapping[str, str] = field(default_factory=dict)  # the family's own spelling of each slot
+
+
+@dataclass(frozen=True)
 class Release:
     version: str
-    torch: str
+    family: Family
     pristine_sha256: str
     patched_sha256: str
-    edits: tuple[Edit, ...]
-    # The software stack the release runs on (read from its wheel and torch's metadata):
-    # torch's CUDA build (the JIT kernels need a CUDA toolkit of that major version), and
-    # packages installed over the resolved set with --no-deps (pip cannot override a pin).
-    cuda: str = ""
+    anchor_lines: tuple[int, ...]  # 1-based line where each edit's anchor starts in the pristine file
+    regions: tuple[str, ...]       # sha256[:8] of each REGIONS source segment, pristine
+    # The stack it runs on (its wheel's and torch's metadata): torch, torch's CUDA build (the JIT
+    # kernels need that toolkit), packages put over the resolved set with --no-deps (pip cannot
+    # override a pin), the cuDNN torch must then load, SGLang requirements replaced (deployment.md).
+    torch: str
+    cuda: str
+    own: Mapping[str, str] = field(default_factory=dict)  # this release's spelling of family slots
     pip_overrides: tuple[str, ...] = ()
+    cudnn_min: int = 0  # torch.backends.cudnn.version(); 0 = not checked
+    replaces: tuple[str, ...] = ()
+
+    @property
+    def edits(self) -> tuple[Edit, ...]:
+        slots = {**self.family.pieces, **self.own, "release": self.version}
+        return tuple(Edit(_fill(e.anchor, slots), _fill(e.replacement, slots)) for e in self.family.edits)
 
 
-def _init_block(version: str) -> Edit:
-    return Edit(
-        "        self.layers_to_capture = []\n",
-        "        self.layers_to_capture = []\n"
-        "        # hs_patch: hidden-state capture, off unless HS_CAPTURE=1 (see hs_patch.server.hook)\n"
-        "        import os as _hs_os\n"
-        "\n"
-        "        self._hs_capture = None\n"
-        '        if _hs_os.environ.get("HS_CAPTURE", "") not in ("", "0"):\n'
-        "            from hs_patch.server.hook import attach as _hs_attach\n"
-        "\n"
-        f'            self._hs_capture = _hs_attach(self, config, "{version}")\n',
-    )
+def _fill(text: str, slots: Mapping[str, str]) -> str:
+    for name, value in slots.items():
+        text = text.replace(f"<<{name}>>", value)
+    if "<<" in text and ">>" in text.partition("<<")[2]:
+        raise ValueError(f"an edit slot has no value: {text.partition('<<')[2].partition('>>')[0]}")
+    return text
 
+
+# ------------------------------------------------------------------ the edits every family shares
+
+_INIT = Edit(
+    "        self.layers_to_capture = []\n",
+    "        self.layers_to_capture = []\n"
+    "        # hs_patch: hidden-state capture, off unless HS_CAPTURE=1 (see hs_patch.server.hook)\n"
+    "        import os as _hs_os\n"
+    "\n"
+    "        self._hs_capture = None\n"
+    '        if _hs_os.environ.get("HS_CAPTURE", "") not in ("", "0"):\n'
+    "            from hs_patch.server.hook import attach as _hs_attach\n"
+    "\n"
+    '            self._hs_capture = _hs_attach(self, config, "<<release>>")\n',
+)
 
 _BEGIN = (
     "        _hs = (  # hs_patch: None unless this pass is a prefill to capture\n"
@@ -71,9 +98,11 @@ _BEGIN = (
     "        )\n"
 )
 
-_FINISH = (
+_RETURN = "        if len(aux_hidden_states) == 0:\n            return hidden_states\n"
+_FINISH = Edit(
+    _RETURN + "        return hidden_states, <<aux_return>>\n",
     "        if _hs is not None:  # hs_patch: hand the pass to the writer\n"
-    "            _hs.finish(hidden_states)\n"
+    "            _hs.finish(hidden_states)\n" + _RETURN + "        return hidden_states, <<aux_return>>\n",
 )
 
 _NORM = Edit(
@@ -91,7 +120,7 @@ _NORM = Edit(
     "                        _hs.final_prenorm(_hs_prenorm)\n",
 )
 
-_COLLECTOR_NEW = (
+_COLLECTOR = (
     "                    captured_last_layer_outputs=(\n"
     "                        aux_hidden_states if i in self.layers_to_capture else None\n"
     "                    )\n"
@@ -101,246 +130,278 @@ _COLLECTOR_NEW = (
     "                    ),\n"
 )
 
-_RETURN = "        if len(aux_hidden_states) == 0:\n            return hidden_states\n"
+# DeepseekV2DecoderLayer.forward: after the layer's input step ``hidden_states`` is what its
+# attention reads; the patch hands it to the hook's collector (only ours has ``hs_attn_input``;
+# SGLang's own EAGLE-3 collectors and None do not): the host checks that the captured residual,
+# normalised with this layer's norm weight, is it (hs_patch.server.fingerprint).
+ATTN_INPUT = (
+    "        if captured_last_layer_outputs is not None and hasattr(  # hs_patch: what attention reads\n"
+    '            captured_last_layer_outputs, "hs_attn_input"\n'
+    "        ):\n"
+    "            captured_last_layer_outputs.hs_attn_input(hidden_states)\n"
+)
+ATTN_INPUT_LINE = "            captured_last_layer_outputs.hs_attn_input(hidden_states)\n"  # the layer-point form
 
+# ------------------------------------------------------------------ families
 
-# DeepseekV2DecoderLayer.forward: the layer's input communication and norm, after which
-# ``hidden_states`` is what the layer's attention reads. The patch hands it to the hook's
-# collector (only ours has ``hs_attn_input``; SGLang's own EAGLE-3 collectors and None do not):
-# the host checks that the captured residual, normalised with this layer's norm weight, is it
-# (hs_patch.server.fingerprint).
-_PREPARE_0_5_16 = (
+LAYER_POINT = Family(
+    name="layer-point",
+    where="a capture point the patch adds to DeepseekV2DecoderLayer.forward, right after prepare_attn (which "
+          "completes an all-reduce flashinfer fusion deferred from the previous layer; SGLang's own EAGLE-3 capture, "
+          "hidden_states + residual in the model loop, is a per-rank partial sum then)",
+    prepare="self.layer_communicator.prepare_attn",
+    pieces={
+        "layer_args_end": "        prev_topk_indices: Optional[torch.Tensor] = None,\n",
+        "quant_arg": '            getattr(self, "_gfx95_quant_format", ""),\n',
+        "layer_call_end": "                    prev_topk_indices=topk_indices,\n",
+        "aux_return": "aux_hidden_states",
+    },
+    edits=(
+        # DeepseekV2DecoderLayer.forward: a capture point after the input communication
+        Edit(
+            "<<layer_args_end>>    ) -> torch.Tensor:\n",
+            "<<layer_args_end>>"
+            "        captured_last_layer_outputs: Optional[Any] = None,  # hs_patch\n"
+            "    ) -> torch.Tensor:\n",
+        ),
+        Edit(
+            "        hidden_states, residual = self.layer_communicator.prepare_attn(\n"
+            "            hidden_states,\n"
+            "            residual,\n"
+            "            forward_batch,\n"
+            "<<quant_arg>>"
+            "        )\n",
+            "        hidden_states, residual = self.layer_communicator.prepare_attn(\n"
+            "            hidden_states,\n"
+            "            residual,\n"
+            "            forward_batch,\n"
+            "<<quant_arg>>"
+            "        )\n"
+            "        if captured_last_layer_outputs is not None:  # hs_patch: the reduced input\n"
+            "            captured_last_layer_outputs.capture(residual)\n" + ATTN_INPUT_LINE,
+        ),
+        _INIT,
+        Edit("        aux_hidden_states = []\n", "        aux_hidden_states = []\n" + _BEGIN),
+        Edit(
+            "<<layer_call_end>>                )\n",
+            "<<layer_call_end>>"
+            "                    captured_last_layer_outputs=(\n"
+            "                        None if _hs is None else _hs.collector(i, None)  # hs_patch\n"
+            "                    ),\n"
+            "                )\n",
+        ),
+        _NORM,
+        _FINISH,
+    ),
+)
+
+_PREPARE_COMM = (
     "        hidden_states, residual = (\n"
     "            self.layer_communicator.prepare_attn_and_capture_last_layer_outputs(\n"
     "                hidden_states,\n"
     "                residual,\n"
     "                forward_batch,\n"
     "                captured_last_layer_outputs=captured_last_layer_outputs,\n"
-    '                quant_format=getattr(self, "_gfx95_quant_format", ""),\n'
+    "<<quant_kw>>"
     "            )\n"
     "        )\n"
 )
 
-_PREPARE_0_5_23 = (
+_PREPARE_BOUNDARY = (
     "        hidden_states = self.attn_boundary.prepare(\n"
     "            hidden_states,\n"
     "            forward_batch,\n"
-    "            capture_gathered=captured_last_layer_outputs,\n"
+    "            <<gathered_kw>>=captured_last_layer_outputs,\n"
     "            quant_format=self._resolve_gfx95_quant_format(),\n"
     "        )\n"
 )
 
-_ATTN_INPUT = (
-    "        if captured_last_layer_outputs is not None and hasattr(  # hs_patch: what attention reads\n"
-    '            captured_last_layer_outputs, "hs_attn_input"\n'
-    "        ):\n"
-    "            captured_last_layer_outputs.hs_attn_input(hidden_states)\n"
-)
-
-
-def _finish(ret_tail: str) -> Edit:
-    return Edit(_RETURN + ret_tail, _FINISH + _RETURN + ret_tail)
-
-
-V0_5_9 = Release(
-    version="0.5.9",
-    torch="2.9.1",
-    cuda="12.8",
-    # server_args.check_torch_2_9_1_cudnn_compatibility refuses a multimodal model (Kimi-K2.5)
-    # on torch 2.9.1 with cuDNN < 9.15; torch 2.9.1 pins nvidia-cudnn-cu12==9.10.2.21.
-    pip_overrides=("nvidia-cudnn-cu12==9.16.0.29",),
-    pristine_sha256="4071b9a6a6ac71e1143204708df42f2ba5bd163a5d7a020579242df56e490a35",
-    patched_sha256="b701133b9abce8136c4b4ed632813156058ce1cea158f9f716b719401e1bd5c0",
+COMMUNICATOR = Family(
+    name="communicator",
+    where="the layer's own captured_last_layer_outputs, filled by "
+          "LayerCommunicator.prepare_attn_and_capture_last_layer_outputs (SGLang's EAGLE-3 path)",
+    prepare="self.layer_communicator.prepare_attn_and_capture_last_layer_outputs",
+    pieces={
+        "aux_init": "        aux_hidden_states = AuxHiddenStatePacker(len(self.layers_to_capture))\n",
+        "aux_return": "aux_hidden_states.finalize()",
+        "quant_kw": '                quant_format=getattr(self, "_gfx95_quant_format", ""),\n',
+    },
     edits=(
-        # DeepseekV2DecoderLayer.forward: a capture point after the input communication
-        Edit(
-            "        gemm_output_zero_allocator: BumpAllocator = None,\n"
-            "        llama_4_scaling: Optional[torch.Tensor] = None,\n"
-            "    ) -> torch.Tensor:\n"
-            "        quant_format = (",
-            "        gemm_output_zero_allocator: BumpAllocator = None,\n"
-            "        llama_4_scaling: Optional[torch.Tensor] = None,\n"
-            "        captured_last_layer_outputs: Optional[Any] = None,  # hs_patch\n"
-            "    ) -> torch.Tensor:\n"
-            "        quant_format = (",
-        ),
-        Edit(
-            "        hidden_states, residual = self.layer_communicator.prepare_attn(\n"
-            "            hidden_states,\n"
-            "            residual,\n"
-            "            forward_batch,\n"
-            "            quant_format,\n"
-            "        )\n",
-            "        hidden_states, residual = self.layer_communicator.prepare_attn(\n"
-            "            hidden_states,\n"
-            "            residual,\n"
-            "            forward_batch,\n"
-            "            quant_format,\n"
-            "        )\n"
-            "        if captured_last_layer_outputs is not None:  # hs_patch: the reduced input\n"
-            "            captured_last_layer_outputs.capture(residual)\n"
-            "            captured_last_layer_outputs.hs_attn_input(hidden_states)\n",
-        ),
-        _init_block("0.5.9"),
-        Edit(
-            "        aux_hidden_states = []\n"
-            "        for i in range(normal_start_layer, normal_end_layer):\n",
-            "        aux_hidden_states = []\n"
-            + _BEGIN
-            + "        for i in range(normal_start_layer, normal_end_layer):\n",
-        ),
-        Edit(
-            "                    gemm_output_zero_allocator,\n"
-            "                    llama_4_scaling,\n"
-            "                )\n"
-            "\n"
-            "        if normal_end_layer != self.end_layer:\n",
-            "                    gemm_output_zero_allocator,\n"
-            "                    llama_4_scaling,\n"
-            "                    captured_last_layer_outputs=(\n"
-            "                        None if _hs is None else _hs.collector(i, None)  # hs_patch\n"
-            "                    ),\n"
-            "                )\n"
-            "\n"
-            "        if normal_end_layer != self.end_layer:\n",
-        ),
-        _NORM,
-        _finish("        return hidden_states, aux_hidden_states\n"),
-    ),
-)
-
-V0_5_16 = Release(
-    version="0.5.16",
-    torch="2.11.0",
-    cuda="13.0",
-    pristine_sha256="47709951b15d7ac494c25f079a242c17375a8ee01007c829ea0c9ab604794689",
-    patched_sha256="e9060d78b996b0b468a3d3deaade0fa520f4ef2713d366d8b9276ed322e895c8",
-    edits=(
-        _init_block("0.5.16"),
-        Edit(_PREPARE_0_5_16, _PREPARE_0_5_16 + _ATTN_INPUT),
-        Edit(
-            "        aux_hidden_states = []\n"
-            "        if self.pp_group.is_first_rank:\n"
-            "            topk_indices = None\n",
-            "        aux_hidden_states = []\n"
-            "        if self.pp_group.is_first_rank:\n"
-            "            topk_indices = None\n" + _BEGIN,
-        ),
+        _INIT,
+        Edit(_PREPARE_COMM, _PREPARE_COMM + ATTN_INPUT),
+        Edit("<<aux_init>>", "<<aux_init>>" + _BEGIN),
         Edit(
             "                    captured_last_layer_outputs=(\n"
             "                        aux_hidden_states if i in self.layers_to_capture else None\n"
             "                    ),\n",
-            _COLLECTOR_NEW,
+            _COLLECTOR,
         ),
         _NORM,
-        _finish("        return hidden_states, aux_hidden_states\n"),
+        _FINISH,
     ),
 )
 
-V0_5_23 = Release(
-    version="0.5.23",
-    torch="2.14.1",
-    cuda="13.0",
-    pristine_sha256="f61f93019bf1e7680f45a1fe227244433e1b22021cb955e53d25b9cf900473f9",
-    patched_sha256="cfd55d507c3fc5c9b0e8b86a9b4722c44e72fe1955d61f9d46a27bb060d31907",
+LAYER_BOUNDARY = Family(
+    name="layer-boundary",
+    where="the collector layer_boundary/stage.py hands the gathered residual to, capture(value, owned=) (the "
+          "residual is carried in forward_batch.residual_stream)",
+    prepare="self.attn_boundary.prepare",
+    pieces={"final_norm": "final_norm", "capture_kw": "capture", "gathered_kw": "capture_gathered",
+            "aux_return": "aux_hidden_states.finalize()"},
     edits=(
-        _init_block("0.5.23"),
-        Edit(_PREPARE_0_5_23, _PREPARE_0_5_23 + _ATTN_INPUT),
-        Edit(
-            "        aux_hidden_states = AuxHiddenStatePacker(len(self.layers_to_capture))\n",
-            "        aux_hidden_states = AuxHiddenStatePacker(len(self.layers_to_capture))\n" + _BEGIN,
-        ),
+        _INIT,
+        Edit(_PREPARE_BOUNDARY, _PREPARE_BOUNDARY + ATTN_INPUT),
+        Edit("        aux_hidden_states = AuxHiddenStatePacker(len(self.layers_to_capture))\n",
+             "        aux_hidden_states = AuxHiddenStatePacker(len(self.layers_to_capture))\n" + _BEGIN),
         Edit(
             "                    captured_last_layer_outputs=aux_hidden_states\n"
             "                    if i in self.layers_to_capture\n"
             "                    else None,\n",
-            _COLLECTOR_NEW,
+            _COLLECTOR,
         ),
         Edit(
-            "                hidden_states = residual_batch.final_norm(\n"
+            "                hidden_states = residual_batch.<<final_norm>>(\n"
             "                    hidden_states, forward_batch, self.norm\n"
             "                )\n",
-            "                hidden_states = residual_batch.final_norm(\n"
+            "                hidden_states = residual_batch.<<final_norm>>(\n"
             "                    hidden_states,\n"
             "                    forward_batch,\n"
             "                    self.norm,\n"
-            "                    capture=None if _hs is None else _hs.final_prenorm,  # hs_patch\n"
+            "                    <<capture_kw>>=None if _hs is None else _hs.final_prenorm,  # hs_patch\n"
             "                )\n",
         ),
-        _finish("        return hidden_states, aux_hidden_states.finalize()\n"),
+        _FINISH,
     ),
 )
 
-RELEASES = {r.version: r for r in (V0_5_9, V0_5_16, V0_5_23)}
+FAMILIES = (LAYER_POINT, COMMUNICATOR, LAYER_BOUNDARY)
+
+# ------------------------------------------------------------------ each release's own spelling
+
+# 0.5.9 .. 0.5.10.post1 pass the layer's local quant_format to prepare_attn; 0.5.9 also has no
+# top-k indices (no prev_topk_indices argument, the layer returns two values).
+_LOCAL_QUANT = {"quant_arg": "            quant_format,\n"}
+_NO_TOPK = {**_LOCAL_QUANT, "layer_args_end": "        llama_4_scaling: Optional[torch.Tensor] = None,\n",
+            "layer_call_end": "                    llama_4_scaling,\n"}
+# 0.5.14 .. 0.5.16 collect SGLang's EAGLE-3 states into a list (AuxHiddenStatePacker from 0.5.17).
+_LIST = {"aux_init": "        aux_hidden_states = []\n        if self.pp_group.is_first_rank:\n"
+                     "            topk_indices = None\n",
+         "aux_return": "aux_hidden_states"}
+# 0.5.18 on resolve the gfx95 quant format with a method.
+_QUANT_METHOD = {"quant_kw": "                quant_format=self._resolve_gfx95_quant_format(),\n"}
+# 0.5.21 names the residual stream's final norm `norm` and its callback `capture_output`, and
+# the layer's collector keyword `captured_last_layer_outputs`.
+_NORM_0_5_21 = {"final_norm": "norm", "capture_kw": "capture_output", "gathered_kw": "captured_last_layer_outputs"}
+# 0.5.9 refuses a multimodal model (Kimi-K2.5) on torch 2.9.1 with cuDNN < 9.15
+# (server_args.check_torch_2_9_1_cudnn_compatibility); torch 2.9.1 pins nvidia-cudnn-cu12==9.10.2.21.
+_CUDNN_0_5_9 = {"pip_overrides": ("nvidia-cudnn-cu12==9.16.0.29",), "cudnn_min": 91500}
+# 0.5.18 .. 0.5.22 pin cuda-tile==1.6.0rc5, which PyPI serves only as a stub that downloads the
+# wheel from pypi.nvidia.com while installing; 1.6.0 is the same release line as a wheel on PyPI
+# (cuda-tile is used by the Kimi-Linear KDA kernel only, never by DeepSeek-V3/Kimi-K2.5).
+_CUDA_TILE = {"replaces": ("cuda-tile==1.6.0",)}
+
+
+def _r(version: str, family: Family, torch: str, cuda: str, pristine: str, patched: str, regions: str,
+       lines: tuple[int, ...], own: Mapping[str, str] | None = None, **stack) -> Release:
+    return Release(version=version, family=family, pristine_sha256=pristine, patched_sha256=patched,
+                   anchor_lines=lines, regions=tuple(regions.split()), torch=torch, cuda=cuda, own=own or {}, **stack)
+
+
+_ALL = (
+    _r("0.5.9", LAYER_POINT, "2.9.1", "12.8", "4071b9a6a6ac71e1143204708df42f2ba5bd163a5d7a020579242df56e490a35",
+       "b701133b9abce8136c4b4ed632813156058ce1cea158f9f716b719401e1bd5c0", "02704ce0 94bc6503 da94dec8 43d24380",
+       (2359, 2388, 2631, 2712, 2737, 2763, 2776), own=_NO_TOPK, **_CUDNN_0_5_9),
+    _r("0.5.10", LAYER_POINT, "2.9.1", "12.8", "ace3cfb8eeb74f21bbfb9463b5cc0be3682232989f0a12472ef533ec618af67e",
+       "dd49bdf99389ea349ccd3e1fec14264d088a6c99fe37459494ea9a52adf8a172", "64dfcee6 94bc6503 3cb747e8 43d24380",
+       (1682, 1711, 1962, 2042, 2069, 2095, 2108), own=_LOCAL_QUANT),
+    _r("0.5.10.post1", LAYER_POINT, "2.9.1", "12.8", "ace3cfb8eeb74f21bbfb9463b5cc0be3682232989f0a12472ef533ec618af67e",
+       "335dbc0dd334672e67b9dd2d6a5464c6c5207745ce02b572620a54bfa5cd1b89", "64dfcee6 94bc6503 3cb747e8 43d24380",
+       (1682, 1711, 1962, 2042, 2069, 2095, 2108), own=_LOCAL_QUANT),
+    _r("0.5.11", LAYER_POINT, "2.11.0", "13.0", "505a213c65a30389ca36d6d0ba56990530a979d95dc2e3b30b46a962b7db1bf5",
+       "97ed4c322786aa82bc2b55aa5d48dd5641e708f4581be635e59ecfabd04eabfd", "4f569dd8 77da60ef 3cb747e8 43d24380",
+       (1761, 1763, 2009, 2089, 2116, 2142, 2155)),
+    _r("0.5.12", LAYER_POINT, "2.11.0", "13.0", "3947d605e2ffeafb2d20baa2d87490d02a5671df0eb7bd0527ec60581580a49c",
+       "f73976ae5b7968f91d407f4b843b26549946ed4d19ddc82fa735d9c7b0337935", "4f569dd8 732b0b7c 3cb747e8 43d24380",
+       (1932, 1934, 2185, 2265, 2292, 2318, 2331)),
+    _r("0.5.12.post1", LAYER_POINT, "2.11.0", "13.0", "3947d605e2ffeafb2d20baa2d87490d02a5671df0eb7bd0527ec60581580a49c",
+       "9902af165d565b4bc4776a64593490c740888210fd770c5488e4dd8eb604ada2", "4f569dd8 732b0b7c 3cb747e8 43d24380",
+       (1932, 1934, 2185, 2265, 2292, 2318, 2331)),
+    _r("0.5.13", LAYER_POINT, "2.11.0", "13.0", "c8f6670afa18ec5cb388e9891f6c73fd65e46392930f0ef4d1f0ea5981503222",
+       "5c53e7dc16547020c21e8801c40e33031cbe00cd56589013ac1254b61468e49c", "c6a42f98 ad854453 a0b04776 6a8658cf",
+       (2092, 2095, 2354, 2436, 2463, 2489, 2505)),
+    _r("0.5.13.post1", LAYER_POINT, "2.11.0", "13.0", "c8f6670afa18ec5cb388e9891f6c73fd65e46392930f0ef4d1f0ea5981503222",
+       "8cd5e77eb70c9b803e0dc7c553ed710910f524d4c2ae22445afecf1c9ea5a666", "c6a42f98 ad854453 a0b04776 6a8658cf",
+       (2092, 2095, 2354, 2436, 2463, 2489, 2505)),
+    _r("0.5.14", COMMUNICATOR, "2.11.0", "13.0", "947fdc256101f538a668090f82e5eb5f888e2434f2bbbf69a99cdaa628cf902e",
+       "d321e9dc781789e8d73179245610aef15b1fd9e8f023c6e063518f30a6fd5e92", "a8e748f2 099285ac 8b6e05f2 6a8658cf",
+       (2378, 2116, 2480, 2501, 2548, 2564), own=_LIST),
+    _r("0.5.15", COMMUNICATOR, "2.11.0", "13.0", "c19120d6daa4e8003ffd0e17f593c9cacd9c30b6cea1f2cc6139ed910749ee31",
+       "77ac7ebcb0d6ad51f98948e95cfd2a53a37be7e07c72949a222719688cadd045", "a8e748f2 099285ac 8b6e05f2 6a8658cf",
+       (2471, 2209, 2573, 2594, 2641, 2657), own=_LIST),
+    _r("0.5.15.post1", COMMUNICATOR, "2.11.0", "13.0", "a73242802d810bf7fabe45303909eb015c00aeec567a46b404f6583e26e2a237",
+       "4fd9c6a23c16bc59cb9e4466749bb7e49499d99b3d29b33967f6de7c027a274a", "a8e748f2 099285ac 8b6e05f2 6a8658cf",
+       (2479, 2217, 2581, 2602, 2649, 2665), own=_LIST),
+    _r("0.5.16", COMMUNICATOR, "2.11.0", "13.0", "47709951b15d7ac494c25f079a242c17375a8ee01007c829ea0c9ab604794689",
+       "e9060d78b996b0b468a3d3deaade0fa520f4ef2713d366d8b9276ed322e895c8", "5e76aa22 55f3f5fc e5a81a4e 6a8658cf",
+       (2485, 2212, 2591, 2612, 2662, 2675), own=_LIST),
+    _r("0.5.17", COMMUNICATOR, "2.11.0", "13.0", "e73c033416e8746bb435dd4e7d39ead521039c511182b5f8b536a40a3308d08a",
+       "8f2c78a460cb37b9897383ac9b7c16546c1fed9246b4e5a2f577e5e040c6303a", "809cac2e 55f3f5fc 920027cd 6a8658cf",
+       (2697, 2423, 2804, 2825, 2875, 2888)),
+    _r("0.5.18", COMMUNICATOR, "2.13.0", "13.0", "d61238da43a34df8ee324b1c3d36082894aa75b34775a1af7772c2a6c016c932",
+       "4c48c95a41da1c89e3bec40ad1b344589180a2ca3a146c0e0099650604491d29", "ff8a53da 55f3f5fc 3567faac 6a8658cf",
+       (2726, 2452, 2836, 2855, 2907, 2920), own=_QUANT_METHOD, **_CUDA_TILE),
+    _r("0.5.19", COMMUNICATOR, "2.13.0", "13.0", "8fa0cfb8e8d61b7e41680fb19a3d83bd00e0a1c2d7403b42e0a0db259b308c0b",
+       "3143831ba6bf09851058dc658961c35433a0050a02090c79ef8d9d4181103572", "ff8a53da 4f472598 3567faac 6a8658cf",
+       (2768, 2489, 2879, 2898, 2950, 2963), own=_QUANT_METHOD, **_CUDA_TILE),
+    _r("0.5.20", COMMUNICATOR, "2.13.0", "13.0", "1578dd16dd71b78b95d4a5625f22a152fbdb6822ac6b38a4f24d106464c2831f",
+       "0b6ef6ba5c191041efd21b068c0befbc0ba97b8e67202270eb509dab2eb88aaf", "61999426 9cd1eb34 ac6dfffa 6a8658cf",
+       (2705, 2438, 2805, 2824, 2876, 2881), own=_QUANT_METHOD, **_CUDA_TILE),
+    _r("0.5.21", LAYER_BOUNDARY, "2.13.0", "13.0", "74f67224cc3d3edcf465bea54af572ebd3b4fb9e784a6a38a445e59db6c58d7b",
+       "0da534f3ea3ecb8b680d6d6eba3568b51c09e57f32597ddf2a904a5c087284da", "b0278421 855f91b7 40bb11dd 6a8658cf",
+       (2971, 2724, 3095, 3113, 3159, 3163), own=_NORM_0_5_21, **_CUDA_TILE),
+    _r("0.5.22", LAYER_BOUNDARY, "2.14.1", "13.0", "1edf877e54ca6acf37e2d7dccb1704054175e2b78b8737bb9b617ffc97a2134e",
+       "59970abf68b2de782aed5baf4721c6d633f428029b2cd44e4b5c9b2798d8a692", "b43660f6 dcf744a6 145da102 6a8658cf",
+       (2997, 2753, 3121, 3139, 3185, 3189), **_CUDA_TILE),
+    _r("0.5.23", LAYER_BOUNDARY, "2.14.1", "13.0", "f61f93019bf1e7680f45a1fe227244433e1b22021cb955e53d25b9cf900473f9",
+       "cfd55d507c3fc5c9b0e8b86a9b4722c44e72fe1955d61f9d46a27bb060d31907", "b43660f6 dcf744a6 e02cee2a 6a8658cf",
+       (3051, 2807, 3175, 3193, 3239, 3243)),
+)
+
+RELEASES = {r.version: r for r in _ALL}
 DEFAULT_RELEASE = "0.5.9"
 
 
-def by_pristine_sha(sha: str) -> Release | None:
-    return next((r for r in RELEASES.values() if r.pristine_sha256 == sha), None)
+def by_pristine_sha(sha: str, installed: str | None = None) -> Release | None:
+    """The release whose pristine file has ``sha``; where several share it, the installed one."""
+    found = [r for r in RELEASES.values() if r.pristine_sha256 == sha]
+    return next((r for r in found if r.version == installed), found[0] if found else None)
 
 
 def by_patched_sha(sha: str) -> Release | None:
     return next((r for r in RELEASES.values() if r.patched_sha256 == sha), None)
 
 
-# hs-patch 0.1.0 kept the hook at ``hs_patch.hook``; a file it patched differs from
-# today's patched file only in these lines. ``apply`` upgrades such a file, ``revert``
-# restores its original, ``verify`` fails on it (its import no longer exists).
-_EARLIER_LAYOUT = (("(see hs_patch.hook)", "(see hs_patch.server.hook)"),
-                   ("from hs_patch.hook import attach", "from hs_patch.server.hook import attach"))
-
-
-def from_earlier_layout(text: str) -> str:
-    """``text`` with the lines an earlier hs-patch layout wrote replaced by today's."""
-    for old, new in _EARLIER_LAYOUT:
-        text = text.replace(old, new)
-    return text
-
-
-# hs-patch before issue #25 did not hand the hook what each layer's attention reads; a file it
-# patched is today's patched file without these lines. ``apply`` upgrades it (undo the earlier
-# edits, check the pristine sha256, apply today's), ``verify`` fails on it (the hook would refuse
-# every pass: no attention input).
-_ATTN_LINES = (_ATTN_INPUT, "            captured_last_layer_outputs.hs_attn_input(hidden_states)\n")
-
-
-def earlier_edits(release: Release) -> tuple[Edit, ...]:
-    """The edits hs-patch made to ``release`` before the attention input was handed to the hook."""
-    out = []
-    for e in release.edits:
-        replacement = e.replacement
-        for line in _ATTN_LINES:
-            replacement = replacement.replace(line, "")
-        if replacement != e.anchor:
-            out.append(Edit(e.anchor, replacement))
-    return tuple(out)
-
-
-def from_earlier_patch(text: str) -> tuple[Release, str] | None:
-    """(release, today's patched text) if ``text`` is a release's file as an earlier hs-patch patched it."""
-    import hashlib
-
-    for release in RELEASES.values():
-        original = text
-        for edit in reversed(earlier_edits(release)):
-            if original.count(edit.replacement) != 1:
-                break
-            original = original.replace(edit.replacement, edit.anchor)
-        else:
-            if hashlib.sha256(original.encode("utf-8")).hexdigest() == release.pristine_sha256:
-                return release, apply_edits(release, original)
-    return None
-
-
 class PatchError(Exception):
-    """The pristine text does not have an anchor exactly once."""
+    """The pristine text does not have an anchor exactly once, where the release says."""
 
 
-def apply_edits(release: Release, text: str) -> str:
-    """The patched text of ``release``'s pristine ``deepseek_v2.py``."""
+def anchor_lines(release: Release, text: str) -> tuple[int, ...]:
+    """The 1-based line where each of ``release``'s anchors starts in ``text``; raises unless each occurs once."""
+    out = []
     for n, edit in enumerate(release.edits, 1):
         count = text.count(edit.anchor)
         if count != 1:
             raise PatchError(f"edit {n} of {release.version}: anchor found {count} times, expected once")
+        out.append(text[: text.index(edit.anchor)].count("\n") + 1)
+    return tuple(out)
+
+
+def apply_edits(release: Release, text: str) -> str:
+    """The patched text of ``release``'s pristine ``deepseek_v2.py``."""
+    found = anchor_lines(release, text)
+    if release.anchor_lines and found != release.anchor_lines:
+        raise PatchError(f"{release.version}: anchors start at lines {list(found)}, the release records "
+                         f"{list(release.anchor_lines)}")
+    for edit in release.edits:
         text = text.replace(edit.anchor, edit.replacement)
     return text

@@ -7,13 +7,14 @@ OUTPUT of layer i, our ``layer.<i+1>``), and SGLang turns that list into
 ``layers_to_capture`` in ``DeepseekV2ForCausalLM.set_eagle3_layers_to_capture``, read from
 each release's wheel:
 
-- 0.5.9: always adds 1. Its ``ModelRunner.kernel_warmup`` -> ``_dummy_run`` calls
-  ``set_eagle3_layers_to_capture()`` without ids BEFORE ``init_device_graphs``, and the
-  configured ids are set only after it: CUDA-graph decode/verify passes feed the DEFAULT
-  layers, eager passes the configured ones. ``KimiK25ForConditionalGeneration`` has no
-  ``set_eagle3_layers_to_capture``: EAGLE-3 cannot be served on Kimi-K2.5 with 0.5.9.
-- 0.5.14, 0.5.16, 0.5.23: add 1 only when the list starts with 1; the Kimi-K2.5 wrapper
-  delegates to its language model.
+- 0.5.9 .. 0.5.12.post1: always add 1; 0.5.13 and later: add 1 only when the list starts with 1.
+- 0.5.9, 0.5.10, 0.5.10.post1: the CUDA-graph runner calls ``set_eagle3_layers_to_capture()``
+  without ids BEFORE capturing its graphs, and the configured ids are set only after
+  ``init_device_graphs``: CUDA-graph decode/verify passes feed the DEFAULT layers, eager passes
+  the configured ones. From 0.5.11 ``init_aux_hidden_state_capture`` sets the configured ids
+  before any graph is captured.
+- ``KimiK25ForConditionalGeneration`` has ``set_eagle3_layers_to_capture`` (delegating to its
+  language model) from 0.5.10: EAGLE-3 cannot be served on Kimi-K2.5 with 0.5.9.
 - no ids in the config: ``[2, n // 2, n - 3]`` (n = ``num_hidden_layers``) on every release.
 
 The hook may import this module (it is in the server's shared set): a sample can say which
@@ -36,12 +37,16 @@ class ServingRule:
     serves_kimi_k25: bool     # the Kimi-K2.5 wrapper forwards set_eagle3_layers_to_capture
 
 
-SERVING_RULES = {
-    "0.5.9": ServingRule("0.5.9", "always", True, False),
-    "0.5.14": ServingRule("0.5.14", "starts_with_1", False, True),
-    "0.5.16": ServingRule("0.5.16", "starts_with_1", False, True),
-    "0.5.23": ServingRule("0.5.23", "starts_with_1", False, True),
-}
+def _rules() -> dict[str, ServingRule]:
+    always = ("0.5.9", "0.5.10", "0.5.10.post1", "0.5.11", "0.5.12", "0.5.12.post1")
+    later = ("0.5.13", "0.5.13.post1", "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18", "0.5.19",
+             "0.5.20", "0.5.21", "0.5.22", "0.5.23")
+    graphs_default = ("0.5.9", "0.5.10", "0.5.10.post1")
+    return {v: ServingRule(v, "always" if v in always else "starts_with_1", v in graphs_default, v != "0.5.9")
+            for v in always + later}
+
+
+SERVING_RULES = _rules()
 
 
 class NotServable(ValueError):
@@ -56,8 +61,8 @@ def default_layers(num_layers: int) -> list[int]:
 def rule(release: str) -> ServingRule:
     r = SERVING_RULES.get(release.split()[0])
     if r is None:
-        raise NotServable(f"SGLang {release}: its set_eagle3_layers_to_capture has not been read; the releases "
-                          f"whose rules are known are {', '.join(SERVING_RULES)}")
+        raise NotServable(f"SGLang {release}: its set_eagle3_layers_to_capture has not been read; the rules of every "
+                          f"release from {next(iter(SERVING_RULES))} to {list(SERVING_RULES)[-1]} are known")
     return r
 
 
@@ -84,8 +89,8 @@ def eagle_ids(release: str, planes: Sequence[int], num_layers: int | None, archi
     planes = list(planes)
     if KIMI_K25 in architecture and not r.serves_kimi_k25:
         raise NotServable(f"SGLang {r.release} cannot serve an EAGLE-3 drafter on Kimi-K2.5: its {KIMI_K25} has no "
-                          "set_eagle3_layers_to_capture (0.5.14 and later delegate it to the language model); "
-                          "serve on 0.5.16 or 0.5.23")
+                          "set_eagle3_layers_to_capture (0.5.10 and later delegate it to the language model); "
+                          "serve on 0.5.10 or later")
     bad = [p for p in planes if not 0 < p < (num_layers or p + 1)]
     if bad or not planes or planes != sorted(set(planes)):
         raise NotServable(f"planes {planes}: SGLang feeds the inputs of layers 1..n-1, ascending and distinct "

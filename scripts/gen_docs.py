@@ -8,9 +8,12 @@ Each setting is described once, where it is defined:
   (what ``ansible-doc`` and the role's argument validation show); ``roles/<role>/defaults/main.yml``
   is written from them too (each default under its description)
 - capture environment variables: ``ENV_DOCS`` in ``hs_patch/server/config.py``
+- supported SGLang releases: ``hs_patch/releases.py`` (family, stack, anchors), ``hs_patch/flags.py``
+  (server flags) and ``hs_patch/serving.py`` (EAGLE-3 ids)
 
 A docs file marks each generated table with ``<!-- generated: NAME -->`` ...
-``<!-- end generated -->``; NAME is ``knobs``, ``role:<role>`` or ``capture-env``.
+``<!-- end generated -->``; NAME is ``knobs``, ``role:<role>``, ``capture-env``, ``releases`` (README.md)
+or ``release-details`` (docs/capture.md).
 
     python3 scripts/gen_docs.py          # rewrite the tables
     python3 scripts/gen_docs.py --check  # exit 1 if a table differs from the code (the tests run this)
@@ -35,7 +38,9 @@ BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w:-]+) -->\n)(?P<body>.*?)(<!--
 def _fmt_default(value: Any) -> str:
     if value == "":
         return '""'
-    return value if isinstance(value, str) else json.dumps(value)
+    if isinstance(value, dict) and len(json.dumps(value)) > 200:  # a table of its own: the row would drown
+        return f"{{{len(value)} entries: {', '.join(list(value)[:2])}, ..., {list(value)[-1]}}}"
+    return (value if isinstance(value, str) else json.dumps(value)).replace("|", "\\|")
 
 
 def _cell(text: str) -> str:
@@ -80,7 +85,11 @@ def role_defaults(role: str) -> str:
              "# defaults there); docs/deployment.md shows the same table.", ""]
     for name, default, desc in role_variables(role):
         lines += ["# " + line for line in textwrap.wrap(" ".join(desc.split()), 100)]
-        lines += [f"{name}: {json.dumps(default)}", ""]
+        flow = f"{name}: {json.dumps(default)}"
+        if len(flow) > 120 and isinstance(default, list):  # a block list keeps yamllint's line length
+            lines += [f"{name}:", *(f"  - {json.dumps(item)}" for item in default), ""]
+        else:
+            lines += [flow, ""]
     return "\n".join(lines[:-1]) + "\n"
 
 
@@ -95,7 +104,40 @@ def capture_env() -> list[tuple[str, Any, str]]:
     return list(ENV_DOCS)
 
 
+def releases(details: bool) -> str:
+    """One row per supported SGLang release, from the code that patches, checks and serves it."""
+    sys.path.insert(0, str(ROOT))
+    from hs_patch import flags, serving
+    from hs_patch.releases import DEFAULT_RELEASE, RELEASES
+
+    first = {}
+    for v, r in RELEASES.items():
+        first.setdefault(r.pristine_sha256, v)
+    if details:
+        lines = ["| release | family | deepseek_v2.py sha256 | anchor lines | EAGLE-3 ids (set_eagle3_layers_to_capture) |"
+                 " request ids | flags capture needs |", "|---|---|---|---|---|---|---|"]
+    else:
+        lines = ["| release | torch / CUDA | where the capture sits | notes |", "|---|---|---|---|"]
+    for v, r in RELEASES.items():
+        s = serving.SERVING_RULES[v]
+        if details:
+            ids = ("+1 always" if s.plus_one == "always" else "+1 when the list starts with 1") + (
+                "; CUDA graphs feed the default layers" if s.graphs_use_default else "") + (
+                "" if s.serves_kimi_k25 else "; none on Kimi-K2.5")
+            lines.append(f"| {v} | {r.family.name} | `{r.pristine_sha256[:16]}` | {', '.join(map(str, r.anchor_lines))} "
+                         f"| {ids} | {'no' if v == '0.5.9' else 'yes'} | {' '.join(flags.REQUIRED_FLAGS[v])} |")
+            continue
+        notes = (["default pin"] if v == DEFAULT_RELEASE else []) + (
+            [f"same file as {first[r.pristine_sha256]}"] if first[r.pristine_sha256] != v else []) + (
+            [f"{o} over torch's pin" for o in r.pip_overrides]) + ([f"{x} for SGLang's pin" for x in r.replaces]) + (
+            [] if s.serves_kimi_k25 else ["no EAGLE-3 serving on Kimi-K2.5"])
+        lines.append(f"| {v} | {r.torch} / {r.cuda} | {r.family.name} | {'; '.join(notes)} |")
+    return "\n".join(lines) + "\n"
+
+
 def table(name: str) -> str:
+    if name in ("releases", "release-details"):
+        return releases(name == "release-details")
     if name == "knobs":
         rows, head = knobs(), "| Knob | Default | Meaning |"
     elif name.startswith("role:"):
@@ -118,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="only report tables that differ from the code")
     a = ap.parse_args(argv)
     stale = []
-    outputs = [(p, render) for p in sorted(DOCS.glob("*.md"))]
+    outputs = [(p, render) for p in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]]
     outputs += [(ROOT / "roles" / r / "defaults/main.yml", lambda _t, r=r: role_defaults(r)) for r in roles()]
     for path, make in outputs:
         text = path.read_text()

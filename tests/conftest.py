@@ -8,11 +8,18 @@ from pathlib import Path
 
 import pytest
 
+from hs_patch.releases import RELEASES
 from lab import sglang_wheels
 
 ROOT = Path(__file__).resolve().parent.parent
-SUPPORTED = ("0.5.9", "0.5.16", "0.5.23")
+SUPPORTED = tuple(RELEASES)  # every release the patch knows: each is patched, verified and captured from
 UNSUPPORTED = "0.5.8"  # a real release the patch does not know
+# One release per spelling of the edits (a family and its release's own slots), the newest of
+# each: the tests that exercise one code path in depth run on these, the rest on every release.
+REPRESENTATIVES = tuple({(r.family.name, tuple(sorted(r.own.items()))): v for v, r in RELEASES.items()}.values())
+# One release per family, the three hs-patch knew first: for the costliest tests of one code path.
+FAMILY_REPRESENTATIVES = ("0.5.9", "0.5.16", "0.5.23")
+assert sorted(RELEASES[v].family.name for v in FAMILY_REPRESENTATIVES) == sorted({r.family.name for r in RELEASES.values()})
 
 
 # Importing Ansible replaces sys.intern, after which torch._dynamo (loaded by transformers with a
@@ -39,11 +46,22 @@ def _keep_umask():
     os.umask(old)
 
 
+class _Sources(dict):
+    """version -> a pristine extracted site, each downloaded (once, cached) and extracted on first use."""
+
+    def __init__(self, base: Path):
+        super().__init__()
+        self.base = base
+
+    def __missing__(self, version: str) -> Path:
+        self[version] = extract_site(version, self.base / version)
+        return self[version]
+
+
 @pytest.fixture(scope="session")
 def release_sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """version -> a pristine extracted site (read-only use; copy before changing)."""
-    base = tmp_path_factory.mktemp("sglang-sources")
-    return {v: extract_site(v, base / v) for v in (*SUPPORTED, UNSUPPORTED)}
+    """version -> a pristine extracted site (read-only use; copy before changing), once per session."""
+    return _Sources(tmp_path_factory.mktemp("sglang-sources"))
 
 
 @pytest.fixture

@@ -127,11 +127,15 @@ def test_every_cited_path_section_and_name_resolves():
 def test_the_inventory_runs_each_release_on_the_stack_releases_py_names():
     knobs = yaml.safe_load((ROOT / "inventory/group_vars/gpu_hosts.yml").read_text())
     stacks = knobs["hs_sglang_releases"]
-    assert knobs["hs_sglang_supported_versions"] == list(RELEASES) == list(stacks), \
-        "hs_sglang_supported_versions, hs_sglang_releases and hs_patch/releases.py name the same releases"
+    role = yaml.safe_load((ROOT / "roles/sglang/meta/argument_specs.yml").read_text())
+    role_default = role["argument_specs"]["main"]["options"]["sglang_supported_versions"]["default"]
+    assert knobs["hs_sglang_supported_versions"] == "{{ hs_sglang_releases | list }}"
+    assert list(stacks) == list(RELEASES) == role_default, \
+        "hs_sglang_releases, the sglang role's supported versions and hs_patch/releases.py name the same releases"
     for version, r in RELEASES.items():
         s = stacks[version]
-        assert (s["torch"], s["cuda"], tuple(s["pip_overrides"])) == (r.torch, r.cuda, r.pip_overrides), version
+        assert (s["torch"], s["cuda"], tuple(s["pip_overrides"]), s["cudnn_min"], tuple(s["replaces"])) == \
+            (r.torch, r.cuda, r.pip_overrides, r.cudnn_min, r.replaces), version
         cudnn = [p for p in r.pip_overrides if p.startswith("nvidia-cudnn")]
         if cudnn:  # the override must bring at least the cuDNN the release then checks for
             major, minor, *_ = cudnn[0].split("==")[1].split(".")

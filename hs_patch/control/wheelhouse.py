@@ -3,7 +3,7 @@
 Run on any machine that reaches the package index (the control node is fine):
 
     python3 -m hs_patch.control.wheelhouse --pin 0.5.9 --dest wheelhouse
-    python3 -m hs_patch.control.wheelhouse --pin 0.5.9 --pin 0.5.16 --dest wheelhouse --resolve-only
+    python3 -m hs_patch.control.wheelhouse --pin 0.5.9 --pin 0.5.21 --dest wheelhouse --resolve-only
 
 For each pin it resolves ``sglang==PIN`` with pip for the GPU host's interpreter and
 platform (CPython 3.12, x86_64, every manylinux tag from 2_17 to the host's glibc, 2_39 on
@@ -14,7 +14,9 @@ package pinned to one file by sha256. Then it downloads exactly those files with
 ``pip download --no-deps --require-hashes`` (``--resolve-only`` stops before: no wheel is
 downloaded, only metadata). The GPU host installs the set with ``pip install --no-index
 --no-deps --require-hashes -r requirements.txt``: no resolution on the host, so it gets
-precisely what was resolved here.
+precisely what was resolved here. A release with ``replaces`` (0.5.18 .. 0.5.22: cuda-tile,
+whose pinned 1.6.0rc5 PyPI serves only as a stub that downloads from pypi.nvidia.com while
+installing) resolves sglang alone, then its own requirements with those replaced.
 
 Resolution uses pip's ``--dry-run --report`` with ``--use-feature=fast-deps``: pip reads
 each wheel's metadata from the index (PEP 658) or, where an index does not serve it, with
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from hs_patch.control.sglang_requires import ReplaceError, replaced_requirements
 from hs_patch.releases import RELEASES
 from hs_patch.store import file_sha256, write_text_atomic
 
@@ -148,10 +151,11 @@ def apply_overrides(wheels: list[Wheel], overrides: list[Wheel], target: Target)
     return sorted(by_name.values(), key=lambda w: _norm(w.name))
 
 
-def lock_text(pin: str, wheels: list[Wheel], overrides: Sequence[str]) -> str:
+def lock_text(pin: str, wheels: list[Wheel], overrides: Sequence[str], replaces: Sequence[str] = ()) -> str:
     head = [f"# sglang=={pin}: the complete wheel set, written by python3 -m hs_patch.control.wheelhouse.",
             "# Install with: pip install --no-index --find-links DIR --no-deps --require-hashes -r requirements.txt"]
     head += [f"# override (installed over the resolved set): {o}" for o in overrides]
+    head += [f"# replaces sglang's own requirement on the same package: {r}" for r in replaces]
     return "\n".join(head + [w.lock_line() for w in wheels]) + "\n"
 
 
@@ -162,7 +166,15 @@ def resolve_pin(pin: str, target: Target, *, pip: Sequence[str], index_args: Seq
     if release is None:
         raise WheelhouseError(f"sglang {pin} is not a release hs-patch supports ({', '.join(RELEASES)})")
     started = time.monotonic()
-    wheels = resolve([f"sglang{extras}=={pin}"], target, pip=pip, index_args=index_args)
+    if release.replaces:
+        sglang = resolve([f"sglang{extras}=={pin}"], target, pip=pip, index_args=index_args, no_deps=True)
+        try:
+            needs = replaced_requirements(sglang[0].requires, release.replaces, target.marker_env(), extras)
+        except ReplaceError as e:
+            raise WheelhouseError(str(e)) from None
+        wheels = sorted(sglang + resolve(needs, target, pip=pip, index_args=index_args), key=lambda w: _norm(w.name))
+    else:
+        wheels = resolve([f"sglang{extras}=={pin}"], target, pip=pip, index_args=index_args)
     torch = next((w for w in wheels if _norm(w.name) == "torch"), None)
     if torch is None or torch.version.split("+")[0] != release.torch:
         raise WheelhouseError(f"sglang {pin} resolved torch {torch.version if torch else 'none'}, hs_patch.releases "
@@ -172,7 +184,7 @@ def resolve_pin(pin: str, target: Target, *, pip: Sequence[str], index_args: Seq
     final = apply_overrides(wheels, overrides, target)
     tags = sorted({t for w in final for t in w.filename[:-4].split("-")[-1].split(".")})
     summary = {"pin": pin, "python": target.python_version, "packages": len(final),
-               "overrides": list(release.pip_overrides), "platform_tags_used": tags,
+               "overrides": list(release.pip_overrides), "replaces": list(release.replaces), "platform_tags_used": tags,
                "resolve_seconds": round(time.monotonic() - started, 1)}
     return final, summary
 
@@ -203,7 +215,7 @@ def build(pins: Sequence[str], dest: Path, *, resolve_only: bool = False, target
         pin_dir = dest / pin
         pin_dir.mkdir(parents=True, exist_ok=True)
         summary["files"] = {w.filename: w.sha256 for w in wheels}
-        write_text_atomic(pin_dir / LOCK, lock_text(pin, wheels, summary["overrides"]))
+        write_text_atomic(pin_dir / LOCK, lock_text(pin, wheels, summary["overrides"], summary["replaces"]))
         write_text_atomic(pin_dir / REPORT, json.dumps(summary, indent=1) + "\n")
         if not resolve_only:
             started = time.monotonic()

@@ -20,7 +20,8 @@ Patch an installed SGLang so that its DeepseekV2/V3 model (Kimi-K2.5, DeepSeek-V
 the hidden states it computes during prefill, for EAGLE-3 drafter training.
 
 Supported SGLang releases: {", ".join(RELEASES)} (default pin {DEFAULT_RELEASE}); each is
-recognised by the sha256 of its deepseek_v2.py. Anything else is refused unchanged.
+recognised by the sha256 of its deepseek_v2.py. Anything else is refused unchanged; for such
+a file, status names the nearest known release and shows what differs where the patch works.
 
 exit codes: 0 ok, 1 error, 2 refused (nothing written), 3 verify failed (a sample damaged,
 missing or unlisted, a manifest line unusable), 4 not found (inspect: no such path),
@@ -29,7 +30,8 @@ missing or unlisted, a manifest line unusable), 4 not found (inspect: no such pa
 
 CAPTURE_HELP = "capture is configured by environment variables of the SGLang server (read once at start):\n" + \
     "".join(f"  {name:27} (default {default}) {text}\n" for name, default, text in config.ENV_DOCS) + \
-    "server flags it needs: --disable-radix-cache, and on 0.5.16+ --disable-prefill-cuda-graph\n"
+    "server flags it needs: --disable-radix-cache; on 0.5.10 .. 0.5.13.post1 --disable-piecewise-cuda-graph, on\n" + \
+    "  0.5.14 and later --disable-prefill-cuda-graph (status prints the installed release's)\n"
 
 
 def _site_arg(p: argparse.ArgumentParser) -> None:

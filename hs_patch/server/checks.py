@@ -14,11 +14,11 @@ from hs_patch.flags import violations
 
 
 def _server_args() -> Any:
-    try:  # 0.5.16 and later
+    try:  # 0.5.15 and later
         from sglang.srt.runtime_context import get_server_args
 
         return get_server_args()
-    except ImportError:  # 0.5.9
+    except ImportError:  # 0.5.9 .. 0.5.14
         from sglang.srt.server_args import get_global_server_args
 
         return get_global_server_args()
@@ -28,7 +28,9 @@ def _prefill_graph(args: Any) -> str:
     """The prefill CUDA-graph backend in effect ('disabled' when prefill runs eagerly)."""
     try:
         from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, check_cuda_graph_backend
-    except ImportError:  # 0.5.9: only the opt-in piecewise graph exists
+    except ImportError:  # 0.5.9 .. 0.5.13.post1: the piecewise prefill graph is the only one
+        if hasattr(args, "disable_piecewise_cuda_graph"):  # 0.5.10 on: on by default, resolved in place
+            return "disabled" if args.disable_piecewise_cuda_graph else "piecewise"
         return "piecewise" if getattr(args, "enable_piecewise_cuda_graph", False) else "disabled"
     for backend in Backend.ALL:
         if backend != Backend.DISABLED and check_cuda_graph_backend(Phase.PREFILL, backend):
@@ -37,9 +39,9 @@ def _prefill_graph(args: Any) -> str:
 
 
 def _getter(args: Any) -> Any:
-    """Read a setting as the release resolved it: 0.5.23 keeps raw input on the record and
-    the resolved values apart (its deprecated ``enable_dp_attention`` stays false while
-    ``--attn-dp-size`` turns attention DP on), earlier releases resolve in place."""
+    """Read a setting as the release resolved it: 0.5.19 on keep raw input on the record and
+    the resolved values apart (from 0.5.22 the deprecated ``enable_dp_attention`` stays false
+    while ``--attn-dp-size`` turns attention DP on), earlier releases resolve in place."""
     if hasattr(args, "resolved_dict"):
         resolved = args.resolved_dict()
         return lambda name, default=None: resolved.get(name, getattr(args, name, default))
@@ -83,7 +85,8 @@ def refusals(s: Mapping[str, Any]) -> list[str]:
                    "add --disable-radix-cache")
     if s.get("prefill_graph", "disabled") != "disabled":
         out.append(f"prefill CUDA graphs ({s['prefill_graph']}) replay without running the capture hook: "
-                   "add --disable-prefill-cuda-graph (0.5.16+) or remove --enable-piecewise-cuda-graph (0.5.9)")
+                   "add --disable-prefill-cuda-graph (0.5.14 and later) or --disable-piecewise-cuda-graph (0.5.10 .. "
+                   "0.5.13.post1), or remove --enable-piecewise-cuda-graph (0.5.9)")
     return out + violations(s)
 
 

@@ -22,7 +22,7 @@ ENV_DOCS = (
     ("HS_CAPTURE_LAYERS", "2,n/2,n-3", "Decoder layers whose INPUT is captured (layer.<i> = residual stream "
      "entering layer i = output of layer i-1), ascending, separated by commas or spaces. Unset: what SGLang "
      "feeds an EAGLE-3 drafter whose config names no layers, [2, n//2, n-3] for a model of n layers: 2,30,58 "
-     "on Kimi-K2.5's 61 (eagle ids [1,29,57] on 0.5.9/0.5.16/0.5.23)."),
+     "on Kimi-K2.5's 61 (eagle ids [1,29,57] on every release)."),
     ("HS_CAPTURE_FINAL", "both", "The last layer's output to store: pre (before the final norm: speculators), "
      "post (after it, what the LM head reads: SpecForge), both, or none. both: a default run feeds both "
      "trainers exactly; 5 planes = 71,945 bytes per token at hidden 7168 (ids, mask and fingerprints included)."),

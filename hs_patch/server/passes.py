@@ -68,13 +68,15 @@ class Tee:
         self._pass, self._idx, self._inner = p, idx, inner
 
     def append(self, t: torch.Tensor) -> None:
-        """List style (0.5.16): SGLang already cloned what it would overwrite later."""
+        """List style (the communicator family, 0.5.14 .. 0.5.20): SGLang's communicator hands over a clone
+        of what it would overwrite later (we never say ``copies_on_append``, so from 0.5.17 it still does),
+        or flashinfer's fresh residual, which nothing writes again."""
         if self._inner is not None:
             self._inner.append(t)
         self._pass.put(self._idx, t, owned=True)
 
     def capture(self, t: torch.Tensor, *, owned: bool = False) -> None:
-        """Accumulator style (0.5.23, and the 0.5.9 patch): copy unless ownership is given."""
+        """Accumulator style (the layer-boundary family, and the layer-point patch): copy unless owned."""
         if self._inner is not None:
             self._inner.capture(t, owned=owned)
         self._pass.put(self._idx, t, owned=owned)

@@ -142,7 +142,8 @@ def test_preflight_accepts_the_defaults(local_inventory, tmp_path):
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"hs_sglang_version": "0.5.10"}, "naming a release hs-patch supports"),
+    ({"hs_sglang_version": "0.5.8"}, "naming a release hs-patch supports"),
+    ({"hs_sglang_version": "0.5.24"}, "naming a release hs-patch supports"),
     ({"hs_sglang_version": 0.6}, "must be a quoted string"),
     ({"hs_sglang_install_source": "conda"}, "must be pypi or wheelhouse"),
     ({"hs_sglang_install_source": "wheelhouse", "hs_sglang_wheelhouse": "/nonexistent/wh"},

@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from conftest import SUPPORTED
 from hs_patch import serving
 from hs_patch.host.extract_cli import main
 from lab.sample_files import write_run
 
 TARGET = "sglang/srt/models/deepseek_v2.py"
 KIMI = "sglang/srt/models/kimi_k25.py"
+GRAPH_RUNNER = "sglang/srt/model_executor/cuda_graph_runner.py"
 
 
 def real_setter(site: Path):
@@ -38,7 +40,7 @@ def run_real(setter, ids, n: int) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("version", ["0.5.9", "0.5.16", "0.5.23"])
+@pytest.mark.parametrize("version", SUPPORTED)
 def test_rules_equal_the_releases_own_code(release_sources, version):
     setter = real_setter(release_sources[version])
     for ids in (None, [1, 29, 57], [2, 30, 58], [0, 5], [1], [3, 31, 59], [1, 2, 3]):
@@ -48,13 +50,17 @@ def test_rules_equal_the_releases_own_code(release_sources, version):
         try:
             ids = serving.eagle_ids(version, planes, 61, cuda_graph=False)
         except serving.NotServable:
-            assert version != "0.5.9"
+            assert serving.rule(version).plus_one != "always"
             continue
         assert run_real(setter, ids, 61) == planes
     kimi = ast.parse((release_sources[version] / KIMI).read_text())
     wrapper = next(n for n in kimi.body if isinstance(n, ast.ClassDef) and n.name == serving.KIMI_K25)
     has = any(isinstance(f, ast.FunctionDef) and f.name == "set_eagle3_layers_to_capture" for f in wrapper.body)
     assert has == serving.rule(version).serves_kimi_k25
+    # through 0.5.10.post1 the CUDA-graph runner sets the DEFAULT layers before it captures its graphs
+    runner = release_sources[version] / GRAPH_RUNNER
+    resets = runner.is_file() and ".set_eagle3_layers_to_capture()" in runner.read_text()
+    assert resets == serving.rule(version).graphs_use_default
 
 
 def test_the_default_capture_is_served_on_every_release_with_one_config():
@@ -70,7 +76,13 @@ def test_the_default_capture_is_served_on_every_release_with_one_config():
     with pytest.raises(serving.NotServable, match="layer.1 cannot lead"):
         serving.eagle_ids("0.5.16", [1, 30, 58], 61)
     with pytest.raises(serving.NotServable, match="not been read"):
-        serving.eagle_ids("0.5.12", [2, 30, 58], 61)
+        serving.eagle_ids("0.5.8", [2, 30, 58], 61)
+    assert serving.eagle_ids("0.5.10", [2, 30, 58], 61, "KimiK25ForConditionalGeneration") == [1, 29, 57]
+    assert serving.eagle_ids("0.5.12.post1", [3, 31, 59], 61) == [2, 30, 58]   # always +1
+    assert serving.eagle_ids("0.5.13", [3, 31, 59], 61) == [3, 31, 59]        # +1 only for a list led by 1
+    with pytest.raises(serving.NotServable, match="CUDA-graph"):
+        serving.eagle_ids("0.5.10.post1", [3, 31, 59], 61)
+    assert serving.eagle_ids("0.5.11", [3, 31, 59], 61) == [2, 30, 58]
 
 
 def test_cli_writes_the_block_into_a_drafter_config(tmp_path, capsys):

@@ -3,19 +3,24 @@
 SGLang cannot be imported here (it needs a GPU stack), so this harness executes the
 patched method's source, taken from the release's real ``deepseek_v2.py`` after
 ``hs-patch``'s edits, against a stand-in model whose layers replay a tiny random
-``transformers`` DeepseekV3 computed on the same tokens. The stand-in keeps SGLang's
-conventions that matter to the capture:
+``transformers`` DeepseekV3 computed on the same tokens, for every release hs_patch knows
+(its family, hs_patch.releases, decides which of SGLang's steps the layer calls). The
+stand-in keeps SGLang's conventions that matter to the capture:
 
 - the residual stream is ``hidden_states + residual`` and the layer input norm adds
   them IN PLACE into ``residual`` (``fused_add_rmsnorm``), so a capture that keeps a
   reference instead of a copy reads a later value;
-- 0.5.9 with flashinfer all-reduce fusion: a layer returns a per-rank partial sum of
-  its MLP output and the NEXT layer's ``prepare_attn`` completes the all-reduce (the
-  DESIGN.md trap: ``hidden_states + residual`` in the model loop is then wrong);
-- 0.5.16's ``prepare_attn_and_capture_last_layer_outputs`` (clone unless the residual
-  is fresh) and 0.5.23's ``attn_boundary.prepare(..., capture_gathered=)`` (its collector's
-  ``capture(value, owned=...)``) and ``residual_batch.final_norm(..., capture=)``; 0.5.23's
-  ``AuxHiddenStatePacker`` is the release's own class, loaded from its wheel;
+- with flashinfer all-reduce fusion a layer returns a per-rank partial sum of its MLP
+  output and the NEXT layer's input step completes the all-reduce (the DESIGN.md trap:
+  ``hidden_states + residual`` in the layer-point family's model loop is then wrong);
+- the communicator family (0.5.14 .. 0.5.20) runs the release's OWN
+  ``LayerCommunicator.prepare_attn_and_capture_last_layer_outputs`` from its communicator.py
+  (which decides whether the collector gets a clone: ``_post_attn_residual_is_read_only``,
+  from 0.5.17 ``copies_on_append``); the layer-boundary family (0.5.21 .. 0.5.23) a stand-in
+  for ``attn_boundary.prepare(..., capture_gathered=)`` (0.5.21: ``captured_last_layer_outputs=``;
+  its collector's ``capture(value, owned=...)``) and ``residual_batch.final_norm(..., capture=)``
+  (0.5.21: ``norm(..., capture_output=)``); from 0.5.17 ``AuxHiddenStatePacker`` is the
+  release's own class, loaded from its wheel (``ReleaseCode``);
 - the patched ``DeepseekV2DecoderLayer.forward`` itself runs too, for every release (the
   line the patch adds after ``prepare_attn``, handing the hook what the attention reads).
 
@@ -34,6 +39,8 @@ from typing import Any, Optional
 
 import torch
 from lab.hf_reference import Reference, reference  # noqa: F401  (re-exported for tests)
+
+from hs_patch.releases import RELEASES
 
 # ----------------------------------------------------------------------------- batches
 
@@ -96,15 +103,24 @@ class Sim:
 
     def __init__(self, release: str, patched_source: str, model: Any, refs: dict[str, Reference],
                  *, fusion: bool = False, layers_to_capture: tuple[int, ...] = (), hook: Any = None,
-                 aux_module: Any = None):
+                 code: Optional["ReleaseCode"] = None):
+        """``code``: the release's own files the harness runs besides ``patched_source`` (ReleaseCode.read)."""
         self.release, self.refs, self.fusion = release, refs, fusion
+        self.family = RELEASES[release].family.name
         cfg = model.config
         self.n_layers = cfg.num_hidden_layers
-        ns = self._namespace(aux_module)
+        ns = self._namespace(code.aux if code is not None else None)
         tree = ast.parse(patched_source)
         cls = {c.name: c for c in tree.body if isinstance(c, ast.ClassDef)}
         self.model_forward = _function(cls["DeepseekV2Model"], "forward", ns)
         layer_forward = _function(cls["DeepseekV2DecoderLayer"], "forward", ns)
+        self.comm_capture = None
+        if self.family == "communicator":
+            if code is None or code.communicator is None:
+                raise ValueError(f"SGLang {release}: the communicator family runs its own communicator.py; pass code=")
+            comm = next(c for c in ast.walk(ast.parse(code.communicator))
+                        if isinstance(c, ast.ClassDef) and c.name == "LayerCommunicator")
+            self.comm_capture = _function(comm, "prepare_attn_and_capture_last_layer_outputs", ns)
         m = types.SimpleNamespace(
             _hs_capture=hook, start_layer=0, end_layer=self.n_layers, first_k_dense_replace=1,
             layers_to_capture=list(layers_to_capture), enable_a2a_moe=False, gemm_output_zero_allocator_size=0,
@@ -160,11 +176,16 @@ class Sim:
                     capture(residual)
                 return out
 
+            @staticmethod  # 0.5.21's name and keyword for the same step
+            def norm(h: torch.Tensor, fb: ForwardBatch, norm: FusedNorm, capture_output: Any = None) -> torch.Tensor:
+                return _ResidualBatch.final_norm(h, fb, norm, capture_output)
+
         ns: dict[str, Any] = {
             "torch": torch, "nullcontext": nullcontext, "Optional": Optional, "Union": Any, "Any": Any,
             "List": list, "ForwardBatch": ForwardBatch, "BumpAllocator": lambda **kw: None,
             "PPProxyTensors": dict, "get_global_expert_distribution_recorder": _Recorder,
-            "get_global_server_args": lambda: types.SimpleNamespace(enable_piecewise_cuda_graph=False),
+            "get_global_server_args": lambda: types.SimpleNamespace(enable_piecewise_cuda_graph=False,
+                                                                    disable_piecewise_cuda_graph=True),
             "nsa_use_prefill_cp": lambda fb: False, "dsa_use_prefill_cp": lambda fb, flag: False,
             "mla_use_prefill_cp": lambda fb, flag: False, "is_cp_v2_active": lambda fb: False,
             "check_cuda_graph_backend": lambda phase, backend: False, "Phase": _Phase, "Backend": _Backend,
@@ -175,7 +196,7 @@ class Sim:
             "get_forward": lambda: types.SimpleNamespace(scoped=lambda **kw: nullcontext()),
             "residual_access": types.SimpleNamespace(buffer=lambda h: h),
             "_is_gfx95_supported": False, "DeepseekV2MLP": type("DeepseekV2MLP", (), {}),
-            "DeepseekV2MoE": type("DeepseekV2MoE", (), {}),
+            "DeepseekV2MoE": type("DeepseekV2MoE", (), {}), "AuxHiddenStateAccumulator": Any,
         }
         if aux_module is not None:
             ns["AuxHiddenStatePacker"] = aux_module.AuxHiddenStatePacker
@@ -224,7 +245,7 @@ class Sim:
             return sim._gather(kw["forward_batch"], lambda r: r.attn_out[i])
 
         def mlp(h: torch.Tensor, fb: ForwardBatch, *a: Any) -> torch.Tensor:
-            fuse = a[0] if sim.release == "0.5.9" else sim._fuse(i)  # 0.5.9 passes the fusion decision
+            fuse = a[0] if len(a) == 3 else sim._fuse(i)  # through 0.5.15.post1 the layer passes its decision
             return sim._mlp_out(fb, i, fuse)
 
         comm = types.SimpleNamespace(
@@ -233,15 +254,12 @@ class Sim:
             should_use_reduce_scatter=lambda fb: False,
             postprocess_layer=lambda h, r, fb: (h, r))
 
-        def prepare_attn_and_capture_last_layer_outputs(h, residual, fb, captured_last_layer_outputs=None,
-                                                         quant_format="", post_residual_addition=None):
-            h, residual = prepare_attn(h, residual, fb)
-            if captured_last_layer_outputs is not None:  # communicator.py, 0.5.16: clone unless
-                # prepare_mlp leaves the residual alone (_post_attn_residual_is_read_only)
-                captured_last_layer_outputs.append(residual if sim.fusion else residual.clone())
-            return h, residual
-
-        comm.prepare_attn_and_capture_last_layer_outputs = prepare_attn_and_capture_last_layer_outputs
+        if sim.comm_capture is not None:  # the communicator family: the release's own step, on this layer's
+            own = types.SimpleNamespace(  # (only flashinfer's fused path writes a fresh residual)
+                prepare_attn=lambda h, r, fb, quant_format="", post_residual_addition=None: prepare_attn(h, r, fb),
+                _communicate_simple_fn=lambda hidden_states, forward_batch, context: hidden_states, _context=None,
+                _post_attn_residual_is_read_only=lambda residual: sim.fusion)
+            comm.prepare_attn_and_capture_last_layer_outputs = lambda *a, **kw: sim.comm_capture(own, *a, **kw)
 
         class Attention:  # 0.5.23 asks the attention module for a decode-TP scope
             def __call__(self, **kw: Any) -> torch.Tensor:
@@ -250,10 +268,12 @@ class Sim:
             def maybe_use_decode_attn_tp(self, fb: ForwardBatch) -> Any:
                 return nullcontext()
 
-        class AttnBoundary:  # 0.5.23's layer_boundary stage of the attention (layer_boundary/stage.py)
-            input_on_attn_tp_slices = False
+        class AttnBoundary:  # 0.5.21 on: the layer_boundary stage of the attention (layer_boundary/stage.py)
+            input_on_attn_tp_slices = input_on_attention_tp_slices = False  # 0.5.22 on, 0.5.21
 
-            def prepare(self, h, fb, *, capture_gathered=None, quant_format=""):
+            def prepare(self, h, fb, *, capture_gathered=None, captured_last_layer_outputs=None, quant_format=""):
+                if capture_gathered is None:  # 0.5.21's keyword (a collector can be falsy: it has a length)
+                    capture_gathered = captured_last_layer_outputs
                 stream = fb.residual_stream
                 h, stream["residual"] = prepare_attn(h, stream["residual"], fb)
                 if capture_gathered is not None:
@@ -318,9 +338,24 @@ def _strip(fn: ast.FunctionDef) -> ast.FunctionDef:
     return fn
 
 
+@dataclass
+class ReleaseCode:
+    """A release's own files the harness runs besides its patched ``deepseek_v2.py``."""
+
+    aux: Any = None                     # aux_hidden_states.py as a module (0.5.17 on: AuxHiddenStatePacker)
+    communicator: Optional[str] = None  # communicator.py's source (the communicator family's capture step)
+
+    @classmethod
+    def read(cls, site: Path) -> "ReleaseCode":
+        comm = site / "sglang/srt/layers/communicator.py"
+        return cls(load_aux_module(site), comm.read_text() if comm.is_file() else None)
+
+
 def load_aux_module(site: Path) -> Any:
-    """0.5.23's ``sglang/srt/layers/aux_hidden_states.py`` (torch only), loaded standalone."""
+    """The release's ``aux_hidden_states.py`` (torch only) loaded standalone; None before 0.5.17, which has none."""
     path = site / "sglang/srt/layers/aux_hidden_states.py"
+    if not path.is_file() or "class AuxHiddenStatePacker" not in path.read_text():
+        return None
     mod = types.ModuleType("aux_hidden_states")
     mod.__dict__["__name__"] = "aux_hidden_states"
     exec(compile(path.read_text(), str(path), "exec"), mod.__dict__)

@@ -15,9 +15,15 @@ from pathlib import Path
 
 CACHE = Path(os.environ.get("HS_PATCH_TEST_CACHE", Path.home() / ".cache" / "hs-patch-tests"))
 
-# What the tests need from a wheel: the patched module, its neighbours, the version.
+# What the tests need from a wheel: the patched module, its neighbours the capture harness runs
+# (aux_hidden_states.py, communicator.py), the version, and the files whose code the per-release
+# rules are checked against (EAGLE-3 ids: the Kimi-K2.5 wrapper, the CUDA-graph runner; server
+# flags: server_args.py and, from 0.5.20, the field definitions it was split into). Absent ones
+# are skipped: releases differ.
 MEMBERS = ("sglang/__init__.py", "sglang/version.py", "sglang/srt/models/deepseek_v2.py",
-           "sglang/srt/models/kimi_k25.py", "sglang/srt/layers/aux_hidden_states.py")
+           "sglang/srt/models/kimi_k25.py", "sglang/srt/layers/aux_hidden_states.py",
+           "sglang/srt/layers/communicator.py", "sglang/srt/model_executor/cuda_graph_runner.py",
+           "sglang/srt/server_args.py", "sglang/srt/arg_groups/fields/exec_.py")
 
 
 def sglang_wheel(version: str) -> Path:

@@ -57,7 +57,7 @@ class Engine:
         self.max_total_num_tokens = max_total_num_tokens
         self.max_req_input_len = min(self.context_length - 1, max_total_num_tokens - 1) - 5
         self.vocab = int(cfg.vocab_size)
-        release, source, aux = self._patched_source(release, wheel, installed)
+        release, source, code = self._patched_source(release, wheel, installed)
         self.release = release
         n = cfg.num_hidden_layers
         env = dict(os.environ, HS_CAPTURE="1" if capture_dir else "0",
@@ -90,7 +90,7 @@ class Engine:
             self.hook.writer._settle = slow_settle
         self.refs: dict[str, Any] = {}
         self.rows: dict[str, list[torch.Tensor]] = {}   # request -> the pass outputs (post-norm) so far
-        self.sim = Sim(release, source, self.model, self.refs, hook=self.hook, aux_module=aux)
+        self.sim = Sim(release, source, self.model, self.refs, hook=self.hook, code=code)
         self.incoming: "queue.Queue[Request]" = queue.Queue()
         self.decode_q: "queue.Queue[Request]" = queue.Queue()
         self.active = 0
@@ -135,12 +135,12 @@ class Engine:
 
     @staticmethod
     def _patched_source(release: str, wheel: Optional[str], installed: bool) -> tuple[str, str, Any]:
-        """(release, its patched ``deepseek_v2.py`` source, 0.5.23's aux module or None).
+        """(release, its patched ``deepseek_v2.py`` source, the release's other code the harness runs).
 
         A wheel's files are read in a temporary directory removed before the server starts, so a
         stand-in killed later (the fault tests SIGKILL it) leaves nothing behind in /tmp.
         """
-        from lab.sglang_sim import load_aux_module
+        from lab.sglang_sim import ReleaseCode
         from lab.sglang_wheels import extract_site, sglang_wheel
 
         if installed:  # the SGLang installed (and patched, e.g. by Ansible) for this Python
@@ -148,11 +148,11 @@ class Engine:
             if target.state != "patched":
                 raise SystemExit(f"{target.path} is {target.state}, not patched: run hs-patch apply")
             release = target.release.version
-            return release, target.text, load_aux_module(target.site) if release == "0.5.23" else None
+            return release, target.text, ReleaseCode.read(target.site)
         with tempfile.TemporaryDirectory(prefix="standin-sglang-") as tmp:
             site = extract_site(Path(wheel) if wheel else sglang_wheel(release), Path(tmp))
             source = apply_edits(RELEASES[release], (site / TARGET).read_text())
-            return release, source, load_aux_module(site) if release == "0.5.23" else None
+            return release, source, ReleaseCode.read(site)
 
     # ------------------------------------------------------------------ prefill scheduler
     def _gather(self) -> list[Request]:

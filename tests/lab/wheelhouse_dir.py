@@ -1,8 +1,9 @@
 """The test hosts' wheelhouse, laid out as python3 -m hs_patch.control.wheelhouse lays it out.
 
-``DEST/<pin>/`` holds the REAL sglang wheel (5 MB; the tests patch its sources), a
-stand-in for the release's pip overrides (0.5.9: nvidia-cudnn-cu12 9.16.0.29, metadata
-only: the real one is 650 MB of GPU libraries the test hosts cannot use), and the lock
+``DEST/<pin>/`` holds the REAL sglang wheel (5 to 40 MB; the tests patch its sources), a
+stand-in for the release's pip overrides and replacements (0.5.9: nvidia-cudnn-cu12
+9.16.0.29, metadata only: the real one is 650 MB of GPU libraries the test hosts cannot
+use; 0.5.18 .. 0.5.22: cuda-tile 1.6.0), and the lock
 file ``requirements.txt`` with both files' sha256, so the sglang role's production path
 (synchronize, ``pip install --no-index --no-deps --require-hashes -r``, the override
 assertion) runs for real on the test hosts. The GPU stack (torch and the rest) is what
@@ -53,7 +54,7 @@ def standin_wheel(dest: Path, requirement: str) -> Path:
 
 
 def build(dest: Path, pin: str) -> Path:
-    """``dest/pin/`` with the sglang wheel, the overrides' stand-ins and the lock; returns it."""
+    """``dest/pin/`` with the sglang wheel, the overrides' and replacements' stand-ins and the lock; returns it."""
     pin_dir = dest / pin
     pin_dir.mkdir(parents=True, exist_ok=True)
     real = sglang_wheel(pin)
@@ -62,9 +63,9 @@ def build(dest: Path, pin: str) -> Path:
         tmp = wheel.with_suffix(".tmp")
         tmp.write_bytes(real.read_bytes())
         tmp.replace(wheel)
-    lines = [f"# sglang=={pin} for the test hosts: the real sglang wheel and stand-ins for the overrides"]
+    lines = [f"# sglang=={pin} for the test hosts: the real sglang wheel, stand-ins for the overrides and replacements"]
     lines.append(f"sglang=={pin} --hash=sha256:{file_sha256(wheel)[1]}")
-    for req in RELEASES[pin].pip_overrides:
+    for req in RELEASES[pin].pip_overrides + RELEASES[pin].replaces:
         lines.append(f"{req} --hash=sha256:{file_sha256(standin_wheel(pin_dir, req))[1]}")
     write_text_atomic(pin_dir / "requirements.txt", "\n".join(lines) + "\n")
     return pin_dir

@@ -1,8 +1,12 @@
 """The patched capture code path of every supported release, executed on the CPU.
 
-``sglang_sim`` runs the real patched ``DeepseekV2Model.forward`` (and the patched
-decoder layer) of each release against layers that replay a tiny random transformers
-DeepseekV3; the samples written must equal the transformers states bit for bit.
+``sglang_sim`` runs the real patched ``DeepseekV2Model.forward`` and decoder layer forward of
+each release (and, in the communicator family, its own communicator step; from 0.5.17 its own
+AuxHiddenStatePacker) against layers that replay a tiny random transformers DeepseekV3; the
+samples written must equal the transformers states bit for bit. Every release runs batched and
+chunked passes in each final mode under the deferred all-reduce
+(``test_every_release_captures_exactly``); the tests of one behaviour in depth run on one
+release per spelling of the edits (``conftest.REPRESENTATIVES``).
 """
 
 from __future__ import annotations
@@ -18,11 +22,13 @@ import torch
 
 from hs_patch.server import config, fingerprint, hook, checks as server_checks
 from hs_patch import reader, store
+from hs_patch.flags import REQUIRED_FLAGS
 from hs_patch.server.inplace import InPlaceSample
-from hs_patch.releases import RELEASES, TARGET, apply_edits
-from lab.sglang_sim import Part, Reference, Sim, load_aux_module, make_batch, reference
+from conftest import REPRESENTATIVES, SUPPORTED
+from hs_patch.releases import LAYER_POINT, RELEASES, TARGET, apply_edits
+from lab.sglang_sim import Part, Reference, ReleaseCode, Sim, make_batch, reference
 
-RELEASE_IDS = list(RELEASES)
+RELEASE_IDS = REPRESENTATIVES
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +49,13 @@ def make_hook(tmp_path: Path, layers=(0, 1, 3), final="both", **kw) -> hook.Capt
 
 
 def make_sim(release_sources, version, tiny_model, refs, h, **kw) -> Sim:
-    aux = load_aux_module(release_sources["0.5.23"]) if version == "0.5.23" else None
-    return Sim(version, patched_source(release_sources, version), tiny_model, refs, hook=h, aux_module=aux, **kw)
+    return Sim(version, patched_source(release_sources, version), tiny_model, refs, hook=h,
+               code=ReleaseCode.read(release_sources[version]), **kw)
+
+
+def rids(version: str) -> bool:
+    """Whether the release's forward batch carries request ids (ForwardBatch.rids, from 0.5.10)."""
+    return version != "0.5.9"
 
 
 def samples(directory: Path) -> dict[str, reader.Sample]:
@@ -68,33 +79,56 @@ def test_batched_prefill_split_per_request_exactly(version, fusion, release_sour
     """Three requests in one pass: each sample holds exactly its request's states."""
     h = make_hook(tmp_path)
     sim = make_sim(release_sources, version, tiny_model, refs, h, fusion=fusion)
-    out = sim.forward(make_batch(refs, [Part("b", 0, 5), Part("c", 0, 11), Part("d", 0, 7)],
-                                 rids=version != "0.5.9"))
+    out = sim.forward(make_batch(refs, [Part("b", 0, 5), Part("c", 0, 11), Part("d", 0, 7)], rids=rids(version)))
     h.close()
     got = samples(tmp_path / "dump")
     assert set(got) == {store.sample_key(refs[k].ids) for k in "bcd"}
     for k in "bcd":
         s = got[store.sample_key(refs[k].ids)]
         assert_matches(s, refs[k], (0, 1, 3), "both")
-        assert s.metadata["rid"] == ("" if version == "0.5.9" else k)
+        assert s.metadata["rid"] == (k if rids(version) else "")
     # what the model returns is untouched: the post-norm states of every token
     assert torch.equal(out, torch.cat([refs[k].post_norm for k in "bcd"]))
     assert reader.check_dir(tmp_path / "dump").clean
 
 
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_every_release_captures_exactly(version, release_sources, tiny_model, refs, tmp_path):
+    """Every release, under flashinfer's deferred all-reduce and with SGLang's own EAGLE-3
+    capture on: a batched pass that opens a chunked prompt, then its last chunk beside another
+    request, in each final mode; every sample equals the transformers states, the model's
+    output is untouched, and SGLang's own capture is exact except in the layer-point family."""
+    sim = make_sim(release_sources, version, tiny_model, refs, None, fusion=True, layers_to_capture=(2,))
+    for final in ("pre", "post", "both", "none"):
+        h = make_hook(tmp_path / final, final=final)
+        sim.m._hs_capture = h
+        out = sim.forward(make_batch(refs, [Part("b", 0, 5), Part("c", 0, 11), Part("a", 0, 8)], rids=rids(version)))
+        assert torch.equal(out, torch.cat([refs["b"].post_norm, refs["c"].post_norm, refs["a"].post_norm[:8]]))
+        sim.forward(make_batch(refs, [Part("a", 8, 15), Part("d", 0, 7)], rids=rids(version)))
+        h.close()
+        got = samples(tmp_path / final / "dump")
+        assert set(got) == {store.sample_key(refs[k].ids) for k in "abcd"}, final
+        for k in "abcd":
+            assert_matches(got[store.sample_key(refs[k].ids)], refs[k], (0, 1, 3), final)
+        assert reader.check_dir(tmp_path / final / "dump").clean
+        theirs = sim.sglang_aux[0] if isinstance(sim.sglang_aux, list) else sim.sglang_aux
+        exact = torch.cat([refs["a"].layer_in[2][8:], refs["d"].layer_in[2]])
+        assert torch.equal(theirs, exact) == (RELEASES[version].family is not LAYER_POINT)
+
+
 @pytest.mark.parametrize("version", RELEASE_IDS)
 def test_sglang_own_eagle3_capture_still_works(version, release_sources, tiny_model, refs, tmp_path):
-    """SGLang's layers_to_capture (EAGLE-3) runs alongside ours; under 0.5.9's deferred
-    all-reduce its own capture is a partial sum, ours is the reduced state."""
+    """SGLang's layers_to_capture (EAGLE-3) runs alongside ours; under the deferred all-reduce
+    its own capture in the layer-point family's model loop is a partial sum, ours the reduced state."""
     h = make_hook(tmp_path, layers=(2,), final="pre")
     sim = make_sim(release_sources, version, tiny_model, refs, h, fusion=True, layers_to_capture=(2,))
-    sim.forward(make_batch(refs, [Part("c", 0, 11)], rids=version != "0.5.9"))
+    sim.forward(make_batch(refs, [Part("c", 0, 11)], rids=rids(version)))
     h.close()
     ours = samples(tmp_path / "dump")[store.sample_key(refs["c"].ids)]
     assert torch.equal(ours.plane("layer.2"), refs["c"].layer_in[2])
     theirs = sim.sglang_aux
-    theirs = theirs[0] if isinstance(theirs, list) else theirs  # 0.5.23 packs [T, K*H]
-    if version == "0.5.9":
+    theirs = theirs[0] if isinstance(theirs, list) else theirs  # 0.5.17 on pack [T, K*H]
+    if RELEASES[version].family is LAYER_POINT:
         # the model loop's `hidden_states + residual` misses the other ranks' share of
         # layer 1's MLP output (half of it in the simulation): the DESIGN.md trap
         missing = (refs["c"].layer_in[2].float() - theirs.float())
@@ -107,10 +141,9 @@ def test_sglang_own_eagle3_capture_still_works(version, release_sources, tiny_mo
 @pytest.mark.parametrize("version", RELEASE_IDS)
 def test_capture_off_returns_the_same_as_pristine(version, release_sources, tiny_model, refs):
     """With no hook attached the patched forward equals the pristine forward, bit for bit."""
-    batch = lambda: make_batch(refs, [Part("a", 0, 23), Part("d", 0, 7)], rids=version != "0.5.9")  # noqa: E731
-    aux = load_aux_module(release_sources["0.5.23"]) if version == "0.5.23" else None
-    pristine = Sim(version, (release_sources[version] / TARGET).read_text(), tiny_model, refs, aux_module=aux,
-                   layers_to_capture=(1,))
+    batch = lambda: make_batch(refs, [Part("a", 0, 23), Part("d", 0, 7)], rids=rids(version))  # noqa: E731
+    pristine = Sim(version, (release_sources[version] / TARGET).read_text(), tiny_model, refs,
+                   code=ReleaseCode.read(release_sources[version]), layers_to_capture=(1,))
     patched = make_sim(release_sources, version, tiny_model, refs, None, layers_to_capture=(1,))
     assert torch.equal(pristine.forward(batch()), patched.forward(batch()))
     a, b = pristine.sglang_aux, patched.sglang_aux
@@ -123,9 +156,8 @@ def test_chunked_prefill_is_written_once_in_place(version, release_sources, tiny
     rows written once at their final place: no partial sample is ever visible."""
     h = make_hook(tmp_path)
     sim = make_sim(release_sources, version, tiny_model, refs, h)
-    rids = version != "0.5.9"
     for parts in ([Part("b", 0, 5), Part("a", 0, 8)], [Part("a", 8, 9)], [Part("a", 17, 6), Part("c", 0, 11)]):
-        sim.forward(make_batch(refs, parts, rids=rids))
+        sim.forward(make_batch(refs, parts, rids=rids(version)))
     h.close()
     got = samples(tmp_path / "dump")
     assert set(got) == {store.sample_key(refs[k].ids) for k in "abc"}
@@ -154,9 +186,8 @@ def test_a_prompt_that_is_the_first_chunk_of_another(version, release_sources, t
     both = {**refs, **x}
     h = make_hook(tmp_path)
     sim = make_sim(release_sources, version, tiny_model, both, h)
-    rids = version != "0.5.9"
-    sim.forward(make_batch(both, [Part("x", 0, 8), Part("a", 0, 8)], rids=rids))
-    sim.forward(make_batch(both, [Part("a", 8, 15)], rids=rids))
+    sim.forward(make_batch(both, [Part("x", 0, 8), Part("a", 0, 8)], rids=rids(version)))
+    sim.forward(make_batch(both, [Part("a", 8, 15)], rids=rids(version)))
     h.close()
     got = samples(tmp_path / "dump")
     assert set(got) == {store.sample_key(refs["a"].ids), store.sample_key(refs["a"].ids[:8])}
@@ -181,7 +212,7 @@ def test_prefix_cache_hit_is_never_a_sample(version, release_sources, tiny_model
     """A request whose first tokens were not computed (radix hit) is refused loudly."""
     h = make_hook(tmp_path)
     sim = make_sim(release_sources, version, tiny_model, refs, h)
-    sim.forward(make_batch(refs, [Part("c", 4, 7), Part("d", 0, 7)], rids=version != "0.5.9"))
+    sim.forward(make_batch(refs, [Part("c", 4, 7), Part("d", 0, 7)], rids=rids(version)))
     h.close()
     got = samples(tmp_path / "dump")
     assert set(got) == {store.sample_key(refs["d"].ids)}
@@ -256,6 +287,11 @@ FAKE_SGLANG = {  # the accessors read_settings uses, as each release names them
         " enable_piecewise_cuda_graph=False, enable_mixed_chunk=False, enable_two_batch_overlap=False,"
         " moe_a2a_backend='none', chunked_prefill_size=8192)\n",
     },
+    "0.5.10": {  # the piecewise prefill graph, on by default for a text model
+        "sglang/srt/server_args.py": "import types\ndef get_global_server_args():\n"
+        "    return types.SimpleNamespace(pp_size=1, enable_dp_attention=False, disable_radix_cache=True,"
+        " disable_piecewise_cuda_graph=False, chunked_prefill_size=8192)\n",
+    },
     "0.5.16": {
         "sglang/srt/runtime_context.py": "import types\ndef get_server_args():\n"
         "    return types.SimpleNamespace(pp_size=1, enable_dp_attention=False, disable_radix_cache=True,"
@@ -300,5 +336,5 @@ def test_patched_init_guard(version, release_sources, tmp_path):
     if version == "0.5.9":
         assert on.returncode == 0, on.stderr
         assert json.loads(on.stdout)["hook"] is True
-    else:  # the fake 0.5.16 reports a breakable prefill graph: refused at startup
-        assert on.returncode != 0 and "--disable-prefill-cuda-graph" in on.stderr
+    else:  # the fake 0.5.10 and 0.5.16 report a prefill graph: refused at startup, saying which flag
+        assert on.returncode != 0 and REQUIRED_FLAGS[version][-1] in on.stderr

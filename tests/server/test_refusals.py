@@ -8,6 +8,7 @@ import types
 
 import pytest
 
+from conftest import SUPPORTED
 from hs_patch import flags
 from hs_patch.host import patch_cli
 from hs_patch.server import checks, config, hook
@@ -136,3 +137,29 @@ def test_staging_memory_is_on_the_host_even_inside_a_device_context(tmp_path):
     assert slot.ids.device.type == "cpu" and all(r.device.type == "cpu" for r in slot._raw)
     h._free.put(slot)
     h.close()
+
+
+SERVER_ARGS = ("sglang/srt/server_args.py", "sglang/srt/arg_groups/fields/exec_.py")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_the_flags_each_release_needs_follow_its_own_server_args(version, release_sources):
+    """A prefill CUDA graph replays without the hook: where the release turns one on by default,
+    its flag to turn it off is required (read from the release's own server arguments)."""
+    fields = "".join(p.read_text() for p in (release_sources[version] / a for a in SERVER_ARGS) if p.is_file())
+    piecewise_on = "    disable_piecewise_cuda_graph: bool = False\n" in fields      # 0.5.10 .. 0.5.13.post1
+    prefill_phase = "    disable_prefill_cuda_graph: A[" in fields                    # cuda_graph_config, 0.5.14 on
+    opt_in = "    enable_piecewise_cuda_graph: bool = False\n" in fields             # 0.5.9: off unless asked
+    assert piecewise_on + prefill_phase + opt_in == 1
+    assert flags.REQUIRED_FLAGS[version] == ["--disable-radix-cache"] + (
+        ["--disable-piecewise-cuda-graph"] if piecewise_on else ["--disable-prefill-cuda-graph"] if prefill_phase else [])
+
+
+def test_every_table_of_releases_names_the_same_releases():
+    """The server's flags (flags.py) and EAGLE-3 rules (serving.py) are kept apart from releases.py
+    (the server never imports it): they must name exactly the releases the patch knows, in order."""
+    from hs_patch import serving
+    from hs_patch.releases import RELEASES
+
+    assert list(flags.REQUIRED_FLAGS) == list(RELEASES) == list(serving.SERVING_RULES)

@@ -23,10 +23,10 @@ release feed the drafter the hidden states it was trained on:
   {"eagle_config": {"use_aux_hidden_state": true, "eagle_aux_hidden_state_layer_ids": [1, 29, 57]}}
 
 Our layer.<i> is the residual stream entering layer i; SGLang turns the ids into the layers
-it captures differently per release (0.5.9: always +1; 0.5.14/0.5.16/0.5.23: +1 only when
-the list starts with 1). 0.5.9 also feeds its CUDA-graph passes the default layers
-[2, n//2, n-3] whatever the config, and cannot serve EAGLE-3 on Kimi-K2.5 at all: those
-cases are refused with why.
+it captures differently per release (0.5.9 .. 0.5.12.post1: always +1; 0.5.13 on: +1 only
+when the list starts with 1). 0.5.9 .. 0.5.10.post1 also feed their CUDA-graph passes the
+default layers [2, n//2, n-3] whatever the config, and 0.5.9 cannot serve EAGLE-3 on
+Kimi-K2.5 at all: those cases are refused with why (docs/training.md has the table).
 
 exit codes: 0 ok; 1 error; 2 refused (no config serves these planes on that release)
 """

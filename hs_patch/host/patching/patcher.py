@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hs_patch.files import write_all
-from hs_patch.releases import (RELEASES, TARGET, PatchError, Release, apply_edits, by_patched_sha, by_pristine_sha,
-                               from_earlier_layout, from_earlier_patch)
+from hs_patch.host.patching.earlier import from_earlier_layout, from_earlier_patch
+from hs_patch.releases import (LAYER_POINT, RELEASES, TARGET, PatchError, Release, apply_edits, by_patched_sha,
+                               by_pristine_sha)
 
 BACKUP_SUFFIX = ".hs_patch.orig"
-SUPPORTED = ", ".join(RELEASES)
+SUPPORTED = f"every release from {next(iter(RELEASES))} to {list(RELEASES)[-1]}"
 
 
 class Refused(Exception):
@@ -81,7 +82,8 @@ def inspect_target(site: str | os.PathLike | None) -> Target:
         raise Refused(f"{path} does not exist: --site must be the directory that contains sglang/")
     data = path.read_bytes()
     sha = hashlib.sha256(data).hexdigest()
-    release, state = by_pristine_sha(sha), "pristine"
+    installed = _installed_version(site)
+    release, state = by_pristine_sha(sha, installed), "pristine"  # a shared file: the installed release
     if release is None:
         release, state = by_patched_sha(sha), "patched"
     text = data.decode("utf-8")
@@ -93,19 +95,20 @@ def inspect_target(site: str | os.PathLike | None) -> Target:
         text = current if release is not None else text
     if release is None:
         state = "unknown"
-    return Target(site, path, sha, text, release, state, _installed_version(site))
+    return Target(site, path, sha, text, release, state, installed)
 
 
 def _refuse_unknown(t: Target) -> Refused:
     hint = ""
     if t.installed_version and t.installed_version not in RELEASES:
-        hint = f" SGLang {t.installed_version} is installed; install one of {SUPPORTED}."
+        hint = f" SGLang {t.installed_version} is installed; install a supported one ({SUPPORTED})."
     elif t.installed_version:
         hint = (f" SGLang {t.installed_version} is installed but this file differs from its release"
                 f" (edited by hand?); reinstall with pip install --force-reinstall --no-deps "
                 f"sglang=={t.installed_version}.")
     return Refused(f"{t.path} has sha256 {t.sha256}, which is neither the pristine nor the patched "
-                   f"deepseek_v2.py of a supported SGLang release ({SUPPORTED}).{hint} Nothing was written.")
+                   f"deepseek_v2.py of a supported SGLang release ({SUPPORTED}).{hint} hs-patch status shows the "
+                   "nearest known release and what differs. Nothing was written.")
 
 
 def _check_version(t: Target) -> None:
@@ -274,8 +277,8 @@ def check_patched(text: str, release: Release) -> None:
     - ``forward`` begins the pass before the layer loop, passes ``_hs.collector(i, ...)``
       as every layer's ``captured_last_layer_outputs``, captures the pre-norm state at the
       final norm, and finishes after the norm and before returning;
-    - the decoder layer hands the hook what its attention reads right after its input norm
-      (``prepare_attn``); 0.5.9's also captures ``residual`` there;
+    - the decoder layer hands the hook what its attention reads right after its input step
+      (the family's ``prepare``); the layer-point family's also captures ``residual`` there;
     - undoing the edits gives back the release's pristine file, byte for byte.
     """
     tree = ast.parse(text)
@@ -310,16 +313,14 @@ def check_patched(text: str, release: Release) -> None:
           "_hs.finish(hidden_states) must come after the final norm and before the last return")
 
     lfwd = _method(tree, "DeepseekV2DecoderLayer", "forward")
-    prepare = {"0.5.9": "self.layer_communicator.prepare_attn",
-               "0.5.16": "self.layer_communicator.prepare_attn_and_capture_last_layer_outputs",
-               "0.5.23": "self.attn_boundary.prepare"}[release.version]
+    prepare = release.family.prepare
     prep = [n for n in lfwd.body if isinstance(n, ast.Assign) and _calls(n, prepare)]
     idx = lfwd.body.index(prep[0]) if len(prep) == 1 else -1
     nxt = lfwd.body[idx + 1] if idx >= 0 else None
     attn = _calls(nxt, "captured_last_layer_outputs.hs_attn_input") if isinstance(nxt, ast.If) else []
     _need(len(attn) == 1 and ast.unparse(attn[0].args[0]) == "hidden_states",
           f"the decoder layer must hand the hook its attention's input right after {prepare.split('.')[-1]}")
-    if release.version == "0.5.9":
+    if release.family is LAYER_POINT:
         _need("captured_last_layer_outputs" in [a.arg for a in lfwd.args.args],
               "DeepseekV2DecoderLayer.forward must take captured_last_layer_outputs")
         _need(_calls(nxt, "captured_last_layer_outputs.capture")

@@ -7,6 +7,7 @@ from typing import Any
 
 from hs_patch.flags import REQUIRED_FLAGS, args_violations
 from hs_patch.host.patching import patcher
+from hs_patch.host.patching.nearest import nearest
 from hs_patch.server import config
 
 
@@ -17,12 +18,18 @@ def status(site: str | None, model: str | None = None) -> dict[str, Any]:
     except config.ConfigError as e:
         capture = {"error": str(e)}
     release = t.release.version if t.release else None
-    return {"action": "status", "release": release, "installed_version": t.installed_version,
-            "state": t.state, "site": str(t.site), "files": [t.describe()],
-            "backup": str(t.backup) if t.backup.exists() else None, "capture": capture,
-            "required_server_flags": REQUIRED_FLAGS.get(release or "", []),
-            "serving": serving_ids(capture.get("layers"), release or t.installed_version, model),
-            "message": f"SGLang {release or t.installed_version or '?'}: {t.state}"}
+    res = {"action": "status", "release": release, "installed_version": t.installed_version,
+           "state": t.state, "site": str(t.site), "files": [t.describe()],
+           "backup": str(t.backup) if t.backup.exists() else None, "capture": capture,
+           "required_server_flags": REQUIRED_FLAGS.get(release or "", []),
+           "serving": serving_ids(capture.get("layers"), release or t.installed_version, model),
+           "message": f"SGLang {release or t.installed_version or '?'}: {t.state}"}
+    if t.state == "unknown":  # a release published after this hs-patch, or an edited file: what is nearest
+        near = nearest(t.text)
+        res["nearest"] = near.summary()
+        res["message"] += (f" (no supported release has this deepseek_v2.py: {patcher.SUPPORTED}; patching it is "
+                           "refused)\n  " + "\n  ".join(near.lines()))
+    return res
 
 
 def check_args(site: str | None, release: str | None, args: list[str]) -> dict[str, Any]:
