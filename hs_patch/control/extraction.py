@@ -53,6 +53,7 @@ def start(c: Shell, t: Target, job: Job, server_timeout: int, progress: Callable
     remote.prepare(c, t, job.run)
     data = job.dataset if job.remote_dataset else remote.upload(c, t, job.run, Path(job.dataset))
     remote.start_server(c, t, server_timeout, progress)
+    remote.check_kv_cache(c, t)  # before the driver: a KV cache smaller than a sample is a refusal, not skips
     args = ["--data", data, "--model", t.model_path, *job.driver_args]
     if t.trust_remote_code:
         args.append("--trust-remote-code")

@@ -26,7 +26,9 @@ from hs_patch.control.inventory import Target
 from hs_patch.control.shell import RemoteError, Shell, cmd
 
 __all__ = ["RemoteError", "Check", "preflight", "estimate_bytes", "prepare", "upload", "start_server",
-           "destination", "start_jobs", "unit_hardening", "snapshot", "runs", "stop", "ship_now", "units"]
+           "check_kv_cache", "destination", "start_jobs", "unit_hardening", "snapshot", "runs", "stop", "ship_now",
+           "units"]
+from hs_patch import kv_cache
 from hs_patch.flags import args_violations
 
 # Installed by the services role (sglang_service_check_dir): hs_patch/host/readiness/gpu_ready.py with the
@@ -116,7 +118,7 @@ def _gpu_ready(c: Shell, t: Target) -> Check:
     """The JIT toolchain and the all-GPU NCCL all-reduce (skipped while the server holds the GPUs)."""
     if c.run(["systemctl", "is-active", "--quiet", f"{t.service}.service"]).ok:
         return Check("gpu ready", True, f"{t.service} is running (its own start checked the GPUs)")
-    r = c.run([GPU_READY, "jit", "nccl", "--json"], timeout=900)
+    r = c.run([GPU_READY, "caches", "jit", "nccl", "--json"], timeout=900)
     found = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     if not found:
         return Check("gpu ready", False, (r.stderr or r.stdout).strip()[-300:] or f"{GPU_READY} gave nothing",
@@ -247,6 +249,27 @@ def start_server(c: Shell, t: Target, timeout: int, progress: Callable[[str], No
                               "raise --server-timeout if the model takes longer to load")
         progress(f"waiting for {url} ({waited:.0f}s, unit {state})")
         time.sleep(5)
+
+
+# Reads the running server's /server_info with its API key (as root, on the host; the server listens on loopback).
+SERVER_INFO = ("import json, sys, urllib.request; key = open(sys.argv[2]).read().strip(); "
+               "r = urllib.request.Request(sys.argv[1], headers={'Authorization': 'Bearer ' + key}); "
+               "print(json.dumps(json.load(urllib.request.urlopen(r, timeout=60))))")
+
+
+def check_kv_cache(c: Shell, t: Target, max_tokens: int = MAX_SAMPLE_TOKENS) -> None:
+    """Refuse a started server whose KV cache cannot hold the longest sample the driver sends
+    (:func:`hs_patch.kv_cache.shortfall`), before the driver starts."""
+    url = f"http://127.0.0.1:{int(t.server_port)}/server_info"
+    r = c.run([t.bin("python"), "-c", SERVER_INFO, url, t.api_key_file], timeout=120)
+    info = _last_json(r.stdout) if r.ok else {}
+    if not info:
+        said = ((r.stderr or r.stdout).strip().splitlines() or ["no answer"])[-1][-300:]  # the error, not the traceback
+        raise RemoteError(f"on {t.host}: could not read {url}: {said}; the server unit {t.service} should answer it "
+                          f"(journalctl -u {t.service})")
+    short = kv_cache.shortfall(info, max_tokens)
+    if short:
+        raise RemoteError(f"on {t.host}: {short}")
 
 
 def unit_state(c: Shell, unit: str) -> str:

@@ -85,6 +85,18 @@ def test_site_syntax_check():
     assert proc.returncode == 0, _tail(proc)
 
 
+def test_site_runs_the_readiness_checks_unless_skipped():
+    """site.yml alone never started the server, so the GPU/JIT/NCCL checks never ran: the services stage
+    ends with them (tag readiness), and --skip-tags readiness is the way to leave them out."""
+    listed = _run([_tool("ansible-playbook"), "site.yml", "--list-tasks"])
+    skipped = _run([_tool("ansible-playbook"), "site.yml", "--list-tasks", "--skip-tags", "readiness"])
+    assert listed.returncode == 0 and skipped.returncode == 0, _tail(listed) + _tail(skipped)
+    task = "sglang_service : Check the host is ready to start the server (readiness)"
+    assert task in listed.stdout and task not in skipped.stdout
+    checks = (ROOT / "roles/sglang_service/tasks/readiness.yml").read_text()
+    assert "gpu-ready" in checks and "['jit', 'nccl']" in checks  # the checks it runs: caches, then JIT and NCCL
+
+
 def _tasks(tasks: list) -> list:
     """Every task of a list, those inside block/rescue/always too."""
     out = []
@@ -127,8 +139,9 @@ def local_inventory(tmp_path: Path) -> Path:
 
 
 def _preflight(inv: Path, tmp_path: Path, extra: dict) -> subprocess.CompletedProcess:
-    # Fits this machine's memory and names a storage host: the defaults are for the GPU host.
-    base = {"hs_dump_budget_gib": 1, "hs_shm_headroom_gib": 1, "hs_storage_host": "storage.example"}
+    # Fits this machine's memory and disk and names a storage host: the defaults are for the GPU host.
+    base = {"hs_dump_budget_gib": 1, "hs_shm_headroom_gib": 1, "hs_storage_host": "storage.example",
+            "hs_space_model_gib": 1}
     varfile = tmp_path / "extra.json"
     varfile.write_text(json.dumps({**base, **extra}))
     return _run([_tool("ansible-playbook"), "-i", str(inv), "-e", f"@{varfile}", "playbooks/preflight.yml"],
@@ -170,6 +183,9 @@ def test_preflight_accepts_the_defaults(local_inventory, tmp_path):
     ({"hs_storage_managed": False}, "hs_storage_host_key to its SSH host key"),
     ({"sglang_service_host": "0.0.0.0"}, "set sglang_service_allow_non_loopback: true"),
     ({"sglang_service_host": "198.51.100.10"}, "the SGLang server would answer every host"),
+    ({"hs_space_venv_gib": -1}, "whole numbers of GiB"),
+    ({"hs_space_model_gib": 100000}, "Not enough disk space on preflight-local"),
+    ({"hs_space_model_gib": 100000}, "model 100000.0 GiB (/models/Kimi-K2.5)"),
 ])
 def test_preflight_refuses_bad_inventory(local_inventory, tmp_path, extra, message):
     proc = _preflight(local_inventory, tmp_path, extra)

@@ -181,3 +181,34 @@ def test_sandbox_of_the_job_units():
         with pytest.raises(RemoteError, match="are apart: set hs_dump_dir and hs_runs_samples_root under one"):
             remote.unit_hardening(apart, "r1", "drive")
     assert os.sep == "/"
+
+
+@pytest.fixture
+def kv_server(tiny_model_dir, tmp_path):
+    """A stand-in SGLang server with a 300-token KV cache pool, behind an API key."""
+    from lab.standin_engine import Engine
+    from lab.standin_server import StandinServer
+
+    srv = StandinServer(Engine(str(tiny_model_dir), str(tmp_path / "capture"), release="0.5.16",
+                               max_total_num_tokens=300), api_key="k3y").start()
+    yield srv
+    srv.close()
+
+
+def test_extract_refuses_a_server_whose_kv_cache_cannot_hold_a_sample(kv_server, tmp_path):
+    """fab extract reads the started server's /server_info on the host (with its API key) and stops
+    before the driver when max_total_num_tokens is below the longest sample the driver sends."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    (tmp_path / "api-key").write_text("k3y\n")
+    t = Target(host="stub", user="root", become=False, venv=str(venv), api_key_file=str(tmp_path / "api-key"),
+               server_port=int(kv_server.url.rsplit(":", 1)[1]))
+    c = Shell(LocalShellConnection(tmp_path, "/usr/bin:/bin"), t)
+    with pytest.raises(RemoteError, match=r"on stub: the server's KV cache holds 300 tokens \(max_total_num_tokens\), "
+                                          r"fewer than the 32769 .* sglang_service_mem_fraction_static"):
+        remote.check_kv_cache(c, t)
+    remote.check_kv_cache(c, t, max_tokens=256)  # a driver sending 256-token samples at most: it fits
+    (tmp_path / "api-key").write_text("wrong\n")
+    with pytest.raises(RemoteError, match=r"could not read http://127\.0\.0\.1:\d+/server_info: .*401"):
+        remote.check_kv_cache(c, t)

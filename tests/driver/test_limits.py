@@ -1,10 +1,16 @@
-"""Sample length limits: the server's own (as SGLang reports it) and the cheap character bound."""
+"""Sample length limits: the server's own (as SGLang reports it), its KV cache, and the cheap character bound."""
 
 from __future__ import annotations
 
 import pytest
 
-from hs_patch.host.driver import dataset, limits
+from hs_patch import kv_cache
+from hs_patch.host.driver import dataset, limits, runstate
+from hs_patch.host.driver.run import EXIT_OK
+from lab.drive_runs import drive
+from lab.runcheck import write_chats
+from lab.standin_engine import Engine
+from lab.standin_server import StandinServer
 
 
 def test_the_server_limit_is_read_from_sglang_server_info_fields():
@@ -38,3 +44,37 @@ class NoVocab:
 
 def test_a_tokenizer_without_a_vocabulary_gets_a_generous_bound():
     assert limits.longest_token_chars(NoVocab()) == limits.UNKNOWN_TOKEN_CHARS
+
+
+# --- the server's KV cache (hs_patch.kv_cache): fab extract and the driver refuse a pool smaller than a sample
+
+
+def test_a_kv_cache_smaller_than_the_longest_sample_is_named_with_what_to_change():
+    # /server_info of SGLang 0.5.9/0.5.16/0.5.23: scheduler_info's max_total_num_tokens, server_args'
+    # context_length (null unless given) and mem_fraction_static
+    info = {"max_total_num_tokens": 17000, "context_length": None, "mem_fraction_static": 0.772}
+    msg = kv_cache.shortfall(info, 32768)
+    assert msg.startswith("the server's KV cache holds 17000 tokens (max_total_num_tokens), fewer than the 32769")
+    assert "sglang_service_mem_fraction_static (now 0.772)" in msg and "sglang_service_cuda_graph_max_bs" in msg
+    assert "--max-tokens 16999" in msg
+    assert kv_cache.shortfall({**info, "max_total_num_tokens": 32769}, 32768) is None
+    assert kv_cache.shortfall({**info, "context_length": 16000}, 32768) is None  # no sample is longer than that
+    assert kv_cache.shortfall({"context_length": 4096}, 32768) is None  # the server does not say: not refused
+
+
+@pytest.fixture
+def small_kv_standin(tiny_model_dir, tmp_path):
+    srv = StandinServer(Engine(str(tiny_model_dir), str(tmp_path / "capture"), release="0.5.16",
+                               chunked_prefill_size=48, batch_window_ms=3, max_total_num_tokens=300)).start()
+    yield srv
+    srv.close()
+
+
+def test_the_driver_refuses_a_server_whose_kv_cache_cannot_hold_its_longest_sample(small_kv_standin, tiny_model_dir,
+                                                                                    tmp_path):
+    data = tmp_path / "chats.jsonl"
+    write_chats(data, 2)
+    with pytest.raises(runstate.RunError, match="KV cache holds 300 tokens .* fewer than the 513 .*--max-tokens 299"):
+        drive(small_kv_standin, tiny_model_dir, tmp_path, [data], max_tokens=512)
+    summary = drive(small_kv_standin, tiny_model_dir, tmp_path, [data], max_tokens=256)  # fits: the run goes on
+    assert summary.exit_code == EXIT_OK, summary.message

@@ -8,7 +8,8 @@
 1. boots two local test hosts (tests/lab/testhosts.py: Debian 12, real systemd, real SSH, in
    their own network namespace): ``gpu`` (198.51.100.40) and ``storage`` (198.51.100.41);
 2. runs ``ansible-playbook site.yml`` against them with a generated inventory: the GPU
-   steps are faked (an ``nvidia-smi`` printing 8 RTX PRO 6000 rows, no driver install),
+   steps are faked (an ``nvidia-smi`` printing 8 RTX PRO 6000 rows, an ``nvidia-modprobe`` that logs, a
+   ``mokutil`` saying Secure Boot is off, no driver install),
    SGLang 0.5.9 comes from a wheelhouse and is patched and verified, the server unit runs
    the STAND-IN server (tests/lab/standin_server.py: not SGLang; it runs the deepseek_v2.py
    Ansible just patched, on a tiny random DeepseekV3, through the real capture hook);
@@ -67,11 +68,12 @@ GPU_VARS = {
     "gpu_host_cuda_toolkit_install": False, "gpu_host_kernel_module_check": False,
     "gpu_host_nvidia_persistenced_service": False, "sglang_check_torch": False, "sglang_service_gpu_checks": False,
     "gpu_host_nvidia_smi": "/usr/local/bin/nvidia-smi", "gpu_host_nvidia_version_file": "/etc/hs-test/nvidia-version",
+    "gpu_host_mokutil": "/usr/local/bin/mokutil", "sglang_service_nvidia_modprobe": "/usr/local/bin/nvidia-modprobe",
     "hs_sglang_install_source": "wheelhouse", "hs_sglang_wheelhouse": str(CACHE_DIR / "wheelhouse"),
     "sglang_pip_no_deps": True, "hs_model_path": MODEL, "hs_model_architecture": "DeepseekV3ForCausalLM",
     "hs_capture_layers": [1, 2, 3], "sglang_service_restart_sec": 1,
     "sglang_service_launcher": f"{VENV}/bin/python {STANDIN_DIR}/lab/standin_server.py --installed-sglang "
-                               "--chunked-prefill-size 256",
+                               "--write-caches --chunked-prefill-size 256",
     "sample_shipping_apt_cache_valid_time": 0,
 }
 
@@ -169,9 +171,10 @@ class Demo:
         self.ssh(gpu, f"echo {shlex.quote(json.dumps(gpus))} > /etc/hs-test/fake-gpus.json && "
                       "printf 'NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release "
                       "Build\\n' > /etc/hs-test/nvidia-version")
-        self.rsync(str(ROOT / "molecule" / "shared" / "files" / "fake-nvidia-smi"),
-                   f"{self.addr(gpu)}:/usr/local/bin/nvidia-smi")
-        self.ssh(gpu, "chmod 0755 /usr/local/bin/nvidia-smi")
+        for fake in ("nvidia-smi", "nvidia-modprobe", "mokutil"):  # Secure Boot off, as no mokutil state says
+            self.rsync(str(ROOT / "molecule" / "shared" / "files" / f"fake-{fake}"),
+                       f"{self.addr(gpu)}:/usr/local/bin/{fake}")
+        self.ssh(gpu, "chmod 0755 /usr/local/bin/nvidia-smi /usr/local/bin/nvidia-modprobe /usr/local/bin/mokutil")
         self.rsync(f"{tiny}/", f"{self.addr(gpu)}:{MODEL}/")
         self.ssh(gpu, f"chmod -R a+rX {MODEL}")  # save_pretrained writes weights 0600
         for f in STANDIN_FILES:

@@ -172,6 +172,19 @@ class StandinServer:
         self.engine.close()
 
 
+def write_caches() -> None:
+    """What the real server's libraries do first (transformers' remote-code modules, tvm-ffi's builds,
+    FlashInfer ...): write into each cache directory; one that refuses stops the server, as it would."""
+    from hs_patch.host.readiness.gpu_ready import cache_dirs, write_probe
+
+    for what, directory in sorted(cache_dirs(os.environ).items()):
+        try:
+            write_probe(directory, keep_as=f".hs-standin-{what.replace(' ', '-')}")
+        except OSError as e:
+            sys.exit(f"stand-in server: cannot write the {what} cache {directory}: {e}")
+    log.info("stand-in: wrote into every cache directory: %s", ", ".join(sorted(cache_dirs(os.environ).values())))
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", "--model-path", dest="model", required=True,
@@ -198,6 +211,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--accept-sglang-flags", action="store_true", help="accept and ignore SGLang's own server "
                     "flags (the GPU proof scripts' command line), and serve without capture when HS_CAPTURE is "
                     "not 1 (a pristine stand-in)")
+    ap.add_argument("--write-caches", action="store_true", help="before serving, write a file into every cache "
+                    "directory the environment names (hs_patch's gpu_ready.cache_dirs: XDG_CACHE_HOME, "
+                    "TVM_FFI_CACHE_DIR, ... and transformers' module cache), as the real server's libraries do, and "
+                    "exit naming the first one that refuses (the services role's sandbox must allow each)")
     ap.add_argument("--api-key", help="require this key (Authorization: Bearer), as SGLang's --api-key")
     ap.add_argument("--config", help="SGLang's --config file: its api-key is used like --api-key")
     g = ap.add_argument_group("EAGLE-3 (emulated over greedy decoding: lab/standin_spec.py)")
@@ -215,6 +232,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     elif not a.capture_dir:
         ap.error("--capture-dir or HS_CAPTURE_DIR is required")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s standin %(levelname)s %(message)s")
+    if a.write_caches:
+        write_caches()
     torch.set_num_threads(a.threads)
     engine = Engine(a.model, a.capture_dir, release=a.release, wheel=a.sglang_wheel,
                     chunked_prefill_size=a.chunked_prefill_size, batch_window_ms=a.batch_window_ms,

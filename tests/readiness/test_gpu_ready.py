@@ -105,3 +105,59 @@ def test_cuda_home_lookup_follows_tvm_ffi_and_flashinfer(var, monkeypatch):
         monkeypatch.delenv(v, raising=False)
     monkeypatch.setenv(var, "/opt/cuda-x")
     assert gr.find_cuda_home() == ("/opt/cuda-x", f"${var}")
+
+
+# --- caches: what the sandboxed server writes ------------------------------------------------------
+
+
+def test_caches_check_writes_into_each_cache_and_names_the_one_it_cannot(tmp_path):
+    blocked = tmp_path / "a-file"  # a directory under a file cannot exist: the write fails as under ProtectSystem
+    blocked.write_text("x")
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "TVM_FFI_CACHE_DIR": str(blocked / "tvm-ffi"),
+           "FLASHINFER_WORKSPACE_BASE": str(tmp_path / "cache"), "SGLANG_VLM_CACHE_SIZE_MB": "512", "PATH": "/usr/bin"}
+    c = gr.cache_check(env)
+    assert not c.ok
+    assert c.detail.startswith("1 of 5 cache dir(s) not writable: TVM_FFI_CACHE_DIR=" + str(blocked / "tvm-ffi"))
+    assert "sglang_service_read_write_paths" in c.fix and "sglang_service_cache_dir" in c.fix
+    # the others were made and written, and no probe file is left behind
+    for d in ("cache", "cache/huggingface/modules", "cache/.cache/flashinfer"):
+        assert (tmp_path / d).is_dir() and not list((tmp_path / d).glob(".hs-cache-check-*")), d
+    env["TVM_FFI_CACHE_DIR"] = str(tmp_path / "cache" / "tvm-ffi")
+    c = gr.cache_check(env)
+    assert c.ok and c.detail.startswith("5 cache dir(s) writable: "), c.detail
+
+
+@pytest.mark.parametrize("env", [{"XDG_CACHE_HOME": "X"}, {"XDG_CACHE_HOME": "X", "HF_HOME": "X/hf"},
+                                 {"HF_HOME": "X/hf", "HF_MODULES_CACHE": "X/modules"}, {}])
+def test_the_transformers_module_cache_is_where_transformers_puts_it(env, tmp_path, monkeypatch):
+    """Kimi's tokenizer is remote code: transformers creates HF_MODULES_CACHE at load, derived as
+    the check derives it (read from transformers itself, in a clean interpreter)."""
+    env = {k: v.replace("X", str(tmp_path)) for k, v in env.items()}
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for name in ("XDG_CACHE_HOME", "HF_HOME", "HF_MODULES_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    out = subprocess.run([sys.executable, "-c", "from transformers.utils.hub import HF_MODULES_CACHE as m; print(m)"],
+                         env={**os.environ, **env}, capture_output=True, text=True, timeout=120, check=True)
+    assert gr.cache_dirs(env)["transformers modules"] == out.stdout.strip()
+
+
+def test_without_gpus_only_the_caches_are_checked(tmp_path):
+    p = subprocess.run([sys.executable, str(SCRIPT), "caches", "jit", "nccl", "--no-gpu", "--json"],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "c"), "HF_HOME": str(tmp_path / "c/hf")})
+    assert p.returncode == 0, p.stderr
+    checks = {c["name"]: c for c in map(json.loads, p.stdout.splitlines())}
+    assert checks["caches"]["ok"] and not checks["caches"]["warn"]
+    assert all(checks[n]["warn"] and "not checked" in checks[n]["detail"] for n in ("jit", "nccl"))
+
+
+def test_an_all_reduce_over_more_gpus_than_cuda_sees_fails(tmp_path):
+    """The unit passes --gpus <tp size>: a host where CUDA sees fewer (a GPU off the bus, a missing
+    /dev/nvidiaN) fails at once instead of an all-reduce over whatever is visible. torch's CPU build
+    here sees no GPU."""
+    p = subprocess.run([sys.executable, str(SCRIPT), "nccl", "--gpus", "8", "--nvidia-smi", "/nonexistent/nvidia-smi",
+                        "--json"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stderr
+    c = [json.loads(x) for x in p.stdout.splitlines() if '"nccl all-reduce"' in x][0]
+    assert c["detail"] == "8 ranks asked (the tensor-parallel size), 0 GPU(s) visible to CUDA"
+    assert "/dev/nvidia0..N-1" in c["fix"] and "hs_tp_size" in c["fix"]

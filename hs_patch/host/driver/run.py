@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from hs_patch import __version__, intent, store
+from hs_patch import __version__, intent, kv_cache, store
 from hs_patch.host.driver import capture_check, chat, dataset, limits, runstate
 from hs_patch.host.driver.backpressure import BackPressure, disk_usage
 from hs_patch.host.driver.capture_dir import CaptureWatcher
@@ -184,6 +184,9 @@ class Driver(SampleSteps):
         if info.get("disable_radix_cache") is not True:
             raise runstate.RunError("the server runs with the radix cache on: a cached prefix is never computed, so "
                                     "it cannot be captured. Restart SGLang with --disable-radix-cache")
+        short = kv_cache.shortfall(info, cfg.max_tokens)
+        if short:
+            raise runstate.RunError(short)
         self.server_version = str(info.get("version", ""))
         self.limit = limits.effective(cfg.max_tokens, info)
         checked = capture_check.check(self.client, self.capture_dir, self.tokenizer, f"hs-{cfg.run}-",

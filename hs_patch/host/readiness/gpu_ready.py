@@ -1,12 +1,16 @@
-"""Is this host ready to start the SGLang server? PCIe/IOMMU state, a JIT compile, an NCCL all-reduce.
+"""Is this host ready to start the SGLang server? Writable caches, PCIe/IOMMU state, a JIT compile, an NCCL all-reduce.
 
 One self-contained script (standard library at import; torch and tvm-ffi only inside the
 checks that need them), run with the venv's Python, as the service user, with the server
 unit's environment: by the services role before it starts the server, by the unit itself
 (ExecStartPre), and by ``fab extract``'s preflight, so all three run the same check.
 
-    python gpu_ready.py [pcie] [jit] [nccl] [--gpus N] [--timeout S] [--json]
+    python gpu_ready.py [caches] [pcie] [jit] [nccl] [--gpus N] [--timeout S] [--no-gpu] [--json]
 
+- ``caches``: each cache directory the environment names and the ones the libraries derive
+  (:func:`cache_dirs`) takes a written, synced, removed file: in the unit's sandbox an unwritable
+  one fails the server before any weight loads (Kimi's tokenizer is remote code, the INT4 Marlin
+  repack builds under ``TVM_FFI_CACHE_DIR``).
 - ``pcie``: ``nvidia-smi topo -m`` (how each GPU pair is connected), ``nvidia-smi topo -p2p r``
   (what the driver allows), IOMMU state (``/sys/class/iommu``, the kernel command line) and
   ACS redirection on PCIe bridges (``lspci -vvv``: ``ACSCtl: ... ReqRedir+``), with what to
@@ -15,9 +19,11 @@ unit's environment: by the services role before it starts the server, by the uni
   on PATH, ``/usr/local/cuda``), ``ninja`` on PATH, checks nvcc's CUDA major equals torch's,
   then compiles a tiny CUDA kernel with ``tvm_ffi.cpp.load_inline`` for GPU 0's architecture
   (SGLang's own JIT path: Kimi-K2.5's INT4 Marlin repack goes through it) and runs it.
-- ``nccl``: one process per GPU, an all-reduce of 64 MiB through NCCL, the sum checked, under a
+- ``nccl``: one process per GPU over exactly ``--gpus`` GPUs (the tensor-parallel size; fewer
+  visible is a failure), an all-reduce of 64 MiB through NCCL, the sum checked, under a
   timeout. A hang is reported as a hang, with the likely cause (P2P behind ACS or an IOMMU:
   NVIDIA/nccl#1999, #2079; vllm#33041) and the NCCL_* settings in effect.
+``--no-gpu`` (the test hosts): ``pcie``, ``jit`` and ``nccl`` are reported as not checked.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Mapping
 
 HANG_HELP = ("RTX PRO 6000 boards are known to hang multi-GPU NCCL with PCIe peer-to-peer on behind ACS "
              "redirection or an IOMMU in translation mode (NVIDIA/nccl#1999, #2079; vllm#33041). Fix: disable ACS "
@@ -41,6 +48,8 @@ HANG_HELP = ("RTX PRO 6000 boards are known to hang multi-GPU NCCL with PCIe pee
              "hs_nccl_env: {NCCL_P2P_DISABLE: \"1\"} (traffic through host memory, slower), then run the check again")
 
 
+# Copied to the host alone and run without this package, so this script carries its own Check (the
+# other readiness script and the control node's preflight, hs_patch.control.remote, have theirs).
 # Copied to the host alone and run without this package, so this script carries its own Check (the
 # other readiness script and the control node's preflight, hs_patch.control.remote, have theirs).
 @dataclass
@@ -60,6 +69,71 @@ def _run(cmd: list[str], timeout: int = 60) -> tuple[int, str]:
         return 127, f"{cmd[0]}: not found"
     except subprocess.TimeoutExpired:
         return 124, f"{' '.join(cmd)}: no answer in {timeout}s"
+
+
+# --------------------------------------------------------------------------- caches
+
+# Variables that move where the server's libraries write at run time (read in the wheels of
+# SGLang 0.5.9/0.5.16/0.5.23, transformers, tvm-ffi 0.1.11, FlashInfer 0.6.3/0.7.2, torch,
+# Triton, CUDA); the services role sets each under sglang_service_cache_dir.
+CACHE_VARS = ("XDG_CACHE_HOME", "HF_HOME", "HF_MODULES_CACHE", "TVM_FFI_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE",
+              "TORCH_EXTENSIONS_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "SGLANG_CACHE_DIR",
+              "SGLANG_JIT_CACHE_DIR", "SGLANG_DG_CACHE_DIR", "CUDA_CACHE_PATH")
+CACHE_FIX = ("the server writes there and its sandbox (ProtectSystem=strict) does not let it: keep every cache under "
+             "sglang_service_cache_dir, which the unit's ReadWritePaths holds, or add the directory to "
+             "sglang_service_read_write_paths; it must belong to the service user")
+
+
+def cache_dirs(env: Mapping[str, str]) -> dict[str, str]:
+    """{what: directory} the server will write: each cache variable set to a path, transformers'
+    module cache as it derives it (HF_MODULES_CACHE, HF_HOME/modules, XDG_CACHE_HOME/huggingface/
+    modules, ~/.cache/...) and FlashInfer's (FLASHINFER_WORKSPACE_BASE/.cache/flashinfer)."""
+    dirs = {name: value for name, value in env.items()
+            if value.startswith("/") and (name in CACHE_VARS or "CACHE" in name)}
+    hf_home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                                  "huggingface")
+    dirs["transformers modules"] = env.get("HF_MODULES_CACHE") or os.path.join(hf_home, "modules")
+    if env.get("FLASHINFER_WORKSPACE_BASE"):
+        dirs["flashinfer"] = os.path.join(env["FLASHINFER_WORKSPACE_BASE"], ".cache", "flashinfer")
+    return dirs
+
+
+def write_probe(directory: str, keep_as: str = "") -> str:
+    """Create ``directory`` if need be, write and sync a file in it, then remove it (or rename it
+    to ``keep_as`` there); OSError says why not. Returns the file's last path."""
+    os.makedirs(directory, exist_ok=True)
+    fd, path = tempfile.mkstemp(dir=directory, prefix=".hs-cache-check-")
+    try:
+        data = f"written by pid {os.getpid()} at {time.time():.3f}\n".encode()
+        if os.write(fd, data) != len(data):
+            raise OSError(f"short write to {path}")
+        os.fsync(fd)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    if not keep_as:
+        os.unlink(path)
+        return path
+    os.replace(path, os.path.join(directory, keep_as))
+    return os.path.join(directory, keep_as)
+
+
+def cache_check(env: Mapping[str, str] | None = None) -> Check:
+    dirs = cache_dirs(os.environ if env is None else env)
+    bad = []
+    for what, directory in sorted(dirs.items()):
+        try:
+            write_probe(directory)
+        except OSError as e:
+            bad.append(f"{what}={directory}: {e.strerror or e}")
+    if bad:
+        return Check("caches", False, f"{len(bad)} of {len(dirs)} cache dir(s) not writable: {'; '.join(bad)}",
+                     CACHE_FIX)
+    return Check("caches", True, f"{len(dirs)} cache dir(s) writable: {', '.join(sorted(set(dirs.values())))}")
+
+
 
 
 # --------------------------------------------------------------------------- PCIe / IOMMU / ACS
@@ -271,6 +345,21 @@ def nccl_check(gpus: int, timeout: int, *, backend: str = "nccl", device: str = 
                  f"NCCL settings {env_used or 'defaults'}")
 
 
+def _nccl_over(gpus: int, timeout: int, backend: str, device: str, pcie: list[Check]) -> Check:
+    """The all-reduce over ``gpus`` ranks (0: every visible GPU); asking more GPUs than CUDA sees fails."""
+    if device == "cuda":
+        import torch
+
+        seen = torch.cuda.device_count()
+        if gpus > seen:
+            return Check("nccl all-reduce", False, f"{gpus} ranks asked (the tensor-parallel size), {seen} GPU(s) "
+                         f"visible to CUDA", "look for a GPU fallen off the bus (nvidia-smi -L, dmesg for Xid), "
+                         "CUDA_VISIBLE_DEVICES in the unit, and the device nodes /dev/nvidia0..N-1 (the unit makes "
+                         "them with nvidia-modprobe as root); or set hs_tp_size to what the host has")
+        gpus = gpus or seen
+    return nccl_check(gpus or 2, timeout, backend=backend, device=device, pcie=pcie)
+
+
 # --------------------------------------------------------------------------- CLI
 
 
@@ -281,28 +370,28 @@ def main(argv: list[str] | None = None) -> int:
         _worker(int(r), int(w), int(port), backend, device, int(mib), int(timeout))
         return 0
     ap = argparse.ArgumentParser(prog="gpu_ready.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("checks", nargs="*", choices=["pcie", "jit", "nccl", []], default=[], metavar="CHECK",
-                    help="pcie, jit, nccl (default: all three)")
-    ap.add_argument("--gpus", type=int, default=0, help="ranks of the all-reduce (default: every visible GPU)")
+    ap.add_argument("checks", nargs="*", choices=["caches", "pcie", "jit", "nccl", []], default=[], metavar="CHECK",
+                    help="caches, pcie, jit, nccl (default: all four)")
+    ap.add_argument("--gpus", type=int, default=0, help="all-reduce ranks: the TP size (default: every GPU)")
     ap.add_argument("--timeout", type=int, default=180, help="seconds before the all-reduce counts as hung")
+    ap.add_argument("--no-gpu", action="store_true", help="report pcie, jit and nccl as not checked")
     ap.add_argument("--backend", default="nccl", help=argparse.SUPPRESS)  # gloo + cpu: the tests
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     ap.add_argument("--nvidia-smi", default="nvidia-smi")
     ap.add_argument("--json", action="store_true", help="one JSON object per check")
     a = ap.parse_args(argv)
-    want = a.checks or ["pcie", "jit", "nccl"]
-    checks: list[Check] = []
+    want = a.checks or ["caches", "pcie", "jit", "nccl"]
+    checks: list[Check] = [cache_check()] if "caches" in want else []
+    if a.no_gpu:
+        checks += [Check(name, True, "not checked: this host runs without GPU checks (sglang_service_gpu_checks is "
+                         "false)", warn=True) for name in ("pcie", "jit", "nccl") if name in want]
+        want = []
     pcie = pcie_checks(a.nvidia_smi) if "pcie" in want or "nccl" in want else []
     checks += pcie if "pcie" in want else []
     if "jit" in want:
         checks += jit_checks()
     if "nccl" in want:
-        gpus = a.gpus
-        if not gpus and a.device == "cuda":
-            import torch
-
-            gpus = torch.cuda.device_count()
-        checks.append(nccl_check(gpus or 2, a.timeout, backend=a.backend, device=a.device, pcie=pcie))
+        checks.append(_nccl_over(a.gpus, a.timeout, a.backend, a.device, pcie))
     for c in checks:
         if a.json:
             print(json.dumps(asdict(c)), flush=True)

@@ -6,6 +6,11 @@ import re
 testinfra_hosts = ["ansible://gpu_hosts"]
 
 UNIT = "/etc/systemd/system/sglang.service"
+MODPROBE_LOG = "/var/log/hs-test/nvidia-modprobe.log"
+# the cache variables the services role sets (roles/sglang_service/vars/main.yml)
+CACHE_NAMES = {"XDG_CACHE_HOME", "HF_HOME", "HF_MODULES_CACHE", "TVM_FFI_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE",
+               "TORCH_EXTENSIONS_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "SGLANG_CACHE_DIR",
+               "SGLANG_JIT_CACHE_DIR", "SGLANG_DG_CACHE_DIR", "CUDA_CACHE_PATH"}
 KEY_FILE = "/var/lib/sglang/api-key"
 GET = ("python3 -c \"import sys, urllib.request as u, urllib.error as e; h = {{'Authorization': 'Bearer ' + sys.argv[1]}} "
        "if sys.argv[1] else {{}}; r = u.Request('http://127.0.0.1:30000{path}', headers=h)\n"
@@ -32,7 +37,9 @@ def test_unit_content(host):
     text = host.file(UNIT).content_string
     execstart = next(line for line in text.splitlines() if line.startswith("ExecStart="))
     for part in ("--model-path /models/test-model", "--tp-size 8", "--host 127.0.0.1", "--port 30000",
-                 "--disable-radix-cache", "--trust-remote-code"):
+                 "--disable-radix-cache", "--trust-remote-code",
+                 # the memory plan (sglang_service_mem_fraction_static, _cuda_graph_max_bs; 0.5.9's flag name)
+                 "--mem-fraction-static 0.83 --cuda-graph-max-bs 8"):
         assert part in execstart
     assert "--disable-prefill-cuda-graph" not in execstart  # 0.5.9 does not need it
     for line in ('Environment="HS_CAPTURE=1"', 'Environment="HS_CAPTURE_DIR=/dev/shm/hs_capture"',
@@ -53,14 +60,44 @@ def test_unit_has_the_jit_toolchain_and_metrics(host):
                  'Environment="TORCH_EXTENSIONS_DIR=/var/cache/sglang/torch_extensions"',
                  'Environment="TRITON_CACHE_DIR=/var/cache/sglang/triton"'):
         assert line in text
-    # the GPU checks are off on this host (no GPU): the only start step is the sandbox's
-    # nvidia-modprobe (as root, '+'; its failure tolerated, '-'), and the wrapper says so
+    # every device node made as root ('+') before anything else, for the 8 GPUs of hs_gpu_count, then the
+    # caches check in the sandbox (the GPU checks are off on this host: no GPU)
     pre = [line for line in text if line.startswith("ExecStartPre=")]
-    assert pre == ["ExecStartPre=+-/usr/bin/nvidia-modprobe -u -c=0"], pre
+    assert pre == ["ExecStartPre=+/usr/local/bin/nvidia-modprobe " + " ".join(f"-c={i}" for i in range(8)) + " -c=255",
+                   "ExecStartPre=+/usr/local/bin/nvidia-modprobe -u -c=0",
+                   "ExecStartPre=/opt/hs-patch/venv/bin/python /usr/local/lib/hs-patch/gpu_ready.py caches"], pre
     out = json.loads(host.check_output("/usr/local/lib/hs-patch/gpu-ready nccl --json"))
     assert out["ok"] and "not checked" in out["detail"]
     cache = host.file("/var/cache/sglang")
     assert cache.is_directory and cache.user == "sglang"
+
+
+def test_device_nodes_made_as_root_before_each_start(host):
+    """The fake nvidia-modprobe logs each call: both came as root, before the server's last start."""
+    calls = [json.loads(x) for x in host.file(MODPROBE_LOG).content_string.splitlines()]
+    last_start = float(host.file("/var/lib/sglang/starts.log").content_string.split()[-1])
+    before = [c for c in calls if c["time"] < last_start][-2:]
+    assert [c["argv"] for c in before] == [[f"-c={i}" for i in range(8)] + ["-c=255"], ["-u", "-c=0"]], calls
+    assert {c["uid"] for c in calls} == {0}
+
+
+def test_the_server_wrote_into_every_cache_the_unit_sets(host):
+    """The stand-in writes a file into each cache directory at start (and dies naming one it cannot):
+    the sandbox must let it, for every cache variable in the unit and the directories the libraries derive."""
+    show = host.check_output("systemctl show --property=Environment --value sglang")
+    env = dict(x.split("=", 1) for x in show.split())
+    caches = {k: v for k, v in env.items() if "CACHE" in k or k in CACHE_NAMES}
+    assert set(caches) >= CACHE_NAMES, sorted(caches)
+    assert all(v == "/var/cache/sglang" or v.startswith("/var/cache/sglang/") for v in caches.values()), caches
+    written = _debug(host)["caches"]
+    derived = {"transformers modules": "/var/cache/sglang/huggingface/modules",
+               "flashinfer": "/var/cache/sglang/.cache/flashinfer"}
+    for what, directory in {**caches, **derived}.items():
+        marker = host.file(f"{directory}/.hs-standin-{what.replace(' ', '-')}")
+        assert written[what] == marker.path and marker.exists and marker.user == "sglang", (what, directory)
+    # the same check, as the unit's ExecStartPre and fab's preflight run it: in the server's sandbox
+    out = json.loads(host.check_output("/usr/local/lib/hs-patch/gpu-ready caches --json"))
+    assert out["name"] == "caches" and out["ok"], out
 
 
 def test_model_check_installed_and_passing_as_the_service_user(host):
@@ -140,6 +177,7 @@ def test_sandbox_score_and_what_the_process_gets(host):
     host.run_test("touch /tmp/hs-host-tmp-marker")
     d = _debug(host)
     assert "hs-host-tmp-marker" not in d["tmp"], "PrivateTmp: the server has its own /tmp"
-    # the writable paths exist and are the working dir and the capture dir (ProtectSystem=strict elsewhere)
+    # the writable paths are the working dir, the caches and the capture dir (ProtectSystem=strict elsewhere)
     show = lambda prop: host.check_output(f"systemctl show --property={prop} --value sglang")  # noqa: E731
-    assert show("ReadWritePaths") == "/var/lib/sglang -/dev/shm/hs_capture" and show("ProtectSystem") == "strict"
+    assert show("ReadWritePaths") == "/var/lib/sglang /var/cache/sglang -/dev/shm/hs_capture"
+    assert show("ProtectSystem") == "strict"

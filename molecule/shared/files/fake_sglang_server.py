@@ -12,6 +12,14 @@ scenario runs it with the venv's own Python, so it serves from whichever release
 venv link pointed at when it started). Every start is appended to starts.log in the
 working directory (the restart test counts them).
 
+Like the real server's libraries, it writes into every cache the unit points it at before it
+serves (transformers' remote-code modules, tvm-ffi's JIT builds, FlashInfer, Triton, SGLang's
+own...: each directory gpu_ready.py's caches check names, from the copy the services role
+installed): a file ``.hs-standin-<variable>`` in each, kept for the tests to find. One it
+cannot write stops it at once, naming the variable, the directory and the error, as the real
+server would die with "Read-only file system". /server_info reports a KV cache pool
+(``max_total_num_tokens``) of ``HS_STANDIN_KV_TOKENS`` tokens (default 1048576).
+
 With HS_CAPTURE=1 and hs_patch importable (the venv's Python), it reads the capture
 settings with the hook's own parser, as the patched SGLang does when it builds the
 model, and exits with the parser's message on a bad value: the server fails to start,
@@ -54,6 +62,20 @@ def check_capture_settings():
         sys.exit(f"hs_patch capture: {e}")
 
 
+def write_caches(check_dir):
+    """Write a file into every cache directory the environment points at (gpu_ready.cache_dirs, the
+    copy in the services role's check directory); exit naming the first one that refuses."""
+    sys.path.insert(0, check_dir)
+    import gpu_ready  # noqa: PLC0415 - the copy the services role installed on this host
+    written = {}
+    for what, directory in sorted(gpu_ready.cache_dirs(os.environ).items()):
+        try:
+            written[what] = gpu_ready.write_probe(directory, keep_as=f".hs-standin-{what.replace(' ', '-')}")
+        except OSError as e:
+            sys.exit(f"stand-in server: cannot write the {what} cache {directory}: {e}")
+    return written
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--host", default="127.0.0.1")
@@ -63,6 +85,8 @@ def main():
     p.add_argument("--config")
     args, rest = p.parse_known_args()
     check_capture_settings()
+    caches = write_caches(os.environ.get("HS_STANDIN_CHECK_DIR", "/usr/local/lib/hs-patch"))
+    kv_tokens = int(os.environ.get("HS_STANDIN_KV_TOKENS", 1 << 20))
     # read now: the venv link may point elsewhere by the time /debug is asked
     release, venv = sglang_release(), os.path.realpath(sys.prefix)
     api_key = None
@@ -92,6 +116,11 @@ def main():
                     self._send(503, {"error": "loading"})
                 else:
                     self._send(200, {})
+            elif self.path in ("/server_info", "/get_server_info"):
+                # SGLang's fields the driver and fab read (same names in 0.5.9, 0.5.16, 0.5.23)
+                self._send(200, {"version": release or "stand-in", "max_total_num_tokens": kv_tokens,
+                                 "max_req_input_len": kv_tokens - 6, "context_length": None,
+                                 "tp_size": args.tp_size, "disable_radix_cache": "--disable-radix-cache" in rest})
             elif self.path == "/debug":
                 soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
                 self._send(200, {
@@ -103,6 +132,7 @@ def main():
                     "pid": os.getpid(),
                     "sglang": release,
                     "venv": venv,
+                    "caches": caches,
                 })
             else:
                 self._send(404, {"error": "not found"})
