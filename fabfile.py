@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from fabric import Connection, task
 
-from hs_patch.control import dashboard, extraction, fleet, fleet_run, remote
+from hs_patch.control import dashboard, extraction, fleet, fleet_run, poll, remote
 from hs_patch.control.fab_options import FabTask
 from hs_patch.control.inventory import ConfigError, Inventory, Target, check_run_name, load
 from hs_patch.control.shell import RemoteError, Shell
@@ -48,6 +48,10 @@ COMMON = {
 ITERABLE = ["extra_vars", "vault_password_file"]
 FLEET = {"hosts": f"an inventory group of GPU hosts sharing the run, one shard each (--hosts alone: "
                   f"{fleet.DEFAULT_GROUP}); docs/fleet.md"}
+WATCH = {"interval": "dashboard refresh in seconds",
+         "dead-after": f"end the dashboard when a host has not answered for this many seconds and nothing else is "
+                       f"left to wait for (default {dashboard.DEAD_AFTER_S:.0f}; a host is shown unreachable after "
+                       f"{poll.POLL_DEADLINE_S:.0f} s without an answer): exit 3 naming it (a fleet), 2 (one host)"}
 
 
 def _errors(body: Callable[..., Any]) -> Callable[..., Any]:
@@ -121,12 +125,13 @@ def _say(msg: str) -> None:
     "remote-dataset": "--dataset is a path on the GPU host", "limit": "only the first N lines (0: all)",
     "regenerate": "let the served model write the assistant turns first (not captured), then capture the whole "
                   "conversation",
-    "server-timeout": "seconds to wait for the server to become healthy (default 1800)",
-    "interval": "dashboard refresh in seconds", "detach": "start and return without the dashboard"})
+    "server-timeout": "seconds to wait for the server to become healthy (default 1800)", **WATCH,
+    "detach": "start and return without the dashboard"})
 @_errors
 def extract(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_password_file=None,
             ask_vault_pass=False, dataset=None, run=None, limit=0, regenerate=False, remote_dataset=False,
-            server_timeout=1800, interval=2, detach=False, hosts=None, reassign=None):
+            server_timeout=1800, interval=2, detach=False, hosts=None, reassign=None,
+            dead_after=dashboard.DEAD_AFTER_S):
     """Preflight, start the server, run the driver and the shipper as systemd units, watch them live."""
     if not dataset:
         sys.exit("fab extract: give --dataset FILE (a JSONL file here, or on the host with --remote-dataset)")
@@ -142,7 +147,7 @@ def extract(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vau
     run = check_run_name(run or f"{local.stem}-{time.strftime('%Y%m%d-%H%M%S')}")
     opts = dict(run=run, dataset=dataset, remote_dataset=bool(remote_dataset), limit=int(limit),
                 regenerate=bool(regenerate), server_timeout=int(server_timeout), interval=float(interval),
-                detach=bool(detach), say=_say)
+                detach=bool(detach), say=_say, dead_after=float(dead_after))
     if reassign:
         if not host or hosts:
             sys.exit("fab extract: --reassign DEAD_HOST takes --host OTHER (the host that finishes its shard)")
@@ -166,14 +171,20 @@ def extract(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vau
     if detach:
         _say(f"watch with: fab status --host {host} --run {run}")
         return
-    sys.exit(dashboard.watch(lambda: remote.snapshot(conn, t, run), host, run, interval=float(interval)))
+    sys.exit(_watch(t, run, float(interval), float(dead_after)))
+
+
+def _watch(t: Target, run: str, interval: float, dead_after: float, once: bool = False) -> int:
+    """One host's dashboard, its reads bounded in time (hs_patch.control.poll)."""
+    poller = poll.Poller.of([t], lambda c, tt: remote.snapshot(c, tt, run), interval=interval)
+    return dashboard.watch(poller, t.name or t.host, run, interval=interval, once=once, dead_after=dead_after)
 
 
 @task(klass=FabTask, iterable=ITERABLE, optional=["host", "hosts"], help={
-    **COMMON, **FLEET, "once": "print one snapshot and exit", "interval": "refresh in seconds"})
+    **COMMON, **FLEET, **WATCH, "once": "print one snapshot and exit"})
 @_errors
 def status(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_password_file=None,
-           ask_vault_pass=False, run=None, once=False, interval=2, hosts=None):
+           ask_vault_pass=False, run=None, once=False, interval=2, hosts=None, dead_after=dashboard.DEAD_AFTER_S):
     """Reattach to a run's live dashboard (or print it once); --hosts GROUP: the fleet's."""
     if hosts:
         if not run:
@@ -185,12 +196,12 @@ def status(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vaul
         inv = _inventory(inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
         rows = fleet_run.rows_for(plan, inv.group(_group(hosts)))
         sys.exit(fleet_run.watch(inv, plan, rows, f"fab status --hosts {_group(hosts)} --run {run}",
-                                 interval=float(interval), once=bool(once)))
+                                 interval=float(interval), once=bool(once), dead_after=float(dead_after)))
     t = _target(host, inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
     conn = _connect(t)
     run = _pick_run(conn, t, run)
-    sys.exit(dashboard.watch(lambda: remote.snapshot(conn, t, run), host, run, interval=float(interval),
-                             once=bool(once)))
+    conn.conn.close()
+    sys.exit(_watch(t, run, float(interval), float(dead_after), once=bool(once)))
 
 
 @task(klass=FabTask, iterable=ITERABLE, optional=["host"], help={**COMMON, "server": "stop the SGLang server unit too"})

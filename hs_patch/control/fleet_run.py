@@ -15,7 +15,9 @@ from typing import Any, Callable
 from hs_patch.control import extraction, fleet, fleet_dashboard, remote
 from hs_patch.control.extraction import Job
 from hs_patch.control.fleet import FleetGroup, Plan
+from hs_patch.control.dashboard import DEAD_AFTER_S
 from hs_patch.control.fleet_dashboard import Row
+from hs_patch.control.poll import Poller
 from hs_patch.control.inventory import ConfigError, Inventory, Target
 from hs_patch.control.shell import RemoteError, Shell
 
@@ -64,38 +66,34 @@ def rows_for(plan: Plan, targets: list[Target]) -> list[Row]:
     """Dashboard rows: each planned host of ``targets`` running its own shard, and each
     reassigned shard on the host that runs it."""
     here = {t.name for t in targets}
-    rows = [Row(n, n, plan.run, plan.shard(n)) for n in sorted(plan.shards, key=plan.shards.get)
+    rows = [Row(n, n, plan.run, plan.shard(n), n) for n in sorted(plan.shards, key=plan.shards.get)
             if n in here and n not in plan.reassigned]
-    rows += [Row(f"{to} (shard of {dead})", to, fleet.reassign_run(plan.run, dead), plan.shard(dead))
+    rows += [Row(f"{to} (shard of {dead})", to, fleet.reassign_run(plan.run, dead), plan.shard(dead), dead)
              for dead, to in sorted(plan.reassigned.items())]
     return rows
 
 
-def watch(inv: Inventory, plan: Plan, rows: list[Row], reattach: str, *, interval: float, once: bool = False) -> int:
-    """The fleet dashboard over ``rows`` (one snapshot step a host, all hosts at once)."""
-    hosts = sorted({r.host for r in rows})
-    group = FleetGroup.of([inv.target(h) for h in hosts])
-
+def watch(inv: Inventory, plan: Plan, rows: list[Row], reattach: str, *, interval: float, once: bool = False,
+          dead_after: float = DEAD_AFTER_S) -> int:
+    """The fleet dashboard over ``rows``: each host read in its own thread (:mod:`hs_patch.control.poll`)."""
     def snaps(c: Shell, t: Target) -> dict[str, Any]:
-        return {r.label: remote.snapshot(c, t, r.run) for r in rows if r.host == t.name}
-
-    def fetch() -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for host, res in group.try_each(snaps).items():
-            for r in rows:
-                if r.host == host:
-                    out[r.label] = res.get(r.label) if isinstance(res, dict) else res
+        for r in rows:
+            if r.host == t.name:
+                try:
+                    out[r.label] = remote.snapshot(c, t, r.run)
+                except RemoteError as e:  # the host answered: this row's read failed (its link did not)
+                    out[r.label] = e
         return out
 
-    try:
-        return fleet_dashboard.watch(fetch, rows, plan.run, reattach, interval=interval, once=once)
-    finally:
-        group.close()
+    poller = Poller.of([inv.target(h) for h in sorted({r.host for r in rows})], snaps, interval=interval)
+    return fleet_dashboard.watch(poller, rows, plan.run, reattach, interval=interval, once=once,
+                                 dead_after=dead_after)
 
 
 def extract(inv: Inventory, group: str | None, host: str | None, run: str, dataset: str, remote_dataset: bool,
             limit: int, regenerate: bool, server_timeout: int, interval: float, detach: bool,
-            say: Callable[[str], None]) -> int:
+            say: Callable[[str], None], dead_after: float = DEAD_AFTER_S) -> int:
     """``fab extract --hosts GROUP`` (or ``--host H`` of a run that has a fleet plan)."""
     if group:
         targets = inv.group(group)
@@ -117,11 +115,12 @@ def extract(inv: Inventory, group: str | None, host: str | None, run: str, datas
     if detach:
         say(f"watch with: {reattach}")
         return 0
-    return watch(inv, plan, rows_for(plan, targets), reattach, interval=interval)
+    return watch(inv, plan, rows_for(plan, targets), reattach, interval=interval, dead_after=dead_after)
 
 
 def reassign(inv: Inventory, dead: str, host: str, run: str, dataset: str, remote_dataset: bool, limit: int,
-             regenerate: bool, server_timeout: int, interval: float, detach: bool, say: Callable[[str], None]) -> int:
+             regenerate: bool, server_timeout: int, interval: float, detach: bool, say: Callable[[str], None],
+             dead_after: float = DEAD_AFTER_S) -> int:
     """``fab extract --reassign DEAD --host TARGET``: TARGET finishes DEAD's shard, shipping into
     DEAD's directory at the destination (what is there already is never redone nor resent)."""
     plan = fleet.load_plan(run)
@@ -157,4 +156,4 @@ def reassign(inv: Inventory, dead: str, host: str, run: str, dataset: str, remot
     if detach:
         say(f"watch with: {reattach}")
         return 0
-    return watch(inv, plan, rows, reattach, interval=interval)
+    return watch(inv, plan, rows, reattach, interval=interval, dead_after=dead_after)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ from rich.console import Console
 from hs_patch.control import dashboard
 from hs_patch.host.driver import snapshot
 from hs_patch.control.inventory import ConfigError, check_run_name
-from lab.snapshots import SNAP
+from lab.snapshots import SNAP, Local, poller
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,7 +84,7 @@ def test_snapshot_reads_what_is_there(tmp_path):
 def test_dashboard_shows_progress_rates_gpus_and_problems():
     out = io.StringIO()
     console = Console(file=out, width=120, force_terminal=False)
-    code = dashboard.watch(lambda: SNAP, "gpu1", "r1", once=True, console=console)
+    code = dashboard.watch(poller(gpu1=lambda: SNAP), "gpu1", "r1", once=True, console=console)
     text = out.getvalue()
     assert code == 0
     for needle in ("40 done / 100", "PAUSED", "2,048", "5.80 GB", "30 (4.40 GB)", "chat.jsonl:5", "RTX PRO 6000", "97%",
@@ -100,7 +102,7 @@ def test_a_driver_that_stops_short_ends_the_dashboard_with_exit_1_while_the_ship
                       "hs-ship-r1": {"ActiveState": "active"}}}
     assert dashboard.stopped_short(snap) and dashboard.done(snap)
     out = io.StringIO()
-    assert dashboard.watch(lambda: snap, "gpu1", "r1", interval=0.01,
+    assert dashboard.watch(poller(gpu1=lambda: snap), "gpu1", "r1", interval=0.01,
                            console=Console(file=out, width=200, force_terminal=False)) == 1
     assert "driver stopped" in out.getvalue() and "20 consecutive failures" in out.getvalue()
     assert "run the same fab extract again to resume" in out.getvalue()
@@ -146,12 +148,13 @@ def test_a_run_the_host_does_not_have_is_refused_naming_the_runs_it_has(monkeypa
         fabfile._pick_run(None, t, "nope")
 
 
-def test_both_dashboards_follow_until_done_and_detach_on_a_lost_link_or_ctrl_c():
+def test_both_dashboards_follow_until_done_and_end_on_a_silent_host_or_ctrl_c():
     from hs_patch.control.fleet_dashboard import Row, watch as fleet_watch
+    from hs_patch.control.poll import Poller
 
     out = io.StringIO()
-    console = Console(file=out, width=120, force_terminal=False)
-    views = iter([OSError("timed out")] * 4 + [{"n": 1}, OSError("reset")] + [{"n": 2}])
+    console = Console(file=out, width=300, force_terminal=False)
+    views = iter([OSError("timed out")] * 4 + [dict(SNAP, n=1)] + [OSError("reset")] * 2 + [dict(SNAP, n=2)] * 99)
 
     def fetch():
         v = next(views)
@@ -159,25 +162,36 @@ def test_both_dashboards_follow_until_done_and_detach_on_a_lost_link_or_ctrl_c()
             raise v
         return v
 
-    got = dashboard.follow(fetch, lambda v: str(v), lambda v: v["n"] == 2, console=console, interval=0,
-                           gone=lambda why: f"gone: {why}", detached="detached")
-    assert got == {"n": 2}, "four failures, then a view: the count starts again"
+    seen = []
+    p = poller(gpu1=fetch)
+    code = dashboard.follow(p, lambda a, now: seen.append(a["gpu1"]),
+                            lambda a, now: dashboard.Ending(0, ["done"]) if a["gpu1"].ok and a["gpu1"].value["n"] == 2
+                            else None, console=console, interval=0.005, detached="detached")
+    assert code == 0 and out.getvalue().rstrip().endswith("done"), "failures, a view, failures: it follows on"
+    assert p.readers[0].drops >= 6, "each failed read drops the link (the next read connects again)"
 
     def down():
         raise OSError("Connection refused")
 
-    assert dashboard.watch(down, "gpu1", "r1", interval=0, console=console) == 2
-    assert "lost the connection to gpu1 (Connection refused). The job goes on there; reattach with: fab status " \
-           "--host gpu1 --run r1" in " ".join(out.getvalue().split())
+    t0 = time.monotonic()
+    assert dashboard.watch(poller(gpu1=down), "gpu1", "r1", interval=0.01, dead_after=0.5, console=console) == 2
+    assert 0.5 <= time.monotonic() - t0 < 5
+    assert re.fullmatch(r"lost the connection to gpu1: no answer for \d s \(Connection refused\)\. The job goes on "
+                        r"there; reattach with: fab status --host gpu1 --run r1", last_line(out)), out.getvalue()[-300:]
 
-    def interrupted():
-        raise KeyboardInterrupt
+    class Interrupted(Poller):
+        def latest(self):
+            raise KeyboardInterrupt
 
-    assert dashboard.watch(interrupted, "gpu1", "r1", interval=0, console=console) == 2
+    assert dashboard.watch(Interrupted([Local("gpu1", lambda: SNAP)], interval=1), "gpu1", "r1", interval=0,
+                           console=console) == 2
     assert "detached; the job goes on on gpu1" in out.getvalue()
     rows = [Row("gpu1", "gpu1", "r1", "0/2"), Row("gpu2", "gpu2", "r1", "1/2")]
-    down_hosts = {"gpu1": OSError("no route"), "gpu2": OSError("no route")}
-    assert fleet_watch(lambda: down_hosts, rows, "r1", "fab status --hosts gpu --run r1", interval=0,
-                       console=console) == 2
-    assert "no host answers. The jobs go on there; reattach with: fab status --hosts gpu --run r1" in \
-        " ".join(out.getvalue().split())
+    assert fleet_watch(poller(gpu1=down, gpu2=down), rows, "r1", "fab status --hosts gpu --run r1", interval=0.01,
+                       dead_after=0.3, console=console) == 2
+    assert re.fullmatch(r"no host answers \(for \d s or more\): is this machine's network up\? The jobs go on "
+                        r"there; reattach with: fab status --hosts gpu --run r1", last_line(out)), out.getvalue()[-300:]
+
+
+def last_line(out: io.StringIO) -> str:
+    return out.getvalue().rstrip().splitlines()[-1]

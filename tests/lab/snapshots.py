@@ -17,3 +17,35 @@ SNAP = {
     "gpus": [{"index": "0", "name": "NVIDIA RTX PRO 6000 Blackwell", "util": 97, "mem_used": 90000, "mem_total": 97000}],
     "rejects": [{"source": "chat.jsonl", "line": 5, "reason": "no assistant turn"}],
 }
+
+
+def progress(run: str, done: int, total: int, state: str = "running", paused: bool = False) -> dict:
+    """A run's snapshot at ``done`` of ``total``: its units active while ``state`` is running."""
+    active = "active" if state == "running" else "inactive"
+    return {"run": run, "driver": {"state": state, "samples": {"done": done, "total": total},
+                                   "tokens": {"per_s": 100.0}, "bytes_written": done * 10**6,
+                                   "dump": {"paused": paused}, "errors": {"count": 0}},
+            "shipper": {"shipped": {"count": done, "bytes": done * 10**6}, "pending": {"count": 0, "bytes": 0}},
+            "dump": {"used_pct": 85.0 if paused else 10.0},
+            "units": {f"hs-drive-{run}": {"ActiveState": active}, f"hs-ship-{run}": {"ActiveState": active}}}
+
+
+class Local:
+    """A host read by a function in this process: what the dashboards draw, without SSH (the SSH
+    reads themselves: tests/control/test_fleet_poll.py)."""
+
+    def __init__(self, name: str, fn):
+        self.name, self.fn, self.drops = name, fn, 0
+
+    def read(self):
+        return self.fn()
+
+    def drop(self, *, connected_only: bool) -> None:
+        self.drops += 1
+
+
+def poller(interval: float = 0.01, deadline: float = 5.0, **hosts):
+    """A :class:`hs_patch.control.poll.Poller` over ``name=function`` hosts read here."""
+    from hs_patch.control.poll import Poller
+
+    return Poller([Local(name, fn) for name, fn in hosts.items()], interval=interval, deadline=deadline)

@@ -178,12 +178,12 @@ def test_the_dashboard_says_storage_is_unreachable_and_nothing_is_lost():
     from rich.console import Console
 
     from hs_patch.control import dashboard
-    from lab.snapshots import SNAP
+    from lab.snapshots import SNAP, poller
 
     snap = dict(SNAP, shipper=dict(SNAP["shipper"], state="waiting_for_destination", last_error="Connection refused",
                                    outage={"since": 0, "seconds": 420.0, "failures": 17, "retry_in_s": 60.0}))
     out = io.StringIO()
-    dashboard.watch(lambda: snap, "gpu1", "r1", once=True, console=Console(file=out, width=140, force_terminal=False))
+    dashboard.watch(poller(gpu1=lambda: snap), "gpu1", "r1", once=True, console=Console(file=out, width=140, force_terminal=False))
     text = out.getvalue()
     assert "STORAGE UNREACHABLE" in text and "unreachable for 420s (17 tries; next in 60s)" in text
     assert "nothing is lost" in text and "Connection refused" in text
