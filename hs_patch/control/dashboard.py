@@ -18,9 +18,9 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from hs_patch.control import verdict
 from hs_patch.control.poll import Answer, Poller
-
-FINISHED = ("inactive", "failed")
+from hs_patch.control.verdict import FINISHED
 # a host that has not answered this long, with nothing else left to wait for, ends the foreground
 # command (fab extract / fab status --dead-after); shown unreachable after poll.POLL_DEADLINE_S
 DEAD_AFTER_S = 120.0
@@ -112,23 +112,6 @@ def render(snap: dict[str, Any], host: str, progress: Progress, task: Any) -> Gr
     return Group(Panel(Group(*parts), title=f"hs-patch extraction on {host}", border_style="cyan"))
 
 
-def stopped_short(snap: dict[str, Any]) -> bool:
-    """The driver's unit ended without finishing its run (stopped or failed): nothing more comes
-    until the same command runs again; the shipper, following, waits for that resume."""
-    run = snap["run"]
-    unit = ((snap.get("units") or {}).get(f"hs-drive-{run}") or {}).get("ActiveState")
-    state = (snap.get("driver") or {}).get("state")
-    return unit in FINISHED and state not in (None, "finished")
-
-
-def done(snap: dict[str, Any]) -> bool:
-    """Driver and shipper units both finished, or the driver stopped short (see ``stopped_short``)."""
-    run = snap["run"]
-    units = snap.get("units") or {}
-    return stopped_short(snap) or all((units.get(u) or {}).get("ActiveState") in FINISHED
-                                      for u in (f"hs-drive-{run}", f"hs-ship-{run}") if u in units)
-
-
 @dataclass
 class Ending:
     """How a followed run ends: fab's exit code and its last words (the last line sums it up)."""
@@ -168,8 +151,8 @@ def follow(poller: Poller, draw: Callable[[dict[str, Answer], float], Any],
 
 def watch(poller: Poller, host: str, run: str, *, interval: float = 2.0, once: bool = False,
           dead_after: float = DEAD_AFTER_S, console: Console | None = None) -> int:
-    """Show the dashboard until the job finishes (0) or the driver stops short (1); detach on Ctrl-C,
-    or when the host has not answered for ``dead_after`` seconds (2)."""
+    """Show the dashboard until the job ends: 0 when it holds every line, 1 naming those it does not
+    (:func:`conclusion`); detach on Ctrl-C, or when the host has not answered for ``dead_after`` seconds (2)."""
     console = console or Console()
     reattach = f"fab status --host {host} --run {run}"
     progress = Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
@@ -202,17 +185,19 @@ def watch(poller: Poller, host: str, run: str, *, interval: float = 2.0, once: b
         if down is not None and down >= dead_after:
             return Ending(2, [f"lost the connection to {host}: no answer for {down:.0f} s ({a.value}). The job goes "
                               f"on there; reattach with: {reattach}"], "yellow")
-        return ended(a.value, host) if a.ok and done(a.value) else None
+        return conclusion([(host, a.value)]) if a.ok and verdict.ended(a.value) else None
 
     return follow(poller, draw, end, console=console, interval=interval,
                   detached=f"detached; the job goes on on {host}. Reattach with: {reattach}")
 
 
-def ended(snap: dict[str, Any], host: str) -> Ending:
-    d = snap.get("driver") or {}
-    if stopped_short(snap):
-        return Ending(1, [f"driver {d.get('state')} after {((d.get('samples') or {}).get('done'))} samples: "
-                          f"{d.get('message')}. The shipper keeps shipping what was made and waits for the rest; "
-                          "run the same fab extract again to resume"])
-    return Ending(0, [f"finished: driver {d.get('state')}, {((d.get('samples') or {}).get('done'))} samples; "
-                      f"shipper {(snap.get('shipper') or {}).get('state')}"], "green")
+def conclusion(ended: list[tuple[str, dict[str, Any]]]) -> Ending:
+    """fab's last words on ended runs (label, snapshot): 0 when every line is held, else 1 naming each
+    line that is not and why (:mod:`hs_patch.control.verdict`)."""
+    problems = [f"{label}: {gap}" for label, snap in ended for gap in verdict.gaps(snap)]
+    if problems:
+        return Ending(1, problems + [verdict.summary([snap for _, snap in ended])])
+    done = sum(((snap.get("driver") or {}).get("samples") or {}).get("done", 0) for _, snap in ended)
+    shipped = all(f"hs-ship-{snap['run']}" in (snap.get("units") or {}) for _, snap in ended)
+    return Ending(0, [f"complete: every line is held ({done} samples"
+                      f"{', shipped and verified at the destination' if shipped else ''})"], "green")

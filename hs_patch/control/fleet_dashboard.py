@@ -22,7 +22,8 @@ from rich.console import Console, Group
 from rich.panel import Panel
 from rich.table import Table
 
-from hs_patch.control.dashboard import DEAD_AFTER_S, Ending, _gb, _state, done, follow, stopped_short
+from hs_patch.control.dashboard import DEAD_AFTER_S, Ending, _gb, _state, conclusion, follow
+from hs_patch.control.verdict import ended
 from hs_patch.control.poll import Answer, Poller
 
 
@@ -145,14 +146,10 @@ def render(rows: list[Row], snaps: dict[str, Any], title: str, rates: Rates, now
     return Group(Panel(Group(*parts), title=title, border_style="cyan"))
 
 
-def finished(snaps: dict[str, Any]) -> bool:
-    return bool(snaps) and all(isinstance(s, dict) and done(s) for s in snaps.values())
-
-
 def ending(rows: list[Row], snaps: dict[str, Any], run: str, reattach: str, dead_after: float) -> Ending | None:
     """How the fleet's run ends, once every row is done or its host silent for ``dead_after`` seconds."""
     dead = [r for r in rows if isinstance(snaps.get(r.label), Unreachable)]
-    if any(not (isinstance(snaps.get(r.label), dict) and done(snaps[r.label])) for r in rows if r not in dead) \
+    if any(not (isinstance(snaps.get(r.label), dict) and ended(snaps[r.label])) for r in rows if r not in dead) \
             or any(snaps[r.label].seconds < dead_after for r in dead):
         return None
     if dead and len(dead) == len(rows):
@@ -167,19 +164,14 @@ def ending(rows: list[Row], snaps: dict[str, Any], run: str, reattach: str, dead
                                   f"extracted; when a host is back: {reattach}; to finish a shard on a host that is "
                                   f"done: fab extract --reassign HOST --host OTHER --run {run} --dataset DATASET "
                                   f"(HOST: {owners})"])
-    short = sorted(r.label for r in rows if stopped_short(snaps[r.label]))
-    if short:
-        return Ending(1, [f"stopped short on {', '.join(short)}: "
-                          + "; ".join(f"{k}: {(snaps[k].get('driver') or {}).get('message')}" for k in short)
-                          + ". Their shippers keep shipping what was made; run the same fab extract again to resume"])
-    return Ending(0, [f"finished: every host's driver and shipper are done ({reattach} --once shows it)"], "green")
+    return conclusion([(r.label, snaps[r.label]) for r in rows])
 
 
 def watch(poller: Poller, rows: list[Row], run: str, reattach: str, *, interval: float = 2.0, once: bool = False,
           dead_after: float = DEAD_AFTER_S, console: Console | None = None) -> int:
-    """Show the fleet until every host's jobs finished (0), ended with a driver stopped short (1, naming those
-    hosts), or ended while some hosts stayed silent ``dead_after`` seconds (3, naming them); detach on Ctrl-C or
-    when no host answers (2)."""
+    """Show the fleet until every host's jobs ended: 0 when they hold every line, 1 naming those they do not
+    (``dashboard.conclusion``), 3 when some hosts stayed silent ``dead_after`` seconds (naming them); detach
+    on Ctrl-C or when no host answers (2)."""
     console = console or Console()
     rates = Rates()
     title = f"hs-patch fleet extraction {run}"

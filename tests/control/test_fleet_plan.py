@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from rich.console import Console
 
-from hs_patch.control import fleet, fleet_dashboard, fleet_run
+from hs_patch.control import fleet, fleet_dashboard, fleet_run, verdict
 from lab.snapshots import progress
 from hs_patch.control.inventory import ConfigError, Target
 from hs_patch.control.shell import RemoteError
@@ -86,5 +86,4 @@ def test_the_fleet_dashboard_shows_each_host_and_the_total():
     assert "PAUSED" in out and "unreachable 25s" in out and "(3/30)" in out and "c: gone" not in out
     assert "c (shard of x): no answer for 25 s (gone)" in out
     assert "0:00:20" in out  # a: 10 samples in 10 s, 20 to go
-    assert not fleet_dashboard.finished(snaps)
-    assert fleet_dashboard.finished({"a": progress("r", 40, 40, "finished")})
+    assert not verdict.ended(snaps["a"]) and verdict.ended(progress("r", 40, 40, "finished"))

@@ -6,7 +6,8 @@ from __future__ import annotations
 SNAP = {
     "run": "r1", "time": 0,
     "driver": {"state": "running", "samples": {"total": 100, "done": 40, "rejected": 3, "duplicates": 1, "failed": 0,
-                                               "in_flight": 8}, "tokens": {"done_now": 81920, "per_s": 2048.0},
+                                               "in_flight": 8, "remaining": 56},
+               "tokens": {"done_now": 81920, "per_s": 2048.0},
                "bytes_written": 5.8e9, "dump": {"paused": True}, "errors": {"last": "timeout on line 7"}},
     "shipper": {"state": "shipping", "shipped": {"count": 30, "bytes": 4.4e9}, "pending": {"count": 10, "bytes": 1.4e9},
                 "throughput_bytes_per_s": 1.1e8, "last_error": None},
@@ -22,7 +23,8 @@ SNAP = {
 def progress(run: str, done: int, total: int, state: str = "running", paused: bool = False) -> dict:
     """A run's snapshot at ``done`` of ``total``: its units active while ``state`` is running."""
     active = "active" if state == "running" else "inactive"
-    return {"run": run, "driver": {"state": state, "samples": {"done": done, "total": total},
+    return {"run": run, "driver": {"state": state, "samples": {"done": done, "total": total,
+                                                               "remaining": 0 if state == "finished" else total - done},
                                    "tokens": {"per_s": 100.0}, "bytes_written": done * 10**6,
                                    "dump": {"paused": paused}, "errors": {"count": 0}},
             "shipper": {"shipped": {"count": done, "bytes": done * 10**6}, "pending": {"count": 0, "bytes": 0}},

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from hs_patch import __version__, intent, store
-from hs_patch.host.driver import capture_check, chat, dataset, limits, runstate
+from hs_patch.host.driver import capture_check, chat, dataset, limits, missing, runstate
 from hs_patch.host.driver.backpressure import BackPressure, disk_usage
 from hs_patch.host.driver.capture_dir import CaptureWatcher
 from hs_patch.host.driver.client import HEALTH_PROBE_IDS, RetryPolicy, SGLangClient, read_api_key, redact_url
@@ -67,6 +67,8 @@ class Driver(SampleSteps):
         self.bp: Optional[BackPressure] = None
         self.turns = Turns(cfg.concurrency)  # requests at the server; cfg.awaiting more wait for their samples
         self.shipped: Optional[runstate.ShippedTail] = None
+        self.failures: dict[str, missing.Failure] = {}   # sample id -> how it failed in this run
+        self.missing: Optional[dict[str, Any]] = None    # the lines not held, once the run has ended
 
     # ------------------------------------------------------------------ control
     def request_stop(self, reason: str, code: int = EXIT_INCOMPLETE) -> None:
@@ -76,6 +78,8 @@ class Driver(SampleSteps):
 
     def _status_extra(self) -> dict[str, Any]:
         out: dict[str, Any] = {"dump": self.bp.status() if self.bp else {}}
+        if self.missing is not None:
+            out["missing"] = self.missing
         if self.monitor is not None:
             out["fidelity"] = dict(self.monitor.status(), check=self.cfg.fidelity_settings())
         if self.shipped is not None:
@@ -158,9 +162,12 @@ class Driver(SampleSteps):
                 if empty:
                     self.exit_code, self.stop_reason = EXIT_ERROR, empty
                 self.status.state = "failed" if empty else "finished" if not self.stop_reason else "stopped"
+                self.missing = missing.account(self.state_dir, dict(self.failures), s["remaining"])
+                gaps = missing.describe(self.missing)
                 self.status.message = self.stop_reason or (
-                    "complete" if self.exit_code == EXIT_OK else
-                    f"{s['failed']} failed, {s['remaining']} not done: run the same command again to redo them")
+                    ("complete" + (f" but for bad input: {gaps}" if gaps else "")) if self.exit_code == EXIT_OK else
+                    f"{s['failed']} failed, {s['remaining']} not done: run the same command again to redo what can "
+                    f"be; {gaps}")
             doc = self.status.write()
             self.ledger.write("run_end", state=self.status.state, exit_code=self.exit_code,
                               message=self.status.message, samples=doc["samples"], tokens=doc["tokens"])
