@@ -140,14 +140,12 @@ def reassign(inv: Inventory, dead: str, host: str, run: str, dataset: str, remot
     group = FleetGroup.of([t])
     state = group.each(lambda c, tt: remote.unit_state(c, own))[t.name]
     group.close()
-    if state in ("active", "activating", "reloading"):
-        raise RemoteError(f"{t.name} still runs its own shard ({own} is {state}): a host's server has one capture "
-                          f"dir and serves one driver at a time. Wait for it to finish (fab status --host {t.name} "
-                          f"--run {run}) or choose a host that has finished")
     job = Job(fleet.reassign_run(run, dead), dataset, remote_dataset,
               extraction.driver_args(limit, regenerate, plan.shard(dead)),
               dest=remote.destination(t, run, dead), share=plan.count, sync_first=True)
-    say(f"{t.name} takes the shard {plan.shard(dead)} of {dead} as run {job.run}, shipping into {job.dest}")
+    say(f"{t.name} takes the shard {plan.shard(dead)} of {dead} as run {job.run}, shipping into {job.dest}"
+        + (f"; queued behind {own} ({state} there: one server, one capture dir, one driver at a time): it starts "
+           "when that one ends" if state in ("active", "activating", "reloading") else ""))
     plan.reassigned[dead] = t.name
     fleet.save_plan(plan)  # before the start: a half-started reassignment is still on record
     run_jobs([t], {t.name: job}, server_timeout, say)

@@ -1,14 +1,18 @@
-"""A run's account of the lines it does not hold when it ends: missing.jsonl and status.json["missing"]."""
+"""A run's account of the lines it does not hold when it ends (missing.jsonl, status.json["missing"]),
+and a run queued behind another on the same capture dir."""
 
 from __future__ import annotations
 
 import json
+import os
+import threading
+import time
 
 import pytest
 
 from hs_patch.host.driver import missing, runstate
-from hs_patch.host.driver.run import EXIT_INCOMPLETE, EXIT_OK
-from lab.drive_runs import drive, start_standin
+from hs_patch.host.driver.run import CAPTURE_LOCK, EXIT_INCOMPLETE, EXIT_OK, EXIT_SIGNAL, Driver
+from lab.drive_runs import config, drive, start_standin
 from lab.runcheck import write_chats
 
 
@@ -54,3 +58,40 @@ def test_a_complete_run_names_nothing(standin, tiny_model_dir, tmp_path):
     assert summary.status["missing"] == {"lines": 0, "rejected": 0, "failed": 0, "not_attempted": 0, "never": 0,
                                          "shown": []}
     assert (tmp_path / "state" / missing.FILE).read_text() == ""
+
+
+def test_a_queued_run_waits_for_the_capture_dir_and_runs_when_it_is_free(standin, tiny_model_dir, tmp_path):
+    """One server, one capture dir, one driver at a time: with --queue (fab's fleet jobs: a reassigned
+    shard behind the host's own) a second run waits, state queued naming the holder, instead of
+    failing; stopped while it waits, it ends having started nothing."""
+
+    data = tmp_path / "d.jsonl"
+    write_chats(data, 2)
+    capture = standin.engine.capture.directory
+    held = runstate.take_lock(f"{capture}/{CAPTURE_LOCK}", "capture dir", "run own")
+    try:
+        for stop in (True, False):
+            cfg = config(standin.url, capture, tiny_model_dir, tmp_path / str(stop), [data], queue=True, host_name="g")
+            driver, got = Driver(cfg), {}
+            t = threading.Thread(target=lambda: got.update(s=driver.run()))
+            t.start()
+            status = tmp_path / str(stop) / "state" / runstate.STATUS
+            deadline = time.monotonic() + 30
+            while not (status.exists() and json.loads(status.read_text())["state"] == "queued"):
+                assert time.monotonic() < deadline and t.is_alive(), "the run never said it was queued"
+                time.sleep(0.05)
+            assert f"is in use by pid {os.getpid()} (run own)" in json.loads(status.read_text())["message"]
+            assert not (tmp_path / str(stop) / "state" / runstate.LEDGER).exists(), "nothing starts while queued"
+            if stop:
+                driver.request_stop("stopped by SIGTERM", EXIT_SIGNAL)
+                t.join(30)
+                assert (got["s"].state, got["s"].exit_code) == ("stopped", EXIT_SIGNAL)
+                assert not (tmp_path / str(stop) / "state" / runstate.LEDGER).exists()
+                continue
+            os.close(held)
+            held = None
+            t.join(120)
+            assert got["s"].exit_code == EXIT_OK and got["s"].status["samples"]["done"] == 2
+    finally:
+        if held is not None:
+            os.close(held)

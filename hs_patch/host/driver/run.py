@@ -34,6 +34,7 @@ from hs_patch.host.driver.sample_steps import (CAPTURE_PARAMS, EXIT_ERROR, EXIT_
                                         EXIT_OK, EXIT_SIGNAL, SampleSteps)  # (re-exported)
 
 CAPTURE_LOCK = ".hs-driver.lock"
+QUEUE_POLL_S = 2.0   # --queue: how often a queued run tries the capture dir's lock
 SAMPLES_LOCK = ".hs-samples.lock"
 REGEN_SWEPT = "regeneration prompt (captured by SGLang < 0.5.10)"
 
@@ -110,7 +111,12 @@ class Driver(SampleSteps):
         locks: list[int] = []
         try:
             locks.append(runstate.take_lock(self.state_dir / runstate.LOCK, f"run {cfg.run!r}"))
-            locks.append(runstate.take_lock(self.capture_dir / CAPTURE_LOCK, f"capture dir {self.capture_dir}"))
+            capture = self._queue() if cfg.queue else \
+                runstate.take_lock(self.capture_dir / CAPTURE_LOCK, f"capture dir {self.capture_dir}", f"run {cfg.run}")
+            if capture is None:  # stopped while queued: nothing was started
+                self.status.state, self.status.message = "stopped", self.stop_reason
+                return Summary("stopped", self.exit_code, self.stop_reason, self.status.write())
+            locks.append(capture)
             locks.append(runstate.take_lock(self.samples_dir / SAMPLES_LOCK, f"samples dir {self.samples_dir}"))
             resumed = runstate.check_params(self.state_dir, cfg.identity())
             self.weaker_check = runstate.check_fidelity(self.state_dir, cfg.fidelity_settings(),
@@ -119,6 +125,24 @@ class Driver(SampleSteps):
         finally:
             for fd in locks:
                 os.close(fd)
+
+    def _queue(self) -> Optional[int]:
+        """The capture dir's lock, waiting (state ``queued``) while another run holds it: one server,
+        one capture dir, one driver at a time (``--queue``: fab queues a reassigned shard behind the
+        host's own). None when stopped first."""
+        path = self.capture_dir / CAPTURE_LOCK
+        while True:
+            fd, holder = runstate.try_lock(path, f"run {self.cfg.run}")
+            if fd is not None:
+                self.status.state, self.status.message = "starting", ""
+                return fd
+            if self.status.state != "queued":
+                self.status.state = "queued"
+                self.status.message = (f"queued: the capture dir {self.capture_dir} is in use by {holder}; this run "
+                                       "starts when that one ends")
+                self.status.write()
+            if self.stop.wait(QUEUE_POLL_S):
+                return None
 
     def _run_locked(self, resumed: bool) -> Summary:
         self.ledger = runstate.Ledger(self.state_dir / runstate.LEDGER)

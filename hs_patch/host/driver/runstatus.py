@@ -2,7 +2,7 @@
 
 ``status.json`` (rewritten atomically every ``--status-interval`` seconds and at the end)::
 
-    {"run", "state": starting|running|paused|stopping|finished|stopped|failed, "pid",
+    {"run", "state": queued|starting|running|paused|stopping|finished|stopped|failed, "pid",
      "started", "updated", "elapsed_s",
      "samples": {"total", "done", "done_before", "done_now", "rejected", "duplicates",
                  "failed", "in_flight", "remaining", "blank"},

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import time
 import uuid
 from typing import Optional
@@ -128,7 +129,9 @@ class SampleSteps:
         cfg = self.cfg
         prov = {"sample_id": rec.sample_id, "source": rec.source, "line": str(rec.line), "run": cfg.run,
                 "source_id": rec.source_id, "input_format": rec.format, "regenerated": "0", "truncated_from": "",
-                "driver": f"hs-extract {__version__}"}
+                "driver": f"hs-extract {__version__}",
+                # where it was extracted: this host, and the shard (a reassigned shard: its own, not this host's)
+                "host": cfg.host_name or socket.gethostname(), "shard": cfg.shard or "0/1"}
         if rec.input_ids is not None:
             ids, mask = list(rec.input_ids), list(rec.loss_mask or [1] * len(rec.input_ids))
             prov["loss_mask"] = "given" if rec.loss_mask else "all"
