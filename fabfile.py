@@ -6,7 +6,9 @@
     fab status  --host 10.1.230.174 [--run NAME] [--once]
     fab status  --hosts [GROUP] --run NAME [--once]
     fab stop    --host 10.1.230.174 [--run NAME] [--server]
+    fab stop    --hosts [GROUP] --run NAME [--server]
     fab ship    --host 10.1.230.174 [--run NAME]
+    fab ship    --hosts [GROUP] --run NAME
     fab verify  --host 10.1.230.174
 
 The host and its settings come from the Ansible inventory, read by Ansible itself
@@ -187,13 +189,8 @@ def status(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vaul
            ask_vault_pass=False, run=None, once=False, interval=2, hosts=None, dead_after=dashboard.DEAD_AFTER_S):
     """Reattach to a run's live dashboard (or print it once); --hosts GROUP: the fleet's."""
     if hosts:
-        if not run:
-            sys.exit("fab status --hosts: give --run NAME (the fleet run)")
-        plan = fleet.load_plan(check_run_name(run))
-        if plan is None:
-            sys.exit(f"fab status: run {run} has no fleet plan ({fleet.plan_path(run)}); for one host: "
-                     "fab status --host H --run NAME")
-        inv = _inventory(inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
+        inv, plan = _fleet(hosts, run, "status", inventory, extra_vars, vault_password_file, ask_vault_pass,
+                           known_hosts)
         rows = fleet_run.rows_for(plan, inv.group(_group(hosts)))
         sys.exit(fleet_run.watch(inv, plan, rows, f"fab status --hosts {_group(hosts)} --run {run}",
                                  interval=float(interval), once=bool(once), dead_after=float(dead_after)))
@@ -204,11 +201,16 @@ def status(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vaul
     sys.exit(_watch(t, run, float(interval), float(dead_after), once=bool(once)))
 
 
-@task(klass=FabTask, iterable=ITERABLE, optional=["host"], help={**COMMON, "server": "stop the SGLang server unit too"})
+@task(klass=FabTask, iterable=ITERABLE, optional=["host", "hosts"],
+      help={**COMMON, **FLEET, "server": "stop the SGLang server unit too"})
 @_errors
 def stop(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_password_file=None,
-         ask_vault_pass=False, run=None, server=False):
-    """Stop a run cleanly: the driver, then the shipper finish what is in flight (resume with fab extract)."""
+         ask_vault_pass=False, run=None, server=False, hosts=None):
+    """Stop a run cleanly: the driver, then the shipper finish what is in flight (resume with fab extract);
+    --hosts GROUP: every job of the fleet run on the group's hosts."""
+    if hosts:
+        inv, plan = _fleet(hosts, run, "stop", inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
+        sys.exit(fleet_run.stop_all(inv, plan, _group(hosts), bool(server), _say))
     t = _target(host, inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
     conn = _connect(t)
     run = _pick_run(conn, t, run)
@@ -216,17 +218,34 @@ def stop(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_
     _say(f"stopped: {states}; resume with the same fab extract --run {run}, drain with fab ship")
 
 
-@task(klass=FabTask, iterable=ITERABLE, optional=["host"], help=COMMON)
+@task(klass=FabTask, iterable=ITERABLE, optional=["host", "hosts"], help={**COMMON, **FLEET})
 @_errors
 def ship(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_password_file=None,
-         ask_vault_pass=False, run=None):
-    """Ship every finished sample of a run now, verified at the destination, and wait for it."""
+         ask_vault_pass=False, run=None, hosts=None):
+    """Ship every finished sample of a run now, verified at the destination, and wait for it; --hosts GROUP:
+    every job of the fleet run on the group's hosts, each into its part of the run at the destination."""
+    if hosts:
+        inv, plan = _fleet(hosts, run, "ship", inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
+        sys.exit(fleet_run.ship_all(inv, plan, _group(hosts), _say))
     t = _target(host, inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
     conn = _connect(t)
     run = _pick_run(conn, t, run)
     code, out = remote.ship_now(conn, t, run, dest=fleet_run.destination_of(t, run))  # a fleet's: RUN/HOST
     print(out)
     sys.exit(code)
+
+
+def _fleet(hosts: Any, run: str | None, task_name: str, inventory: str | None, extra_vars: list[str] | None,
+           vault_password_file: list[str] | None, ask_vault_pass: bool,
+           known_hosts: str | None) -> tuple[Inventory, fleet.Plan]:
+    """The inventory and the plan of a fleet run named by --run (refused saying what to give)."""
+    if not run:
+        sys.exit(f"fab {task_name} --hosts: give --run NAME (the fleet run)")
+    plan = fleet.load_plan(check_run_name(run))
+    if plan is None:
+        sys.exit(f"fab {task_name}: run {run} has no fleet plan ({fleet.plan_path(run)}); for one host: "
+                 f"fab {task_name} --host H --run NAME")
+    return _inventory(inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts), plan
 
 
 @task(klass=FabTask, iterable=ITERABLE, optional=["host"], help={k: v for k, v in COMMON.items() if k != "run"})

@@ -192,7 +192,7 @@ class FleetGroup(ThreadingGroup):
             results = self._do("step", fn, *args)
         except GroupException as e:
             failed = {c.target.name: r for c, r in e.result.items() if isinstance(r, BaseException)}
-            raise RemoteError("; ".join(f"{h}: {_reason(r)}" for h, r in sorted(failed.items()))) from None
+            raise RemoteError("; ".join(f"{h}: {reason(r)}" for h, r in sorted(failed.items()))) from None
         return {c.target.name: r for c, r in results.items()}
 
     def try_each(self, fn: Callable[..., Any], *args: Any) -> dict[str, Any]:
@@ -204,7 +204,8 @@ class FleetGroup(ThreadingGroup):
         return {c.target.name: r for c, r in results.items()}
 
 
-def _reason(e: BaseException) -> str:
+def reason(e: BaseException) -> str:
+    """What a host's failed step says."""
     if isinstance(e, SystemExit):
         return str(e.code)
     return str(e) or type(e).__name__

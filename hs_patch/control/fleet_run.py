@@ -155,3 +155,64 @@ def reassign(inv: Inventory, dead: str, host: str, run: str, dataset: str, remot
         say(f"watch with: {reattach}")
         return 0
     return watch(inv, plan, rows, reattach, interval=interval, dead_after=dead_after)
+
+
+def on_each_host(inv: Inventory, plan: Plan, group: str, step: Callable[[Shell, Target, Row], Any],
+                 after: Callable[[Shell, Target], Any] | None = None) -> dict[str, Any]:
+    """``step`` for every job of the run on the hosts of ``group`` (a host's own shard, and a shard
+    reassigned to it), every host at once; host -> {row label: result}, or the exception that
+    host gave (a dead host fails alone: the others' results stand)."""
+    rows = rows_for(plan, inv.group(group))
+    if not rows:
+        raise ConfigError(f"no host of {group} has a job in run {plan.run} (fleet plan {fleet.plan_path(plan.run)})")
+    fg = FleetGroup.of([inv.target(h) for h in sorted({r.host for r in rows})])
+
+    def each(c: Shell, t: Target) -> dict[str, Any]:
+        out = {r.label: step(c, t, r) for r in rows if r.host == t.name}
+        if after is not None:
+            after(c, t)
+        return out
+
+    try:
+        return fg.try_each(each)
+    finally:
+        fg.close()
+
+
+def stop_all(inv: Inventory, plan: Plan, group: str, server: bool, say: Callable[[str], None]) -> int:
+    """``fab stop --hosts GROUP --run R``: every job of the run stopped cleanly (each driver, then
+    its shipper, finish what is in flight), the servers too with ``server``. 1 if a host failed."""
+    res = on_each_host(inv, plan, group, lambda c, t, r: remote.stop(c, t, r.run),
+                       (lambda c, t: remote.stop_server(c, t)) if server else None)
+    for host, got in sorted(res.items()):
+        if isinstance(got, BaseException):
+            say(f"{host}: NOT stopped: {fleet.reason(got)}; when it answers: fab stop --host {host} --run "
+                f"{plan.run}")
+            continue
+        for label, states in got.items():
+            say(f"{label}: {', '.join(f'{u} {s}' for u, s in states.items())}")
+    bad = sorted(h for h, got in res.items() if isinstance(got, BaseException))
+    say(f"resume with the same fab extract --hosts {group} --run {plan.run}; drain with fab ship --hosts {group} "
+        f"--run {plan.run}" + (f"; not stopped: {', '.join(bad)}" if bad else ""))
+    return 1 if bad else 0
+
+
+def ship_all(inv: Inventory, plan: Plan, group: str, say: Callable[[str], None]) -> int:
+    """``fab ship --hosts GROUP --run R``: every job's finished samples shipped now into its part of the
+    run at the destination, verified there, each host at once. 1 if anything was not shipped."""
+    res = on_each_host(inv, plan, group, lambda c, t, r: remote.ship_now(c, t, r.run, dest=destination_of(t, r.run)))
+    failed = []
+    for host, got in sorted(res.items()):
+        if isinstance(got, BaseException):
+            failed.append(host)
+            say(f"{host}: NOT shipped: {fleet.reason(got)}; when it answers: fab ship --hosts {group} --run {plan.run}")
+            continue
+        for label, (code, out) in got.items():
+            last = out.strip().splitlines()[-1] if out.strip() else ""
+            say(f"{label}: {'shipped' if code == 0 else f'FAILED (exit {code})'}: {last}")
+            if code:
+                failed.append(label)
+                print(out[-3000:], flush=True)
+    say("every job's samples are at the destination, verified" if not failed else
+        f"not all shipped: {', '.join(failed)}")
+    return 1 if failed else 0
