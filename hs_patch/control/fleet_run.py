@@ -62,12 +62,13 @@ def destination_of(t: Target, run: str) -> str | None:
     return None
 
 
-def rows_for(plan: Plan, targets: list[Target]) -> list[Row]:
+def rows_for(plan: Plan, targets: list[Target], *, every: bool = False) -> list[Row]:
     """Dashboard rows: each planned host of ``targets`` running its own shard, and each
-    reassigned shard on the host that runs it."""
+    reassigned shard on the host that runs it. ``every``: also the own job of a host whose
+    shard was reassigned (still there when it comes back: fab stop/ship --hosts reach it)."""
     here = {t.name for t in targets}
     rows = [Row(n, n, plan.run, plan.shard(n), n) for n in sorted(plan.shards, key=plan.shards.get)
-            if n in here and n not in plan.reassigned]
+            if n in here and (every or n not in plan.reassigned)]
     rows += [Row(f"{to} (shard of {dead})", to, fleet.reassign_run(plan.run, dead), plan.shard(dead), dead)
              for dead, to in sorted(plan.reassigned.items())]
     return rows
@@ -162,7 +163,7 @@ def on_each_host(inv: Inventory, plan: Plan, group: str, step: Callable[[Shell, 
     """``step`` for every job of the run on the hosts of ``group`` (a host's own shard, and a shard
     reassigned to it), every host at once; host -> {row label: result}, or the exception that
     host gave (a dead host fails alone: the others' results stand)."""
-    rows = rows_for(plan, inv.group(group))
+    rows = rows_for(plan, inv.group(group), every=True)
     if not rows:
         raise ConfigError(f"no host of {group} has a job in run {plan.run} (fleet plan {fleet.plan_path(plan.run)})")
     fg = FleetGroup.of([inv.target(h) for h in sorted({r.host for r in rows})])
