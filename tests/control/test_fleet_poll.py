@@ -105,7 +105,7 @@ def test_the_fleet_command_ends_when_the_rest_is_done_and_a_silent_host_stays_si
     took = time.monotonic() - cut[0]
     lines = out.getvalue().rstrip().splitlines()
     assert code == 3, lines[-5:]
-    assert 6 <= took < 6 + 3, "ends dead_after seconds after the host's last answer"
+    assert 6 - 0.5 <= took < 6 + 3, "ends dead_after seconds after the host's last answer (an interval before the cut)"
     assert re.fullmatch(r"gpu2: no answer for \d+ s \(.*\); last seen 7 done of its shard 1/2", lines[-2]), lines[-2]
     assert lines[-1] == ("unreachable: gpu2: their shards are not being extracted; when a host is back: fab status "
                          "--hosts gpu_hosts --run r; to finish a shard on a host that is done: fab extract --reassign "

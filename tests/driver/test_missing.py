@@ -8,19 +8,10 @@ import os
 import threading
 import time
 
-import pytest
-
 from hs_patch.host.driver import missing, runstate
 from hs_patch.host.driver.run import CAPTURE_LOCK, EXIT_INCOMPLETE, EXIT_OK, EXIT_SIGNAL, Driver
-from lab.drive_runs import config, drive, start_standin
+from lab.drive_runs import config, drive
 from lab.runcheck import write_chats
-
-
-@pytest.fixture(scope="module")
-def standin(tiny_model_dir, tmp_path_factory):
-    srv = start_standin(tiny_model_dir, tmp_path_factory.mktemp("capture"), "0.5.16")
-    yield srv
-    srv.close()
 
 
 def test_a_run_names_each_line_it_does_not_hold_and_which_can_never_be_extracted(standin, tiny_model_dir, tmp_path):
