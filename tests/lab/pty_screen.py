@@ -16,7 +16,7 @@ import subprocess
 import termios
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|\x1b[()][A-Z0-9]")
 
@@ -57,10 +57,25 @@ class Screen:
         """The cells of the latest drawing of the table row ``label`` (from ``since``), or None."""
         found = None
         for line in self.text(since).split("\n"):
-            cells = [c for c in re.split(r"\s{2,}", line.strip(" │|")) if c]
+            cells = _cells(line)
             if cells and cells[0] == label:
                 found = cells
         return found
+
+    def first(self, label: str, test: Callable[[list[str]], bool], since: float = 0.0) -> tuple[float, list[str]] | None:
+        """(when, cells) of the first drawing of the row ``label`` (from ``since``) that passes ``test``: when
+        the operator could first see it."""
+        with self._lock:
+            chunks = [(t, c) for t, c in self.chunks if t >= since]
+        tail = ""
+        for t, chunk in chunks:
+            *whole, tail = (tail + chunk).split("\n")
+            for line in whole:
+                for part in ANSI.sub("", line).split("\r"):
+                    cells = _cells(part)
+                    if cells and cells[0] == label and test(cells):
+                        return t, cells
+        return None
 
     def wait(self, timeout: float) -> int:
         try:
@@ -77,3 +92,8 @@ class Screen:
             self.proc.kill()
             self.proc.wait(10)
         os.close(self.master)
+
+
+def _cells(line: str) -> list[str]:
+    """A drawn table line's cells (columns are two spaces or more apart; the panel's border dropped)."""
+    return [c for c in re.split(r"\s{2,}", line.strip(" │|")) if c]
