@@ -46,6 +46,12 @@ class Unreachable:
     def __str__(self) -> str:
         return f"no answer for {self.seconds:.0f} s ({self.why})"
 
+    def seen(self, shard: str) -> str:
+        """What it last showed of its shard."""
+        if not self.last:
+            return f"never read, shard {shard}"
+        return f"last seen {((self.last.get('driver') or {}).get('samples') or {}).get('done')} done of its shard {shard}"
+
 
 def views(rows: list[Row], answers: dict[str, Answer], now: float, since: float,
           seen: dict[str, tuple[float, dict[str, Any]]]) -> dict[str, Any]:
@@ -156,9 +162,7 @@ def ending(rows: list[Row], snaps: dict[str, Any], run: str, reattach: str, dead
         return Ending(2, [f"no host answers (for {min(snaps[r.label].seconds for r in dead):.0f} s or more): is this "
                           f"machine's network up? The jobs go on there; reattach with: {reattach}"], "yellow")
     if dead:
-        lines = [f"{r.label}: {snaps[r.label]}; last seen "
-                 + (f"{(snaps[r.label].last.get('driver') or {}).get('samples', {}).get('done')} done of its shard "
-                    f"{r.shard}" if snaps[r.label].last else f"never, shard {r.shard}") for r in dead]
+        lines = [f"{r.label}: {snaps[r.label]}; {snaps[r.label].seen(r.shard)}" for r in dead]
         owners = " ".join(sorted({r.owner or r.host for r in dead}))
         return Ending(3, lines + [f"unreachable: {', '.join(r.label for r in dead)}: their shards are not being "
                                   f"extracted; when a host is back: {reattach}; to finish a shard on a host that is "
