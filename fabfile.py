@@ -6,7 +6,9 @@
     fab status  --host 10.1.230.174 [--run NAME] [--once]
     fab status  --hosts [GROUP] --run NAME [--once]
     fab stop    --host 10.1.230.174 [--run NAME] [--server]
+    fab stop    --hosts [GROUP] --run NAME [--server]
     fab ship    --host 10.1.230.174 [--run NAME]
+    fab ship    --hosts [GROUP] --run NAME
     fab verify  --host 10.1.230.174
 
 The host and its settings come from the Ansible inventory, read by Ansible itself
@@ -29,7 +31,7 @@ from typing import Any, Callable
 
 from fabric import Connection, task
 
-from hs_patch.control import dashboard, extraction, fleet, fleet_run, remote
+from hs_patch.control import dashboard, extraction, fleet, fleet_run, poll, remote
 from hs_patch.control.fab_options import FabTask
 from hs_patch.control.inventory import ConfigError, Inventory, Target, check_run_name, load
 from hs_patch.control.shell import RemoteError, Shell
@@ -48,6 +50,10 @@ COMMON = {
 ITERABLE = ["extra_vars", "vault_password_file"]
 FLEET = {"hosts": f"an inventory group of GPU hosts sharing the run, one shard each (--hosts alone: "
                   f"{fleet.DEFAULT_GROUP}); docs/fleet.md"}
+WATCH = {"interval": "dashboard refresh in seconds",
+         "dead-after": f"end the dashboard when a host has not answered for this many seconds and nothing else is "
+                       f"left to wait for (default {dashboard.DEAD_AFTER_S:.0f}; a host is shown unreachable after "
+                       f"{poll.POLL_DEADLINE_S:.0f} s without an answer): exit 3 naming it (a fleet), 2 (one host)"}
 
 
 def _errors(body: Callable[..., Any]) -> Callable[..., Any]:
@@ -121,12 +127,13 @@ def _say(msg: str) -> None:
     "remote-dataset": "--dataset is a path on the GPU host", "limit": "only the first N lines (0: all)",
     "regenerate": "let the served model write the assistant turns first (not captured), then capture the whole "
                   "conversation",
-    "server-timeout": "seconds to wait for the server to become healthy (default 1800)",
-    "interval": "dashboard refresh in seconds", "detach": "start and return without the dashboard"})
+    "server-timeout": "seconds to wait for the server to become healthy (default 1800)", **WATCH,
+    "detach": "start and return without the dashboard"})
 @_errors
 def extract(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_password_file=None,
             ask_vault_pass=False, dataset=None, run=None, limit=0, regenerate=False, remote_dataset=False,
-            server_timeout=1800, interval=2, detach=False, hosts=None, reassign=None):
+            server_timeout=1800, interval=2, detach=False, hosts=None, reassign=None,
+            dead_after=dashboard.DEAD_AFTER_S):
     """Preflight, start the server, run the driver and the shipper as systemd units, watch them live."""
     if not dataset:
         sys.exit("fab extract: give --dataset FILE (a JSONL file here, or on the host with --remote-dataset)")
@@ -142,7 +149,7 @@ def extract(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vau
     run = check_run_name(run or f"{local.stem}-{time.strftime('%Y%m%d-%H%M%S')}")
     opts = dict(run=run, dataset=dataset, remote_dataset=bool(remote_dataset), limit=int(limit),
                 regenerate=bool(regenerate), server_timeout=int(server_timeout), interval=float(interval),
-                detach=bool(detach), say=_say)
+                detach=bool(detach), say=_say, dead_after=float(dead_after))
     if reassign:
         if not host or hosts:
             sys.exit("fab extract: --reassign DEAD_HOST takes --host OTHER (the host that finishes its shard)")
@@ -166,38 +173,44 @@ def extract(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vau
     if detach:
         _say(f"watch with: fab status --host {host} --run {run}")
         return
-    sys.exit(dashboard.watch(lambda: remote.snapshot(conn, t, run), host, run, interval=float(interval)))
+    sys.exit(_watch(t, run, float(interval), float(dead_after)))
+
+
+def _watch(t: Target, run: str, interval: float, dead_after: float, once: bool = False) -> int:
+    """One host's dashboard, its reads bounded in time (hs_patch.control.poll)."""
+    poller = poll.Poller.of([t], lambda c, tt: remote.snapshot(c, tt, run), interval=interval)
+    return dashboard.watch(poller, t.name or t.host, run, interval=interval, once=once, dead_after=dead_after)
 
 
 @task(klass=FabTask, iterable=ITERABLE, optional=["host", "hosts"], help={
-    **COMMON, **FLEET, "once": "print one snapshot and exit", "interval": "refresh in seconds"})
+    **COMMON, **FLEET, **WATCH, "once": "print one snapshot and exit"})
 @_errors
 def status(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_password_file=None,
-           ask_vault_pass=False, run=None, once=False, interval=2, hosts=None):
+           ask_vault_pass=False, run=None, once=False, interval=2, hosts=None, dead_after=dashboard.DEAD_AFTER_S):
     """Reattach to a run's live dashboard (or print it once); --hosts GROUP: the fleet's."""
     if hosts:
-        if not run:
-            sys.exit("fab status --hosts: give --run NAME (the fleet run)")
-        plan = fleet.load_plan(check_run_name(run))
-        if plan is None:
-            sys.exit(f"fab status: run {run} has no fleet plan ({fleet.plan_path(run)}); for one host: "
-                     "fab status --host H --run NAME")
-        inv = _inventory(inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
+        inv, plan = _fleet(hosts, run, "status", inventory, extra_vars, vault_password_file, ask_vault_pass,
+                           known_hosts)
         rows = fleet_run.rows_for(plan, inv.group(_group(hosts)))
         sys.exit(fleet_run.watch(inv, plan, rows, f"fab status --hosts {_group(hosts)} --run {run}",
-                                 interval=float(interval), once=bool(once)))
+                                 interval=float(interval), once=bool(once), dead_after=float(dead_after)))
     t = _target(host, inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
     conn = _connect(t)
     run = _pick_run(conn, t, run)
-    sys.exit(dashboard.watch(lambda: remote.snapshot(conn, t, run), host, run, interval=float(interval),
-                             once=bool(once)))
+    conn.conn.close()
+    sys.exit(_watch(t, run, float(interval), float(dead_after), once=bool(once)))
 
 
-@task(klass=FabTask, iterable=ITERABLE, optional=["host"], help={**COMMON, "server": "stop the SGLang server unit too"})
+@task(klass=FabTask, iterable=ITERABLE, optional=["host", "hosts"],
+      help={**COMMON, **FLEET, "server": "stop the SGLang server unit too"})
 @_errors
 def stop(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_password_file=None,
-         ask_vault_pass=False, run=None, server=False):
-    """Stop a run cleanly: the driver, then the shipper finish what is in flight (resume with fab extract)."""
+         ask_vault_pass=False, run=None, server=False, hosts=None):
+    """Stop a run cleanly: the driver, then the shipper finish what is in flight (resume with fab extract);
+    --hosts GROUP: every job of the fleet run on the group's hosts."""
+    if hosts:
+        inv, plan = _fleet(hosts, run, "stop", inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
+        sys.exit(fleet_run.stop_all(inv, plan, _group(hosts), bool(server), _say))
     t = _target(host, inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
     conn = _connect(t)
     run = _pick_run(conn, t, run)
@@ -205,17 +218,34 @@ def stop(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_
     _say(f"stopped: {states}; resume with the same fab extract --run {run}, drain with fab ship")
 
 
-@task(klass=FabTask, iterable=ITERABLE, optional=["host"], help=COMMON)
+@task(klass=FabTask, iterable=ITERABLE, optional=["host", "hosts"], help={**COMMON, **FLEET})
 @_errors
 def ship(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_password_file=None,
-         ask_vault_pass=False, run=None):
-    """Ship every finished sample of a run now, verified at the destination, and wait for it."""
+         ask_vault_pass=False, run=None, hosts=None):
+    """Ship every finished sample of a run now, verified at the destination, and wait for it; --hosts GROUP:
+    every job of the fleet run on the group's hosts, each into its part of the run at the destination."""
+    if hosts:
+        inv, plan = _fleet(hosts, run, "ship", inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
+        sys.exit(fleet_run.ship_all(inv, plan, _group(hosts), _say))
     t = _target(host, inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
     conn = _connect(t)
     run = _pick_run(conn, t, run)
     code, out = remote.ship_now(conn, t, run, dest=fleet_run.destination_of(t, run))  # a fleet's: RUN/HOST
     print(out)
     sys.exit(code)
+
+
+def _fleet(hosts: Any, run: str | None, task_name: str, inventory: str | None, extra_vars: list[str] | None,
+           vault_password_file: list[str] | None, ask_vault_pass: bool,
+           known_hosts: str | None) -> tuple[Inventory, fleet.Plan]:
+    """The inventory and the plan of a fleet run named by --run (refused saying what to give)."""
+    if not run:
+        sys.exit(f"fab {task_name} --hosts: give --run NAME (the fleet run)")
+    plan = fleet.load_plan(check_run_name(run))
+    if plan is None:
+        sys.exit(f"fab {task_name}: run {run} has no fleet plan ({fleet.plan_path(run)}); for one host: "
+                 f"fab {task_name} --host H --run NAME")
+    return _inventory(inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts), plan
 
 
 @task(klass=FabTask, iterable=ITERABLE, optional=["host"], help={k: v for k, v in COMMON.items() if k != "run"})

@@ -3,15 +3,16 @@
 
     python3 bench/fleet_dashboard.py [--hosts 16] [--seconds 60] [--interval 2]
 
-N private sshd's on loopback (tests/lab/loopback_sshd.py: each its own port, host key and
+N private sshd's on loopback (tests/lab/loopback_fleet.py: each its own port, host key and
 authorized key, so N hosts to Fabric) stand for the GPU hosts. The control side is the
-real one: ``hs_patch.control.fleet.FleetGroup`` (Fabric's ThreadingGroup, one SSH
-connection a host, kept open), ``remote.snapshot`` on each host every ``--interval``
-seconds, the fleet table rendered (``fleet_dashboard.render``) into a console. The host
-side of each poll (``hs-extract snapshot``) is replaced by ``cat`` of a snapshot JSON of
-the same shape, so that N Python starts a poll on this same machine do not compete with
-what is measured: this process's own CPU time (every thread: SSH, JSON, rendering), not
-sshd's nor the remote commands'. Prints one result line (JSON) and, with ``--results``,
+real one: ``hs_patch.control.poll.Poller`` (a thread a host, one SSH connection a host kept
+open, each read bounded by the poll deadline), ``remote.snapshot`` on each host every
+``--interval`` seconds, the fleet table rendered from the latest answers
+(``fleet_dashboard.views`` and ``render``) into a console every interval. The host side of
+each read (``hs-extract snapshot``) is replaced by ``cat`` of a snapshot JSON of the same
+shape, so that N Python starts a poll on this same machine do not compete with what is
+measured: this process's own CPU time (every thread: SSH, JSON, rendering), not sshd's
+nor the remote commands'. Prints one result line (JSON) and, with ``--results``,
 appends it to bench/RESULTS.md's raw results (bench/results/fleet_dashboard.jsonl).
 """
 
@@ -31,9 +32,9 @@ sys.path[:0] = [str(HERE.parent), str(HERE.parent / "tests")]
 
 from rich.console import Console  # noqa: E402
 
-from lab import loopback_sshd  # noqa: E402
-from hs_patch.control import fleet, fleet_dashboard, remote  # noqa: E402
-from hs_patch.control.inventory import Target  # noqa: E402
+from lab import loopback_fleet  # noqa: E402
+from hs_patch.control import fleet_dashboard, remote  # noqa: E402
+from hs_patch.control.poll import Poller  # noqa: E402
 
 
 def fake_snapshot(run: str, i: int) -> dict:
@@ -63,49 +64,44 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", action="store_true", help="append the result to bench/results/fleet_dashboard.jsonl")
     a = ap.parse_args(argv)
     run = "bench"
+    reads = []
     with tempfile.TemporaryDirectory() as tmp:
-        servers, targets = [], []
+        hosts = loopback_fleet.start(Path(tmp), [f"h{i:02d}" for i in range(a.hosts)])
         try:
-            for i in range(a.hosts):
-                d = Path(tmp) / f"h{i}"
-                servers.append(loopback_sshd.start(d / "sshd"))
-                venv = d / "venv"
-                (venv / "bin").mkdir(parents=True)
-                (d / "snap.json").write_text(json.dumps(fake_snapshot(run, i)))
-                script = venv / "bin" / "hs-extract"
-                script.write_text(f"#!/bin/sh\nexec cat {d / 'snap.json'}\n")
-                script.chmod(0o755)
-                s = servers[-1]
-                targets.append(Target(host="127.0.0.1", name=f"h{i:02d}", user=s.host.split("@")[0], port=s.port,
-                                      key_file=str(s.key), known_hosts=str(s.known_hosts), venv=str(venv)))
-            group = fleet.FleetGroup.of(targets)
-            rows = [fleet_dashboard.Row(t.name, t.name, run, f"{i}/{a.hosts}") for i, t in enumerate(targets)]
+            for i, h in enumerate(hosts):
+                h.show(fake_snapshot(run, i))
+            rows = [fleet_dashboard.Row(h.target.name, h.target.name, run, f"{i}/{a.hosts}")
+                    for i, h in enumerate(hosts)]
             console = Console(file=io.StringIO(), width=160)
             rates = fleet_dashboard.Rates()
 
-            def poll() -> dict:
-                snaps = group.try_each(lambda c, t: remote.snapshot(c, t, run))
-                console.print(fleet_dashboard.render(rows, snaps, "bench", rates))
-                return snaps
+            def read(c, t) -> dict:
+                t0 = time.monotonic()
+                snap = {t.name: remote.snapshot(c, t, run)}
+                reads.append(time.monotonic() - t0)
+                return snap
 
-            first = poll()  # connects every host (not counted: a dashboard connects once)
-            bad = {k: v for k, v in first.items() if not isinstance(v, dict)}
+            poller = Poller.of([h.target for h in hosts], read, interval=a.interval)
+            first = poller.first()  # connects every host (not counted: a dashboard connects once)
+            bad = {k: v.value for k, v in first.items() if not v.ok}
             if bad:
                 raise SystemExit(f"bench: hosts failed: {bad}")
-            cpu0, wall0, polls, slowest = time.process_time(), time.monotonic(), 0, 0.0
+            seen: dict = {}
+            cpu0, wall0, n0 = time.process_time(), time.monotonic(), len(reads)
             while time.monotonic() - wall0 < a.seconds:
-                t0 = time.monotonic()
-                snaps = poll()
-                slowest = max(slowest, time.monotonic() - t0)
-                polls += 1
+                now = time.monotonic()
+                snaps = fleet_dashboard.views(rows, poller.latest(), now, poller.started, seen)
+                console.print(fleet_dashboard.render(rows, snaps, "bench", rates))
                 assert all(isinstance(v, dict) for v in snaps.values()), snaps
-                time.sleep(max(0.0, a.interval - (time.monotonic() - t0)))
+                time.sleep(max(0.0, a.interval - (time.monotonic() - now)))
             cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
-            group.close()
+            polls = (len(reads) - n0) / a.hosts
+            slowest = max(reads[n0:])
+            poller.close()
         finally:
-            for s in servers:
-                s.stop()
-    res = {"bench": "fleet_dashboard", "hosts": a.hosts, "interval_s": a.interval, "polls": polls,
+            for h in hosts:
+                h.stop()
+    res = {"bench": "fleet_dashboard", "hosts": a.hosts, "interval_s": a.interval, "polls": round(polls, 1),
            "wall_s": round(wall, 1), "cpu_s": round(cpu, 2), "cpu_share": round(cpu / wall, 4),
            "cpu_ms_per_host_poll": round(1000 * cpu / (polls * a.hosts), 2), "slowest_poll_s": round(slowest, 3),
            "cpus": os.cpu_count(), "command": "python3 bench/fleet_dashboard.py " + " ".join(argv or sys.argv[1:])}

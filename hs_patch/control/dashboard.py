@@ -1,22 +1,29 @@
 """The live extraction dashboard of ``fab extract`` / ``fab status`` (rich).
 
 It only reads: a snapshot (``hs_patch.host.driver.snapshot``) taken on the GPU host every few
-seconds. Ctrl-C or a dropped connection detaches and says how to reattach; the job runs
-on as systemd units.
+seconds, each read bounded in time (:mod:`hs_patch.control.poll`): a host that stops answering
+is shown so within ``poll.POLL_DEADLINE_S``, and after ``--dead-after`` seconds the command
+ends saying how to reattach. Ctrl-C detaches; the job runs on as systemd units.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, TypeVar
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 from rich.console import Console, Group
 from rich.panel import Panel
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
-FINISHED = ("inactive", "failed")
-T = TypeVar("T")
+from hs_patch.control import verdict
+from hs_patch.control.poll import Answer, Poller
+from hs_patch.control.verdict import FINISHED
+# a host that has not answered this long, with nothing else left to wait for, ends the foreground
+# command (fab extract / fab status --dead-after); shown unreachable after poll.POLL_DEADLINE_S
+DEAD_AFTER_S = 120.0
 
 
 def _gb(n: float | None) -> str:
@@ -105,82 +112,92 @@ def render(snap: dict[str, Any], host: str, progress: Progress, task: Any) -> Gr
     return Group(Panel(Group(*parts), title=f"hs-patch extraction on {host}", border_style="cyan"))
 
 
-def stopped_short(snap: dict[str, Any]) -> bool:
-    """The driver's unit ended without finishing its run (stopped or failed): nothing more comes
-    until the same command runs again; the shipper, following, waits for that resume."""
-    run = snap["run"]
-    unit = ((snap.get("units") or {}).get(f"hs-drive-{run}") or {}).get("ActiveState")
-    state = (snap.get("driver") or {}).get("state")
-    return unit in FINISHED and state not in (None, "finished")
+@dataclass
+class Ending:
+    """How a followed run ends: fab's exit code and its last words (the last line sums it up)."""
+    code: int
+    lines: list[str]
+    style: str = "red"
 
 
-def done(snap: dict[str, Any]) -> bool:
-    """Driver and shipper units both finished, or the driver stopped short (see ``stopped_short``)."""
-    run = snap["run"]
-    units = snap.get("units") or {}
-    return stopped_short(snap) or all((units.get(u) or {}).get("ActiveState") in FINISHED
-                                      for u in (f"hs-drive-{run}", f"hs-ship-{run}") if u in units)
-
-
-def follow(fetch: Callable[[], T], draw: Callable[[T], Any], finished: Callable[[T], bool], *, console: Console,
-           interval: float, gone: Callable[[str], str], detached: str,
-           lost: Callable[[T], str] = lambda got: "") -> T | None:
-    """Redraw what ``fetch`` returns every ``interval`` seconds until ``finished`` says so: then the last
-    view. A fetch that raises, or whose view ``lost`` says reached nothing (the reason; "": it did),
-    five times in a row: None after saying ``gone(reason)``; Ctrl-C: None after ``detached``. The
-    job goes on where it runs either way (both dashboards, one host or a fleet, follow with this)."""
+def follow(poller: Poller, draw: Callable[[dict[str, Answer], float], Any],
+           end: Callable[[dict[str, Answer], float], Optional[Ending]], *, console: Console, interval: float,
+           detached: str) -> int:
+    """Redraw every ``interval`` seconds from each host's latest answer, never waiting for a host
+    (:class:`hs_patch.control.poll.Poller`), until ``end`` says how the run ends: then its words and
+    its code; Ctrl-C: ``detached`` and 2. The jobs go on where they run either way (both
+    dashboards, one host or a fleet, follow with this)."""
     from rich.live import Live
 
-    misses = 0
     try:
         with Live(console=console, refresh_per_second=4, transient=False) as live:
             while True:
-                try:
-                    got: T | None = fetch()
-                except Exception as e:  # noqa: BLE001 - a flaky link must not end the job
-                    got, why = None, str(e)
-                else:
-                    live.update(draw(got))
-                    why = lost(got)
-                misses = misses + 1 if why else 0
-                if misses >= 5:
-                    live.stop()
-                    console.print(f"[yellow]{gone(why)}[/]")
-                    return None
-                if got is not None and finished(got):
-                    return got
+                now, answers = time.monotonic(), poller.latest()
+                live.update(draw(answers, now))
+                ending = end(answers, now)
+                if ending is not None:
+                    break
                 time.sleep(interval)
     except KeyboardInterrupt:
         console.print(f"\n[yellow]{detached}[/]")
-        return None
+        return 2
+    finally:
+        poller.close()
+    console.print()
+    for line in ending.lines:   # one line each, never wrapped: scripts read the last one
+        console.print(line, style=ending.style, markup=False, highlight=False, soft_wrap=True)
+    return ending.code
 
 
-def watch(fetch: Callable[[], dict[str, Any]], host: str, run: str, *, interval: float = 2.0,
-          once: bool = False, console: Console | None = None) -> int:
-    """Show the dashboard until the job finishes (0) or the driver stops short (1), or detach on
-    Ctrl-C / lost link (2)."""
+def watch(poller: Poller, host: str, run: str, *, interval: float = 2.0, once: bool = False,
+          dead_after: float = DEAD_AFTER_S, console: Console | None = None) -> int:
+    """Show the dashboard until the job ends: 0 when it holds every line, 1 naming those it does not
+    (:func:`conclusion`); detach on Ctrl-C, or when the host has not answered for ``dead_after`` seconds (2)."""
     console = console or Console()
     reattach = f"fab status --host {host} --run {run}"
     progress = Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
                         TimeRemainingColumn(), console=console)
     task = progress.add_task(run, total=None)
+    name = poller.readers[0].name
     if once:
-        snap = fetch()
-        console.print(render(snap, host, progress, task))
+        a = poller.first()[name]
+        poller.close()
+        if not a.ok:
+            console.print(f"{host}: unreachable ({a.value or 'no answer'})", style="red", markup=False)
+            return 2
+        console.print(render(a.value, host, progress, task))
         return 0
-    snap = follow(fetch, lambda s: render(s, host, progress, task), done, console=console, interval=interval,
-                  gone=lambda why: f"lost the connection to {host} ({why}). The job goes on there; reattach with: "
-                                   f"{reattach}",
+    seen: dict[str, Any] = {}
+
+    def draw(answers: dict[str, Answer], now: float) -> Any:
+        a = answers[name]
+        if a.ok:
+            seen["snap"] = a.value
+        view: Any = render(seen["snap"], host, progress, task) if "snap" in seen else Text(f"reading {host} ...")
+        down = a.down_for(now, poller.started)
+        if down is None:
+            return view
+        return Group(view, Text(f"{host}: no answer for {down:.0f} s ({a.value}); the job goes on there", style="red"))
+
+    def end(answers: dict[str, Answer], now: float) -> Optional[Ending]:
+        a = answers[name]
+        down = a.down_for(now, poller.started)
+        if down is not None and down >= dead_after:
+            return Ending(2, [f"lost the connection to {host}: no answer for {down:.0f} s ({a.value}). The job goes "
+                              f"on there; reattach with: {reattach}"], "yellow")
+        return conclusion([(host, a.value)]) if a.ok and verdict.ended(a.value) else None
+
+    return follow(poller, draw, end, console=console, interval=interval,
                   detached=f"detached; the job goes on on {host}. Reattach with: {reattach}")
-    if snap is None:
-        return 2
-    d = snap.get("driver") or {}
-    console.print()
-    if stopped_short(snap):
-        console.print(f"[red]driver {d.get('state')}[/] after {((d.get('samples') or {}).get('done'))} samples: "
-                      f"{d.get('message')}. The shipper keeps shipping what was made and waits for the rest; "
-                      "run the same fab extract again to resume")
-        return 1
-    console.print(f"[green]finished[/]: driver {d.get('state')}, {((d.get('samples') or {}).get('done'))} samples; "
-                  f"shipper {(snap.get('shipper') or {}).get('state')}")
-    return 0
+
+
+def conclusion(ended: list[tuple[str, dict[str, Any]]]) -> Ending:
+    """fab's last words on ended runs (label, snapshot): 0 when every line is held, else 1 naming each
+    line that is not and why (:mod:`hs_patch.control.verdict`)."""
+    problems = [f"{label}: {gap}" for label, snap in ended for gap in verdict.gaps(snap)]
+    if problems:
+        return Ending(1, problems + [verdict.summary([snap for _, snap in ended])])
+    done = sum(((snap.get("driver") or {}).get("samples") or {}).get("done", 0) for _, snap in ended)
+    shipped = all(f"hs-ship-{snap['run']}" in (snap.get("units") or {}) for _, snap in ended)
+    return Ending(0, [f"complete: every line is held ({done} samples"
+                      f"{', shipped and verified at the destination' if shipped else ''})"], "green")

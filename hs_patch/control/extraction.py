@@ -54,7 +54,7 @@ def start(c: Shell, t: Target, job: Job, server_timeout: int, progress: Callable
     data = job.dataset if job.remote_dataset else remote.upload(c, t, job.run, Path(job.dataset))
     remote.start_server(c, t, server_timeout, progress)
     remote.check_kv_cache(c, t)  # before the driver: a KV cache smaller than a sample is a refusal, not skips
-    args = ["--data", data, "--model", t.model_path, *job.driver_args]
+    args = ["--data", data, "--model", t.model_path, "--host-name", t.name or t.host, *job.driver_args]
     if t.trust_remote_code:
         args.append("--trust-remote-code")
     if job.sync_first and t.ship_enabled:
@@ -71,6 +71,6 @@ def driver_args(limit: int, regenerate: bool, shard: str = "") -> list[str]:
     args = ["--limit", str(int(limit))] if int(limit) else []
     if regenerate:
         args.append("--regenerate")
-    if shard:
-        args += ["--shard", shard]
+    if shard:  # a fleet's job: queued while another of the host's runs holds its capture dir (a reassigned shard)
+        args += ["--shard", shard, "--queue"]
     return args

@@ -38,7 +38,10 @@ from hs_patch.control.shell import RemoteError, Shell
 from hs_patch.files import write_text_atomic
 
 DEFAULT_GROUP = "gpu_hosts"
-CONNECT_TIMEOUT_S = 30  # a dead host of a fleet must not hang the others' steps
+CONNECT_TIMEOUT_S = 30  # the TCP connect of a new connection (a dead host of a fleet fails it in this long)
+# the wait for a session channel on an open connection (paramiko's default: an hour). The dashboards'
+# reads are bounded by hs_patch.control.poll, whatever paramiko waits for
+CHANNEL_TIMEOUT_S = 30
 
 
 # --------------------------------------------------------------------------- the plan
@@ -128,7 +131,9 @@ def reassign_run(run: str, dead: str) -> str:
 
 def connection(t: Target, cls: type = Connection) -> Any:
     """A Fabric connection to ``t`` that refuses unknown host keys (not opened yet)."""
-    kwargs = {"key_filename": t.key_file} if t.key_file else {}
+    kwargs: dict[str, Any] = {"channel_timeout": CHANNEL_TIMEOUT_S}
+    if t.key_file:
+        kwargs["key_filename"] = t.key_file
     c = cls(t.host, user=t.user, port=t.port, connect_kwargs=kwargs, connect_timeout=CONNECT_TIMEOUT_S)
     c.client.set_missing_host_key_policy(paramiko.RejectPolicy())  # never trust an unknown host key
     known = known_hosts(t)
@@ -187,7 +192,7 @@ class FleetGroup(ThreadingGroup):
             results = self._do("step", fn, *args)
         except GroupException as e:
             failed = {c.target.name: r for c, r in e.result.items() if isinstance(r, BaseException)}
-            raise RemoteError("; ".join(f"{h}: {_reason(r)}" for h, r in sorted(failed.items()))) from None
+            raise RemoteError("; ".join(f"{h}: {reason(r)}" for h, r in sorted(failed.items()))) from None
         return {c.target.name: r for c, r in results.items()}
 
     def try_each(self, fn: Callable[..., Any], *args: Any) -> dict[str, Any]:
@@ -199,7 +204,8 @@ class FleetGroup(ThreadingGroup):
         return {c.target.name: r for c, r in results.items()}
 
 
-def _reason(e: BaseException) -> str:
+def reason(e: BaseException) -> str:
+    """What a host's failed step says."""
     if isinstance(e, SystemExit):
         return str(e.code)
     return str(e) or type(e).__name__

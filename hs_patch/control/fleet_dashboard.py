@@ -4,8 +4,12 @@ Per host and in total: samples done of its shard, tokens/s, GB written and shipp
 waits to be shipped, back-pressure (the dump filesystem's use, PAUSED at the high-water
 mark), errors, and an ETA from the samples finished since the dashboard started. It only
 reads: each row is the same snapshot the single-host dashboard shows
-(``hs_patch.host.driver.snapshot``), taken on every host at once through Fabric's group
-execution. Ctrl-C detaches; the jobs run on as systemd units.
+(``hs_patch.host.driver.snapshot``), each host read in a thread of its own with every read
+bounded in time (:mod:`hs_patch.control.poll`): a host that stops answering is shown
+unreachable within ``poll.POLL_DEADLINE_S`` while the other rows go on. The command ends when
+every host that answers is done and every one that does not has been silent ``--dead-after``
+seconds (exit 3, naming each such host and how to give its shard to another). Ctrl-C
+detaches; the jobs run on as systemd units.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from rich.console import Console, Group
 from rich.panel import Panel
 from rich.table import Table
 
-from hs_patch.control.dashboard import _gb, _state, done, follow, stopped_short
+from hs_patch.control.dashboard import DEAD_AFTER_S, Ending, _gb, _state, conclusion, follow
+from hs_patch.control.verdict import ended
+from hs_patch.control.poll import Answer, Poller
 
 
 @dataclass
@@ -27,6 +33,44 @@ class Row:
     host: str          # inventory name of the host it runs on
     run: str           # the run's name on that host
     shard: str = ""
+    owner: str = ""    # the host the plan gave the shard to (another one's when reassigned)
+
+
+@dataclass
+class Unreachable:
+    """A row not read for ``seconds`` (``why``: the last failure: its host's, or its own), with what it last showed."""
+    seconds: float
+    why: Any
+    last: dict[str, Any] | None = None
+
+    def __str__(self) -> str:
+        return f"no answer for {self.seconds:.0f} s ({self.why})"
+
+    def seen(self, shard: str) -> str:
+        """What it last showed of its shard."""
+        if not self.last:
+            return f"never read, shard {shard}"
+        return f"last seen {((self.last.get('driver') or {}).get('samples') or {}).get('done')} done of its shard {shard}"
+
+
+def views(rows: list[Row], answers: dict[str, Answer], now: float, since: float,
+          seen: dict[str, tuple[float, dict[str, Any]]]) -> dict[str, Any]:
+    """Label -> its snapshot; :class:`Unreachable` when its host does not answer, or answers with an
+    error for it; None before the first answer. ``seen`` keeps each row's last snapshot and when it
+    came (shown for a row gone silent, and how long ago)."""
+    out: dict[str, Any] = {}
+    for r in rows:
+        a = answers.get(r.host) or Answer()
+        got = a.value.get(r.label) if a.ok and isinstance(a.value, dict) else a.value
+        if isinstance(got, dict):
+            seen[r.label] = (a.last_ok or now, got)
+            out[r.label] = got
+        elif got is None:
+            out[r.label] = None
+        else:
+            at, last = seen.get(r.label, (since, None))
+            out[r.label] = Unreachable(now - at, got, last)
+    return out
 
 
 class Rates:
@@ -65,7 +109,7 @@ def _numbers(snap: dict[str, Any]) -> dict[str, Any]:
 
 
 def render(rows: list[Row], snaps: dict[str, Any], title: str, rates: Rates, now: float | None = None) -> Group:
-    """The table for ``snaps`` (label -> snapshot, or the exception its host gave)."""
+    """The table for ``snaps`` (label -> snapshot, :class:`Unreachable`, the error its host gave, or None)."""
     now = time.time() if now is None else now
     table = Table("host", "shard", "driver", "shipper", "done", "tokens/s", "written", "shipped", "to ship",
                   "dump", "errors", "ETA", box=None, padding=(0, 1))
@@ -75,8 +119,13 @@ def render(rows: list[Row], snaps: dict[str, Any], title: str, rates: Rates, now
     for row in rows:
         snap = snaps.get(row.label)
         if not isinstance(snap, dict):
-            table.add_row(row.label, row.shard, "[red]unreachable[/]", "-", "-", "-", "-", "-", "-", "-", "-", "-")
-            problems.append(f"{row.label}: {snap}"[:200])
+            last = _numbers(snap.last) if isinstance(snap, Unreachable) and snap.last else None
+            state = (f"[red]unreachable {snap.seconds:.0f}s[/]" if isinstance(snap, Unreachable) else
+                     "reading" if snap is None else "[red]error[/]")
+            table.add_row(row.label, row.shard, state, "-", f"({last['done']}/{last['total']})" if last else "-",
+                          "-", "-", "-", "-", "-", "-", "-")
+            if snap is not None:
+                problems.append(f"{row.label}: {snap}"[:200])
             etas.append(None)
             continue
         n = _numbers(snap)
@@ -103,31 +152,39 @@ def render(rows: list[Row], snaps: dict[str, Any], title: str, rates: Rates, now
     return Group(Panel(Group(*parts), title=title, border_style="cyan"))
 
 
-def finished(snaps: dict[str, Any]) -> bool:
-    return bool(snaps) and all(isinstance(s, dict) and done(s) for s in snaps.values())
+def ending(rows: list[Row], snaps: dict[str, Any], run: str, reattach: str, dead_after: float) -> Ending | None:
+    """How the fleet's run ends, once every row is done or its host silent for ``dead_after`` seconds."""
+    dead = [r for r in rows if isinstance(snaps.get(r.label), Unreachable)]
+    if any(not (isinstance(snaps.get(r.label), dict) and ended(snaps[r.label])) for r in rows if r not in dead) \
+            or any(snaps[r.label].seconds < dead_after for r in dead):
+        return None
+    if dead and len(dead) == len(rows):
+        return Ending(2, [f"no host answers (for {min(snaps[r.label].seconds for r in dead):.0f} s or more): is this "
+                          f"machine's network up? The jobs go on there; reattach with: {reattach}"], "yellow")
+    if dead:
+        lines = [f"{r.label}: {snaps[r.label]}; {snaps[r.label].seen(r.shard)}" for r in dead]
+        owners = " ".join(sorted({r.owner or r.host for r in dead}))
+        return Ending(3, lines + [f"unreachable: {', '.join(r.label for r in dead)}: their shards are not being "
+                                  f"extracted; when a host is back: {reattach}; to finish a shard on a host that is "
+                                  f"done: fab extract --reassign HOST --host OTHER --run {run} --dataset DATASET "
+                                  f"(HOST: {owners})"])
+    return conclusion([(r.label, snaps[r.label]) for r in rows])
 
 
-def watch(fetch: Callable[[], dict[str, Any]], rows: list[Row], run: str, reattach: str, *,
-          interval: float = 2.0, once: bool = False, console: Console | None = None) -> int:
-    """Show the fleet until every host's jobs finished (0) or ended with a driver stopped short
-    (1, naming those hosts), or detach on Ctrl-C / lost hosts (2)."""
+def watch(poller: Poller, rows: list[Row], run: str, reattach: str, *, interval: float = 2.0, once: bool = False,
+          dead_after: float = DEAD_AFTER_S, console: Console | None = None) -> int:
+    """Show the fleet until every host's jobs ended: 0 when they hold every line, 1 naming those they do not
+    (``dashboard.conclusion``), 3 when some hosts stayed silent ``dead_after`` seconds (naming them); detach
+    on Ctrl-C or when no host answers (2)."""
     console = console or Console()
     rates = Rates()
     title = f"hs-patch fleet extraction {run}"
+    seen: dict[str, tuple[float, dict[str, Any]]] = {}
     if once:
-        console.print(render(rows, fetch(), title, rates))
+        answers = poller.first()
+        poller.close()
+        console.print(render(rows, views(rows, answers, time.monotonic(), poller.started, seen), title, rates))
         return 0
-    snaps = follow(fetch, lambda s: render(rows, s, title, rates), finished, console=console, interval=interval,
-                   lost=lambda s: "no host answers" if all(not isinstance(x, dict) for x in s.values()) else "",
-                   gone=lambda why: f"{why}. The jobs go on there; reattach with: {reattach}",
-                   detached=f"detached; the jobs go on. Reattach with: {reattach}")
-    if snaps is None:
-        return 2
-    short = sorted(label for label, s in snaps.items() if stopped_short(s))
-    if short:
-        console.print(f"[red]stopped short on {', '.join(short)}[/]: "
-                      + "; ".join(f"{k}: {(snaps[k].get('driver') or {}).get('message')}" for k in short)
-                      + ". Their shippers keep shipping what was made; run the same fab extract again to resume")
-        return 1
-    console.print(f"[green]finished[/]: every host's driver and shipper are done ({reattach} --once shows it)")
-    return 0
+    return follow(poller, lambda a, now: render(rows, views(rows, a, now, poller.started, seen), title, rates),
+                  lambda a, now: ending(rows, views(rows, a, now, poller.started, seen), run, reattach, dead_after),
+                  console=console, interval=interval, detached=f"detached; the jobs go on. Reattach with: {reattach}")

@@ -15,7 +15,9 @@ from typing import Any, Callable
 from hs_patch.control import extraction, fleet, fleet_dashboard, remote
 from hs_patch.control.extraction import Job
 from hs_patch.control.fleet import FleetGroup, Plan
+from hs_patch.control.dashboard import DEAD_AFTER_S
 from hs_patch.control.fleet_dashboard import Row
+from hs_patch.control.poll import Poller
 from hs_patch.control.inventory import ConfigError, Inventory, Target
 from hs_patch.control.shell import RemoteError, Shell
 
@@ -60,42 +62,39 @@ def destination_of(t: Target, run: str) -> str | None:
     return None
 
 
-def rows_for(plan: Plan, targets: list[Target]) -> list[Row]:
+def rows_for(plan: Plan, targets: list[Target], *, every: bool = False) -> list[Row]:
     """Dashboard rows: each planned host of ``targets`` running its own shard, and each
-    reassigned shard on the host that runs it."""
+    reassigned shard on the host that runs it. ``every``: also the own job of a host whose
+    shard was reassigned (still there when it comes back: fab stop/ship --hosts reach it)."""
     here = {t.name for t in targets}
-    rows = [Row(n, n, plan.run, plan.shard(n)) for n in sorted(plan.shards, key=plan.shards.get)
-            if n in here and n not in plan.reassigned]
-    rows += [Row(f"{to} (shard of {dead})", to, fleet.reassign_run(plan.run, dead), plan.shard(dead))
+    rows = [Row(n, n, plan.run, plan.shard(n), n) for n in sorted(plan.shards, key=plan.shards.get)
+            if n in here and (every or n not in plan.reassigned)]
+    rows += [Row(f"{to} (shard of {dead})", to, fleet.reassign_run(plan.run, dead), plan.shard(dead), dead)
              for dead, to in sorted(plan.reassigned.items())]
     return rows
 
 
-def watch(inv: Inventory, plan: Plan, rows: list[Row], reattach: str, *, interval: float, once: bool = False) -> int:
-    """The fleet dashboard over ``rows`` (one snapshot step a host, all hosts at once)."""
-    hosts = sorted({r.host for r in rows})
-    group = FleetGroup.of([inv.target(h) for h in hosts])
-
+def watch(inv: Inventory, plan: Plan, rows: list[Row], reattach: str, *, interval: float, once: bool = False,
+          dead_after: float = DEAD_AFTER_S) -> int:
+    """The fleet dashboard over ``rows``: each host read in its own thread (:mod:`hs_patch.control.poll`)."""
     def snaps(c: Shell, t: Target) -> dict[str, Any]:
-        return {r.label: remote.snapshot(c, t, r.run) for r in rows if r.host == t.name}
-
-    def fetch() -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for host, res in group.try_each(snaps).items():
-            for r in rows:
-                if r.host == host:
-                    out[r.label] = res.get(r.label) if isinstance(res, dict) else res
+        for r in rows:
+            if r.host == t.name:
+                try:
+                    out[r.label] = remote.snapshot(c, t, r.run)
+                except RemoteError as e:  # the host answered: this row's read failed (its link did not)
+                    out[r.label] = e
         return out
 
-    try:
-        return fleet_dashboard.watch(fetch, rows, plan.run, reattach, interval=interval, once=once)
-    finally:
-        group.close()
+    poller = Poller.of([inv.target(h) for h in sorted({r.host for r in rows})], snaps, interval=interval)
+    return fleet_dashboard.watch(poller, rows, plan.run, reattach, interval=interval, once=once,
+                                 dead_after=dead_after)
 
 
 def extract(inv: Inventory, group: str | None, host: str | None, run: str, dataset: str, remote_dataset: bool,
             limit: int, regenerate: bool, server_timeout: int, interval: float, detach: bool,
-            say: Callable[[str], None]) -> int:
+            say: Callable[[str], None], dead_after: float = DEAD_AFTER_S) -> int:
     """``fab extract --hosts GROUP`` (or ``--host H`` of a run that has a fleet plan)."""
     if group:
         targets = inv.group(group)
@@ -117,11 +116,12 @@ def extract(inv: Inventory, group: str | None, host: str | None, run: str, datas
     if detach:
         say(f"watch with: {reattach}")
         return 0
-    return watch(inv, plan, rows_for(plan, targets), reattach, interval=interval)
+    return watch(inv, plan, rows_for(plan, targets), reattach, interval=interval, dead_after=dead_after)
 
 
 def reassign(inv: Inventory, dead: str, host: str, run: str, dataset: str, remote_dataset: bool, limit: int,
-             regenerate: bool, server_timeout: int, interval: float, detach: bool, say: Callable[[str], None]) -> int:
+             regenerate: bool, server_timeout: int, interval: float, detach: bool, say: Callable[[str], None],
+             dead_after: float = DEAD_AFTER_S) -> int:
     """``fab extract --reassign DEAD --host TARGET``: TARGET finishes DEAD's shard, shipping into
     DEAD's directory at the destination (what is there already is never redone nor resent)."""
     plan = fleet.load_plan(run)
@@ -141,14 +141,12 @@ def reassign(inv: Inventory, dead: str, host: str, run: str, dataset: str, remot
     group = FleetGroup.of([t])
     state = group.each(lambda c, tt: remote.unit_state(c, own))[t.name]
     group.close()
-    if state in ("active", "activating", "reloading"):
-        raise RemoteError(f"{t.name} still runs its own shard ({own} is {state}): a host's server has one capture "
-                          f"dir and serves one driver at a time. Wait for it to finish (fab status --host {t.name} "
-                          f"--run {run}) or choose a host that has finished")
     job = Job(fleet.reassign_run(run, dead), dataset, remote_dataset,
               extraction.driver_args(limit, regenerate, plan.shard(dead)),
               dest=remote.destination(t, run, dead), share=plan.count, sync_first=True)
-    say(f"{t.name} takes the shard {plan.shard(dead)} of {dead} as run {job.run}, shipping into {job.dest}")
+    say(f"{t.name} takes the shard {plan.shard(dead)} of {dead} as run {job.run}, shipping into {job.dest}"
+        + (f"; queued behind {own} ({state} there: one server, one capture dir, one driver at a time): it starts "
+           "when that one ends" if state in ("active", "activating", "reloading") else ""))
     plan.reassigned[dead] = t.name
     fleet.save_plan(plan)  # before the start: a half-started reassignment is still on record
     run_jobs([t], {t.name: job}, server_timeout, say)
@@ -157,4 +155,65 @@ def reassign(inv: Inventory, dead: str, host: str, run: str, dataset: str, remot
     if detach:
         say(f"watch with: {reattach}")
         return 0
-    return watch(inv, plan, rows, reattach, interval=interval)
+    return watch(inv, plan, rows, reattach, interval=interval, dead_after=dead_after)
+
+
+def on_each_host(inv: Inventory, plan: Plan, group: str, step: Callable[[Shell, Target, Row], Any],
+                 after: Callable[[Shell, Target], Any] | None = None) -> dict[str, Any]:
+    """``step`` for every job of the run on the hosts of ``group`` (a host's own shard, and a shard
+    reassigned to it), every host at once; host -> {row label: result}, or the exception that
+    host gave (a dead host fails alone: the others' results stand)."""
+    rows = rows_for(plan, inv.group(group), every=True)
+    if not rows:
+        raise ConfigError(f"no host of {group} has a job in run {plan.run} (fleet plan {fleet.plan_path(plan.run)})")
+    fg = FleetGroup.of([inv.target(h) for h in sorted({r.host for r in rows})])
+
+    def each(c: Shell, t: Target) -> dict[str, Any]:
+        out = {r.label: step(c, t, r) for r in rows if r.host == t.name}
+        if after is not None:
+            after(c, t)
+        return out
+
+    try:
+        return fg.try_each(each)
+    finally:
+        fg.close()
+
+
+def stop_all(inv: Inventory, plan: Plan, group: str, server: bool, say: Callable[[str], None]) -> int:
+    """``fab stop --hosts GROUP --run R``: every job of the run stopped cleanly (each driver, then
+    its shipper, finish what is in flight), the servers too with ``server``. 1 if a host failed."""
+    res = on_each_host(inv, plan, group, lambda c, t, r: remote.stop(c, t, r.run),
+                       (lambda c, t: remote.stop_server(c, t)) if server else None)
+    for host, got in sorted(res.items()):
+        if isinstance(got, BaseException):
+            say(f"{host}: NOT stopped: {fleet.reason(got)}; when it answers: fab stop --host {host} --run "
+                f"{plan.run}")
+            continue
+        for label, states in got.items():
+            say(f"{label}: {', '.join(f'{u} {s}' for u, s in states.items())}")
+    bad = sorted(h for h, got in res.items() if isinstance(got, BaseException))
+    say(f"resume with the same fab extract --hosts {group} --run {plan.run}; drain with fab ship --hosts {group} "
+        f"--run {plan.run}" + (f"; not stopped: {', '.join(bad)}" if bad else ""))
+    return 1 if bad else 0
+
+
+def ship_all(inv: Inventory, plan: Plan, group: str, say: Callable[[str], None]) -> int:
+    """``fab ship --hosts GROUP --run R``: every job's finished samples shipped now into its part of the
+    run at the destination, verified there, each host at once. 1 if anything was not shipped."""
+    res = on_each_host(inv, plan, group, lambda c, t, r: remote.ship_now(c, t, r.run, dest=destination_of(t, r.run)))
+    failed = []
+    for host, got in sorted(res.items()):
+        if isinstance(got, BaseException):
+            failed.append(host)
+            say(f"{host}: NOT shipped: {fleet.reason(got)}; when it answers: fab ship --hosts {group} --run {plan.run}")
+            continue
+        for label, (code, out) in got.items():
+            last = out.strip().splitlines()[-1] if out.strip() else ""
+            say(f"{label}: {'shipped' if code == 0 else f'FAILED (exit {code})'}: {last}")
+            if code:
+                failed.append(label)
+                print(out[-3000:], flush=True)
+    say("every job's samples are at the destination, verified" if not failed else
+        f"not all shipped: {', '.join(failed)}")
+    return 1 if failed else 0

@@ -378,9 +378,17 @@ def runs(c: Shell, t: Target) -> list[str]:
 def stop(c: Shell, t: Target, run: str, *, server: bool = False) -> dict[str, str]:
     """Stop the driver, then the shipper (each finishes what is in flight), optionally the server."""
     drive, ship = units(run)
-    for unit in (drive, ship) + ((t.service,) if server else ()):
+    for unit in (drive, ship):
         c.run(["systemctl", "stop", f"{unit}.service"], timeout=300)
+    if server:
+        stop_server(c, t)
     return {u: unit_state(c, u) for u in (drive, ship)}
+
+
+def stop_server(c: Shell, t: Target) -> str:
+    """Stop the SGLang server unit (after the run's jobs); its state."""
+    c.run(["systemctl", "stop", f"{t.service}.service"], timeout=300)
+    return unit_state(c, t.service)
 
 
 def ship_now(c: Shell, t: Target, run: str, *, dest: str | None = None) -> tuple[int, str]:

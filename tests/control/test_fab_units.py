@@ -5,16 +5,18 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 from rich.console import Console
 
-from hs_patch.control import dashboard
+from hs_patch.control import dashboard, verdict
 from hs_patch.host.driver import snapshot
 from hs_patch.control.inventory import ConfigError, check_run_name
-from lab.snapshots import SNAP
+from lab.snapshots import SNAP, Local, poller
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,15 +84,15 @@ def test_snapshot_reads_what_is_there(tmp_path):
 def test_dashboard_shows_progress_rates_gpus_and_problems():
     out = io.StringIO()
     console = Console(file=out, width=120, force_terminal=False)
-    code = dashboard.watch(lambda: SNAP, "gpu1", "r1", once=True, console=console)
+    code = dashboard.watch(poller(gpu1=lambda: SNAP), "gpu1", "r1", once=True, console=console)
     text = out.getvalue()
     assert code == 0
     for needle in ("40 done / 100", "PAUSED", "2,048", "5.80 GB", "30 (4.40 GB)", "chat.jsonl:5", "RTX PRO 6000", "97%",
                    "no assistant turn", "timeout on line 7", "81.0% used"):
         assert needle in text, needle
-    assert not dashboard.done(SNAP)
+    assert not verdict.ended(SNAP)
     finished = {**SNAP, "units": {"hs-drive-r1": {"ActiveState": "inactive"}, "hs-ship-r1": {"ActiveState": "inactive"}}}
-    assert dashboard.done(finished)
+    assert verdict.ended(finished)
 
 
 def test_a_driver_that_stops_short_ends_the_dashboard_with_exit_1_while_the_shipper_follows():
@@ -98,14 +100,83 @@ def test_a_driver_that_stops_short_ends_the_dashboard_with_exit_1_while_the_ship
     snap = {**SNAP, "driver": {**SNAP["driver"], "state": "stopped", "message": "stopped after 20 consecutive failures"},
             "units": {"hs-drive-r1": {"ActiveState": "failed", "ExecMainStatus": "4"},
                       "hs-ship-r1": {"ActiveState": "active"}}}
-    assert dashboard.stopped_short(snap) and dashboard.done(snap)
+    assert verdict.ended(snap)
     out = io.StringIO()
-    assert dashboard.watch(lambda: snap, "gpu1", "r1", interval=0.01,
+    assert dashboard.watch(poller(gpu1=lambda: snap), "gpu1", "r1", interval=0.01,
                            console=Console(file=out, width=200, force_terminal=False)) == 1
-    assert "driver stopped" in out.getvalue() and "20 consecutive failures" in out.getvalue()
-    assert "run the same fab extract again to resume" in out.getvalue()
+    lines = out.getvalue().rstrip().splitlines()
+    assert "gpu1: the driver stopped (exit 4): stopped after 20 consecutive failures" in lines
+    assert "gpu1: 56 line(s) not attempted: the driver stopped before them" in lines
+    assert lines[-1] == ("incomplete: 59 of 100 line(s) not held (3 rejected, 56 not attempted); 3 can never be "
+                         "extracted as they are; run the same fab extract again for the rest"), lines[-1]
     running = {**snap, "units": {**snap["units"], "hs-drive-r1": {"ActiveState": "active"}}}
-    assert not dashboard.done(running), "a driver still running (state stopped is only final once its unit ends)"
+    assert not verdict.ended(running), "a driver still running (state stopped is only final once its unit ends)"
+
+
+def ended_run(run: str, total: int, failed: list[dict], rejected: int = 0) -> dict:
+    """A run whose driver finished (exit 3 when something failed) and whose shipper shipped all it made."""
+    done = total - len(failed) - rejected
+    code = "3" if failed else "0"
+    return {"run": run, "driver": {"state": "finished", "message": "...",
+                                   "samples": {"total": total, "done": done, "rejected": rejected, "duplicates": 0,
+                                               "failed": len(failed), "remaining": 0},
+                                   "missing": {"lines": len(failed) + rejected, "rejected": rejected,
+                                               "failed": len(failed), "not_attempted": 0,
+                                               "never": rejected + sum(not f["retry"] for f in failed),
+                                               "shown": failed}},
+            "shipper": {"state": "done", "shipped": {"count": done}, "pending": {"count": 0}},
+            "units": {f"hs-drive-{run}": {"ActiveState": "failed" if failed else "inactive", "ExecMainStatus": code},
+                      f"hs-ship-{run}": {"ActiveState": "inactive", "ExecMainStatus": "0"}}}
+
+
+FIDELITY = {"sample_id": "chats.jsonl:17", "retry": True, "runs_failed": 1,
+            "why": "failed at fidelity: the dumped final state gives other tokens than the server's at 1 of 1 last "
+                   "position(s)"}
+
+
+def test_a_run_that_ended_with_a_failed_sample_exits_1_naming_it_one_host_and_a_fleet():
+    """The issue's run: the driver finished with 1 failed (its exit 3), the shipper shipped the rest. fab said
+    'finished' and exited 0; it must exit 1 and say which line is missing and why."""
+    from hs_patch.control.fleet_dashboard import Row, ending
+
+    snap = ended_run("r1", 300, [FIDELITY])
+    assert verdict.ended(snap)
+    out = io.StringIO()
+    assert dashboard.watch(poller(gpu1=lambda: snap), "gpu1", "r1", interval=0.01,
+                           console=Console(file=out, width=300, force_terminal=False)) == 1
+    lines = out.getvalue().rstrip().splitlines()
+    assert lines[-2] == "gpu1: chats.jsonl:17 " + FIDELITY["why"]
+    assert lines[-1] == ("incomplete: 1 of 300 line(s) not held (1 failed); run the same fab extract again for "
+                         "the rest"), lines[-1]
+
+    rows = [Row("gpu1", "gpu1", "f", "0/3", "gpu1"), Row("gpu2", "gpu2", "f", "1/3", "gpu2"),
+            Row("gpu3 (shard of gpu4)", "gpu3", "f.gpu4", "2/3", "gpu4")]
+    never = {"sample_id": "chats.jsonl:5", "retry": False, "runs_failed": 2,
+             "why": "failed at intent: cannot write the sample's intent: provenance metadata over 16384 bytes"}
+    snaps = {"gpu1": ended_run("f", 300, []), "gpu2": ended_run("f", 299, [FIDELITY]),
+             "gpu3 (shard of gpu4)": ended_run("f.gpu4", 301, [never], rejected=2)}
+    end = ending(rows, snaps, "f", "fab status --hosts gpu_hosts --run f", 120)
+    assert end.code == 1 and end.lines[:2] == ["gpu2: chats.jsonl:17 " + FIDELITY["why"],
+                                               "gpu3 (shard of gpu4): chats.jsonl:5 " + never["why"]
+                                               + "; it can never be extracted as it is"], end.lines
+    assert end.lines[-1] == ("incomplete: 4 of 900 line(s) not held (2 rejected, 2 failed); 3 can never be "
+                             "extracted as they are; run the same fab extract again for the rest"), end.lines[-1]
+    snaps["gpu2"] = ended_run("f", 299, [])
+    snaps["gpu3 (shard of gpu4)"] = ended_run("f.gpu4", 301, [never])
+    assert ending(rows, snaps, "f", "", 120).lines[-1] == (
+        "incomplete: 1 of 900 line(s) not held (1 failed); running it again will not extract them: change those "
+        "lines (missing.jsonl says why)")
+    done = {r.label: ended_run(r.run, 300, []) for r in rows}
+    assert ending(rows, done, "f", "", 120) == dashboard.Ending(
+        0, ["complete: every line is held (900 samples, shipped and verified at the destination)"], "green")
+    unshipped = {**done, "gpu1": {**done["gpu1"], "shipper": {"pending": {"count": 4}, "last_error": "refused"},
+                                  "units": {**done["gpu1"]["units"],
+                                            "hs-ship-f": {"ActiveState": "failed", "ExecMainStatus": "1"}}}}
+    end = ending(rows, unshipped, "f", "", 120)
+    assert end.code == 1 and end.lines[0] == ("gpu1: 4 extracted sample(s) not at the destination (shipper failed, "
+                                              "exit 1: refused); fab ship sends them")
+    assert end.lines[-1] == ("incomplete: 4 extracted sample(s) not at the destination; run the same fab extract "
+                             "again for the rest")
 
 
 def test_h_alone_is_the_tasks_help_and_a_bad_number_is_one_line():
@@ -146,12 +217,13 @@ def test_a_run_the_host_does_not_have_is_refused_naming_the_runs_it_has(monkeypa
         fabfile._pick_run(None, t, "nope")
 
 
-def test_both_dashboards_follow_until_done_and_detach_on_a_lost_link_or_ctrl_c():
+def test_both_dashboards_follow_until_done_and_end_on_a_silent_host_or_ctrl_c():
     from hs_patch.control.fleet_dashboard import Row, watch as fleet_watch
+    from hs_patch.control.poll import Poller
 
     out = io.StringIO()
-    console = Console(file=out, width=120, force_terminal=False)
-    views = iter([OSError("timed out")] * 4 + [{"n": 1}, OSError("reset")] + [{"n": 2}])
+    console = Console(file=out, width=300, force_terminal=False)
+    views = iter([OSError("timed out")] * 4 + [dict(SNAP, n=1)] + [OSError("reset")] * 2 + [dict(SNAP, n=2)] * 99)
 
     def fetch():
         v = next(views)
@@ -159,25 +231,36 @@ def test_both_dashboards_follow_until_done_and_detach_on_a_lost_link_or_ctrl_c()
             raise v
         return v
 
-    got = dashboard.follow(fetch, lambda v: str(v), lambda v: v["n"] == 2, console=console, interval=0,
-                           gone=lambda why: f"gone: {why}", detached="detached")
-    assert got == {"n": 2}, "four failures, then a view: the count starts again"
+    seen = []
+    p = poller(gpu1=fetch)
+    code = dashboard.follow(p, lambda a, now: seen.append(a["gpu1"]),
+                            lambda a, now: dashboard.Ending(0, ["done"]) if a["gpu1"].ok and a["gpu1"].value["n"] == 2
+                            else None, console=console, interval=0.005, detached="detached")
+    assert code == 0 and out.getvalue().rstrip().endswith("done"), "failures, a view, failures: it follows on"
+    assert p.readers[0].drops >= 6, "each failed read drops the link (the next read connects again)"
 
     def down():
         raise OSError("Connection refused")
 
-    assert dashboard.watch(down, "gpu1", "r1", interval=0, console=console) == 2
-    assert "lost the connection to gpu1 (Connection refused). The job goes on there; reattach with: fab status " \
-           "--host gpu1 --run r1" in " ".join(out.getvalue().split())
+    t0 = time.monotonic()
+    assert dashboard.watch(poller(gpu1=down), "gpu1", "r1", interval=0.01, dead_after=0.5, console=console) == 2
+    assert 0.5 <= time.monotonic() - t0 < 5
+    assert re.fullmatch(r"lost the connection to gpu1: no answer for \d s \(Connection refused\)\. The job goes on "
+                        r"there; reattach with: fab status --host gpu1 --run r1", last_line(out)), out.getvalue()[-300:]
 
-    def interrupted():
-        raise KeyboardInterrupt
+    class Interrupted(Poller):
+        def latest(self):
+            raise KeyboardInterrupt
 
-    assert dashboard.watch(interrupted, "gpu1", "r1", interval=0, console=console) == 2
+    assert dashboard.watch(Interrupted([Local("gpu1", lambda: SNAP)], interval=1), "gpu1", "r1", interval=0,
+                           console=console) == 2
     assert "detached; the job goes on on gpu1" in out.getvalue()
     rows = [Row("gpu1", "gpu1", "r1", "0/2"), Row("gpu2", "gpu2", "r1", "1/2")]
-    down_hosts = {"gpu1": OSError("no route"), "gpu2": OSError("no route")}
-    assert fleet_watch(lambda: down_hosts, rows, "r1", "fab status --hosts gpu --run r1", interval=0,
-                       console=console) == 2
-    assert "no host answers. The jobs go on there; reattach with: fab status --hosts gpu --run r1" in \
-        " ".join(out.getvalue().split())
+    assert fleet_watch(poller(gpu1=down, gpu2=down), rows, "r1", "fab status --hosts gpu --run r1", interval=0.01,
+                       dead_after=0.3, console=console) == 2
+    assert re.fullmatch(r"no host answers \(for \d s or more\): is this machine's network up\? The jobs go on "
+                        r"there; reattach with: fab status --hosts gpu --run r1", last_line(out)), out.getvalue()[-300:]
+
+
+def last_line(out: io.StringIO) -> str:
+    return out.getvalue().rstrip().splitlines()[-1]

@@ -76,5 +76,11 @@ def test_fleet_options_that_cannot_work_are_refused_with_what_to_give(hosts, tmp
     assert "run f2 has no fleet plan" in r.stderr and "fab extract --hosts GROUP" in r.stderr, r.stderr
     r = fab(tmp_path, inv, "status", "--hosts", "--run", "f2")
     assert "run f2 has no fleet plan" in r.stderr
+    for task in ("stop", "ship"):
+        r = fab(tmp_path, inv, task, "--hosts", "--run", "f2")
+        assert r.returncode == 1 and f"fab {task}: run f2 has no fleet plan" in r.stderr and \
+            f"for one host: fab {task} --host H --run NAME" in r.stderr, r.stderr
+        r = fab(tmp_path, inv, task, "--hosts")
+        assert f"fab {task} --hosts: give --run NAME (the fleet run)" in r.stderr, r.stderr
     r = fab(tmp_path, inv, "extract", "--hosts", "nogroup", "--dataset", str(data), "--run", "f3")
     assert "group 'nogroup' is not in inventory" in r.stderr, r.stderr

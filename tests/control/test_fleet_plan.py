@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from rich.console import Console
 
-from hs_patch.control import fleet, fleet_dashboard, fleet_run
+from hs_patch.control import fleet, fleet_dashboard, fleet_run, verdict
+from lab.snapshots import progress
 from hs_patch.control.inventory import ConfigError, Target
 from hs_patch.control.shell import RemoteError
 
@@ -70,28 +71,19 @@ def test_group_steps_run_on_every_host_and_name_each_failure():
     assert set(res) == {"h1", "h2"} and all(isinstance(r, RemoteError) for r in res.values())
 
 
-def _snap(run: str, done: int, total: int, state: str = "running", paused: bool = False) -> dict:
-    active = "active" if state == "running" else "inactive"
-    return {"run": run, "driver": {"state": state, "samples": {"done": done, "total": total},
-                                   "tokens": {"per_s": 100.0}, "bytes_written": done * 10**6,
-                                   "dump": {"paused": paused}, "errors": {"count": 0}},
-            "shipper": {"shipped": {"count": done, "bytes": done * 10**6}, "pending": {"count": 0, "bytes": 0}},
-            "dump": {"used_pct": 85.0 if paused else 10.0},
-            "units": {f"hs-drive-{run}": {"ActiveState": active}, f"hs-ship-{run}": {"ActiveState": active}}}
-
-
 def test_the_fleet_dashboard_shows_each_host_and_the_total():
     rows = [fleet_dashboard.Row("a", "a", "r", "0/3"), fleet_dashboard.Row("b", "b", "r", "1/3"),
             fleet_dashboard.Row("c (shard of x)", "c", "r.x", "2/3")]
     rates = fleet_dashboard.Rates()
-    snaps = {"a": _snap("r", 10, 40), "b": _snap("r", 5, 30, paused=True), "c (shard of x)": RemoteError("gone")}
+    snaps = {"a": progress("r", 10, 40), "b": progress("r", 5, 30, paused=True),
+             "c (shard of x)": fleet_dashboard.Unreachable(25, RemoteError("gone"), progress("r.x", 3, 30))}
     fleet_dashboard.render(rows, snaps, "t", rates, now=100.0)
-    snaps["a"] = _snap("r", 20, 40)
+    snaps["a"] = progress("r", 20, 40)
     console = Console(width=200, record=True)
     console.print(fleet_dashboard.render(rows, snaps, "t", rates, now=110.0))
     out = console.export_text()
     assert "20/40" in out and "5/30" in out and "25/70" in out  # per host and total
-    assert "PAUSED" in out and "unreachable" in out and "c: gone" not in out and "gone" in out
+    assert "PAUSED" in out and "unreachable 25s" in out and "(3/30)" in out and "c: gone" not in out
+    assert "c (shard of x): no answer for 25 s (gone)" in out
     assert "0:00:20" in out  # a: 10 samples in 10 s, 20 to go
-    assert not fleet_dashboard.finished(snaps)
-    assert fleet_dashboard.finished({"a": _snap("r", 40, 40, "finished")})
+    assert not verdict.ended(snaps["a"]) and verdict.ended(progress("r", 40, 40, "finished"))

@@ -52,7 +52,7 @@ def test_three_shards_extract_the_dataset_once_and_a_resume_keeps_its_shard(stan
     capture = Path(standin.engine.capture.directory)
     got: dict[str, str] = {}
     for i in range(3):
-        summary = drive(standin, tiny_model_dir, tmp_path / f"h{i}", [data], shard=f"{i}/3")
+        summary = drive(standin, tiny_model_dir, tmp_path / f"h{i}", [data], shard=f"{i}/3", host_name=f"gpu{i}")
         mine = {sid for sid in ids if shard.parse(f"{i}/3").owns(sid)}
         assert summary.state == "finished" and summary.status["samples"]["total"] == len(mine)
         for sid in assert_complete(tmp_path / f"h{i}" / "samples", capture, mine):
@@ -66,6 +66,11 @@ def test_three_shards_extract_the_dataset_once_and_a_resume_keeps_its_shard(stan
                              str(tmp_path / f"h{i}" / "state"), "--dest", str(run / f"h{i}")]) == shipper.EXIT_OK
     rep = reader.check_dir(run, deep=True)
     assert rep.clean and len(rep.ok) == len(ids), rep
+    for i in range(3):  # where each sample was extracted: in its metadata and in the manifests, here and at storage
+        for entry in store.read_manifest(run / f"h{i}").values():
+            assert (entry["host"], entry["shard"]) == (f"gpu{i}", f"{i}/3"), entry
+            meta = reader.read_header(run / f"h{i}" / entry["file"]).metadata
+            assert (meta["host"], meta["shard"]) == (f"gpu{i}", f"{i}/3"), meta
     entries = source_entries(run)  # what the exporters read: the whole run
     assert {e["sample_id"] for e in entries.values()} == set(ids)
     assert all(e["file"].startswith(("h0/samples/", "h1/samples/", "h2/samples/")) for e in entries.values())

@@ -78,8 +78,13 @@ def assert_gpu_host_empty(demo: Demo) -> None:
 
 def test_fab_extract_example_dataset(demo, tmp_path):
     """The bundled dataset (good and bad lines) runs to the end; samples arrive verified."""
-    out = demo.fab("extract", "--dataset", str(EXAMPLE), "--run", "example", capture_output=True, text=True)
-    assert "finished" in out.stdout, out.stdout[-2000:]
+    out = demo.fab("extract", "--dataset", str(EXAMPLE), "--run", "example", capture_output=True, text=True,
+                   check=False)
+    # the run does not hold the example's bad lines (there on purpose): fab says so, and not 0
+    assert out.returncode == 1 and out.stdout.rstrip().splitlines()[-1] == (
+        "incomplete: 11 of 32 line(s) not held (11 rejected); running it again will not extract them: change those "
+        "lines (missing.jsonl says why)"), out.stdout[-2000:]
+    assert "gpu: tiny_chat.jsonl:14 rejected: not_utf8" in out.stdout, out.stdout[-3000:]
     status = remote_json(demo, "/var/lib/hs-patch/runs/example/status.json")
     s = status["samples"]
     assert status["state"] == "finished" and s["failed"] == 0 and s["remaining"] == 0
@@ -88,8 +93,9 @@ def test_fab_extract_example_dataset(demo, tmp_path):
     assert res["samples"] == 20
     assert_gpu_host_empty(demo)
     # a second fab extract of the same run resumes: nothing is sent again
-    again = demo.fab("extract", "--dataset", str(EXAMPLE), "--run", "example", capture_output=True, text=True)
-    assert again.returncode == 0
+    again = demo.fab("extract", "--dataset", str(EXAMPLE), "--run", "example", capture_output=True, text=True,
+                     check=False)
+    assert again.returncode == 1 and "incomplete: 11 of 32" in again.stdout
     ledger = demo.ssh(GPU[0], "cat /var/lib/hs-patch/runs/example/ledger.jsonl").stdout.splitlines()
     last = max(i for i, x in enumerate(ledger) if '"run_start"' in x)
     assert not [x for x in ledger[last:] if '"event": "sent"' in x]
@@ -192,7 +198,9 @@ def test_stop_then_resume(demo, tmp_path):
     assert done() < len(expected), "the stop came too late to test anything"
 
     again = demo.fab("extract", "--dataset", str(data), "--run", run, capture_output=True, text=True)
-    assert again.returncode == 0 and "finished" in again.stdout, again.stdout[-2000:]
+    assert again.returncode == 0 and again.stdout.rstrip().splitlines()[-1] == (
+        f"complete: every line is held ({len(expected)} samples, shipped and verified at the destination)"), \
+        again.stdout[-2000:]
     assert demo.fab("ship", "--run", run, capture_output=True, text=True).returncode == 0
     check_destination(demo.fetch_destination(run, tmp_path / "dest"), expected)
     assert_gpu_host_empty(demo)

@@ -245,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
             f"lines are bad ON PURPOSE (lines {', '.join(map(str, sorted(bad)))}: {', '.join(sorted(set(bad.values())))}; "
             "examples/data/README.md), so the dashboard counts them as rejected, each in the run's rejects.jsonl "
             "with its line and reason")
-        demo.fab("extract", "--dataset", str(EXAMPLE), "--run", "demo")
+        out = demo.fab("extract", "--dataset", str(EXAMPLE), "--run", "demo", check=False)
+        # fab exits 1 when the run does not hold every line: here exactly the bad lines, said in its last lines
+        assert out.returncode == 1, f"fab extract exited {out.returncode}: the run should miss only the bad lines"
         say("checking the samples at the destination")
         with tempfile.TemporaryDirectory() as tmp:
             res = check_destination(demo.fetch_destination("demo", Path(tmp)))

@@ -17,9 +17,10 @@ SHIPPED_OPTIONAL = {"sample_id", "from", "kept"}  # from: destination (start-up 
 
 
 def make_samples(directory: Path, n: int, *, start: int = 0, tokens: int = 8, hidden: int = 64,
-                 sample_ids: bool = False, seed_offset: int = 0) -> list[store.Written]:
+                 sample_ids: bool = False, seed_offset: int = 0, **entry: str) -> list[store.Written]:
     """n samples written and listed the way the driver does (store.write_sample + manifest add);
-    ``seed_offset`` gives the same samples (same tokens and keys) with other bytes."""
+    ``seed_offset`` gives the same samples (same tokens and keys) with other bytes; ``entry``: more
+    fields of their manifest lines (run, host, shard)."""
     out = []
     g = torch.Generator().manual_seed(start + seed_offset)
     for i in range(start, start + n):
@@ -30,7 +31,8 @@ def make_samples(directory: Path, n: int, *, start: int = 0, tokens: int = 8, hi
                 "hidden_size": str(hidden), "dtype": "bfloat16"}
         w = store.write_sample(directory, key, [store.tensor_bytes("input_ids", ids),
                                                 store.tensor_bytes("layer.2", plane)], meta)
-        store.Manifest(directory).add(w, tokens=tokens, **({"sample_id": f"data.jsonl:{i + 1}"} if sample_ids else {}))
+        store.Manifest(directory).add(w, tokens=tokens, **({"sample_id": f"data.jsonl:{i + 1}"} if sample_ids else {}),
+                                      **entry)
         out.append(w)
     return out
 

@@ -142,7 +142,7 @@ def test_the_shipper_unit_restarts_on_failure_but_not_on_bad_configuration():
     assert "--property=Restart=on-abnormal" in shlex.split(drive) and "on-failure" not in drive
 
 
-def test_after_a_reboot_the_destination_manifest_counts_as_done_and_is_never_replaced(tmp_path):
+def test_after_a_reboot_the_destination_manifest_counts_as_done_and_is_never_replaced(tmp_path, capsys):
     samples, state, dest = dirs(tmp_path)
     written = make_samples(samples, 3, sample_ids=True)
     cfg = shipper.ShipConfig(samples, state, ship_link.parse_dest(str(dest)))
@@ -170,6 +170,28 @@ def test_after_a_reboot_the_destination_manifest_counts_as_done_and_is_never_rep
     assert not any(w.path.exists() for w in redo) and not store.read_manifest(samples)
     kept = [r for r in shipped_records(state) if r.get("kept")]
     assert len(kept) == 3 and {r["sha256"] for r in kept} == {w.sha256 for w in written}
+    assert capsys.readouterr().err.count("the destination already holds this sample (shipped before this host "
+                                         "lost its local state): its copy is kept, the local redo is dropped") == 3
+
+
+def test_a_dead_hosts_return_says_another_host_shipped_its_reassigned_samples(tmp_path, capsys):
+    """gpu2 was cut off; gpu1 finished its shard (run r.gpu2) into r/gpu2 at the destination. gpu2 comes
+    back and its shipper brings the same samples, extracted by itself: the destination keeps gpu1's,
+    and the words say who shipped them, not that this host lost its local state."""
+    dest = tmp_path / "dest"
+    other = make_samples(tmp_path / "gpu1", 2, sample_ids=True, run="r.gpu2", host="gpu1", shard="1/3")
+    assert shipper.ship(shipper.ShipConfig(tmp_path / "gpu1", tmp_path / "s1", ship_link.parse_dest(str(dest)))) == \
+        shipper.EXIT_OK
+    mine = make_samples(tmp_path / "gpu2", 2, sample_ids=True, seed_offset=3, run="r", host="gpu2", shard="1/3")
+    assert {w.key for w in mine} == {w.key for w in other} and mine[0].sha256 != other[0].sha256
+    capsys.readouterr()
+    assert shipper.ship(shipper.ShipConfig(tmp_path / "gpu2", tmp_path / "s2", ship_link.parse_dest(str(dest)))) == \
+        shipper.EXIT_OK
+    err = capsys.readouterr().err
+    assert err.count("the destination already holds this sample, shipped by host gpu1 of run r.gpu2 (this shard was "
+                     "given to another host while this one was out): that copy is kept, this host's is dropped") == 2, err
+    assert "lost its local state" not in err
+    assert {e["sha256"] for e in store.read_manifest(dest).values()} == {w.sha256 for w in other}
 
 
 def test_the_dashboard_says_storage_is_unreachable_and_nothing_is_lost():
@@ -178,12 +200,12 @@ def test_the_dashboard_says_storage_is_unreachable_and_nothing_is_lost():
     from rich.console import Console
 
     from hs_patch.control import dashboard
-    from lab.snapshots import SNAP
+    from lab.snapshots import SNAP, poller
 
     snap = dict(SNAP, shipper=dict(SNAP["shipper"], state="waiting_for_destination", last_error="Connection refused",
                                    outage={"since": 0, "seconds": 420.0, "failures": 17, "retry_in_s": 60.0}))
     out = io.StringIO()
-    dashboard.watch(lambda: snap, "gpu1", "r1", once=True, console=Console(file=out, width=140, force_terminal=False))
+    dashboard.watch(poller(gpu1=lambda: snap), "gpu1", "r1", once=True, console=Console(file=out, width=140, force_terminal=False))
     text = out.getvalue()
     assert "STORAGE UNREACHABLE" in text and "unreachable for 420s (17 tries; next in 60s)" in text
     assert "nothing is lost" in text and "Connection refused" in text

@@ -25,6 +25,9 @@ from hs_patch import intent, reader, store
 from hs_patch.host.driver.capture_dir import CaptureWatcher
 
 
+WHERE = ("host", "shard")  # where the sample was extracted: copied from its metadata into the manifest line
+
+
 class AdoptError(RuntimeError):
     pass
 
@@ -66,7 +69,8 @@ def adopt(watcher: CaptureWatcher, entry: Mapping[str, Any], samples_dir: str | 
     written = store.Written(key, final, int(entry["bytes"]), entry["sha256"])
     extra = {} if fidelity is None else {"fidelity": dict(fidelity)}
     store.Manifest(samples_dir).add(written, tokens=int(meta["num_tokens"]), loss_tokens=int(entry["loss_tokens"]),
-                                    sample_id=sample_id, run=run, parts=entry.get("parts", 1), **extra)
+                                    sample_id=sample_id, run=run, parts=entry.get("parts", 1), **extra,
+                                    **{k: meta[k] for k in WHERE if k in meta})
     watcher.forget(key, reason="adopted", run=run, sample_id=sample_id)
     intent.remove(watcher.directory, key)
     return written

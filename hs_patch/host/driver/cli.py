@@ -83,6 +83,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--state-dir", default=D["state_dir"], metavar="DIR", help="run state (default: /var/lib/hs-patch/runs/NAME)")
     g.add_argument("--samples-dir", default=D["samples_dir"], metavar="DIR", help="final samples (default: "
                    "/dev/shm/hs-runs/NAME/samples)")
+    g.add_argument("--queue", action="store_true", help="while another run holds --capture-dir (one server, one "
+                   "driver at a time), wait for it with state queued instead of refusing (fab extract --hosts and "
+                   "--reassign queue a host's jobs)")
+    g.add_argument("--host-name", default=D["host_name"], metavar="NAME", help="this GPU host's name, written with "
+                   "the shard in every sample's metadata and manifest line (fab gives the inventory name; default: "
+                   "the system's host name)")
     g = p.add_argument_group("length")
     g.add_argument("--max-tokens", type=int, default=D["max_tokens"], metavar="N", help="longest sample in tokens "
                    "(default: %(default)s)")

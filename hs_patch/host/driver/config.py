@@ -49,6 +49,8 @@ class DriveConfig:
     prometheus: str = ""
     limit: int = 0                      # 0: all lines
     shard: str = ""                     # "i/n": only the samples of shard i of n (hs_patch.shard); "": all
+    queue: bool = False                 # wait while another run holds the capture dir (state queued), not refuse
+    host_name: str = ""                 # this GPU host's name in each sample's metadata ("": the system's)
     fidelity_check: bool = True         # --no-fidelity-check: off
     fidelity_fraction: float = 0.01     # share of samples checked at their last positions, not only the last one
     fidelity_positions: int = 32

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from hs_patch import __version__, intent, kv_cache, store
-from hs_patch.host.driver import capture_check, chat, dataset, limits, runstate
+from hs_patch.host.driver import capture_check, chat, dataset, limits, missing, runstate
 from hs_patch.host.driver.backpressure import BackPressure, disk_usage
 from hs_patch.host.driver.capture_dir import CaptureWatcher
 from hs_patch.host.driver.client import HEALTH_PROBE_IDS, RetryPolicy, SGLangClient, read_api_key, redact_url
@@ -34,6 +34,7 @@ from hs_patch.host.driver.sample_steps import (CAPTURE_PARAMS, EXIT_ERROR, EXIT_
                                         EXIT_OK, EXIT_SIGNAL, SampleSteps)  # (re-exported)
 
 CAPTURE_LOCK = ".hs-driver.lock"
+QUEUE_POLL_S = 2.0   # --queue: how often a queued run tries the capture dir's lock
 SAMPLES_LOCK = ".hs-samples.lock"
 REGEN_SWEPT = "regeneration prompt (captured by SGLang < 0.5.10)"
 
@@ -67,6 +68,8 @@ class Driver(SampleSteps):
         self.bp: Optional[BackPressure] = None
         self.turns = Turns(cfg.concurrency)  # requests at the server; cfg.awaiting more wait for their samples
         self.shipped: Optional[runstate.ShippedTail] = None
+        self.failures: dict[str, missing.Failure] = {}   # sample id -> how it failed in this run
+        self.missing: Optional[dict[str, Any]] = None    # the lines not held, once the run has ended
 
     # ------------------------------------------------------------------ control
     def request_stop(self, reason: str, code: int = EXIT_INCOMPLETE) -> None:
@@ -76,6 +79,8 @@ class Driver(SampleSteps):
 
     def _status_extra(self) -> dict[str, Any]:
         out: dict[str, Any] = {"dump": self.bp.status() if self.bp else {}}
+        if self.missing is not None:
+            out["missing"] = self.missing
         if self.monitor is not None:
             out["fidelity"] = dict(self.monitor.status(), check=self.cfg.fidelity_settings())
         if self.shipped is not None:
@@ -106,7 +111,12 @@ class Driver(SampleSteps):
         locks: list[int] = []
         try:
             locks.append(runstate.take_lock(self.state_dir / runstate.LOCK, f"run {cfg.run!r}"))
-            locks.append(runstate.take_lock(self.capture_dir / CAPTURE_LOCK, f"capture dir {self.capture_dir}"))
+            capture = self._queue() if cfg.queue else \
+                runstate.take_lock(self.capture_dir / CAPTURE_LOCK, f"capture dir {self.capture_dir}", f"run {cfg.run}")
+            if capture is None:  # stopped while queued: nothing was started
+                self.status.state, self.status.message = "stopped", self.stop_reason
+                return Summary("stopped", self.exit_code, self.stop_reason, self.status.write())
+            locks.append(capture)
             locks.append(runstate.take_lock(self.samples_dir / SAMPLES_LOCK, f"samples dir {self.samples_dir}"))
             resumed = runstate.check_params(self.state_dir, cfg.identity())
             self.weaker_check = runstate.check_fidelity(self.state_dir, cfg.fidelity_settings(),
@@ -115,6 +125,24 @@ class Driver(SampleSteps):
         finally:
             for fd in locks:
                 os.close(fd)
+
+    def _queue(self) -> Optional[int]:
+        """The capture dir's lock, waiting (state ``queued``) while another run holds it: one server,
+        one capture dir, one driver at a time (``--queue``: fab queues a reassigned shard behind the
+        host's own). None when stopped first."""
+        path = self.capture_dir / CAPTURE_LOCK
+        while True:
+            fd, holder = runstate.try_lock(path, f"run {self.cfg.run}")
+            if fd is not None:
+                self.status.state, self.status.message = "starting", ""
+                return fd
+            if self.status.state != "queued":
+                self.status.state = "queued"
+                self.status.message = (f"queued: the capture dir {self.capture_dir} is in use by {holder}; this run "
+                                       "starts when that one ends")
+                self.status.write()
+            if self.stop.wait(QUEUE_POLL_S):
+                return None
 
     def _run_locked(self, resumed: bool) -> Summary:
         self.ledger = runstate.Ledger(self.state_dir / runstate.LEDGER)
@@ -158,9 +186,12 @@ class Driver(SampleSteps):
                 if empty:
                     self.exit_code, self.stop_reason = EXIT_ERROR, empty
                 self.status.state = "failed" if empty else "finished" if not self.stop_reason else "stopped"
+                self.missing = missing.account(self.state_dir, dict(self.failures), s["remaining"])
+                gaps = missing.describe(self.missing)
                 self.status.message = self.stop_reason or (
-                    "complete" if self.exit_code == EXIT_OK else
-                    f"{s['failed']} failed, {s['remaining']} not done: run the same command again to redo them")
+                    ("complete" + (f" but for bad input: {gaps}" if gaps else "")) if self.exit_code == EXIT_OK else
+                    f"{s['failed']} failed, {s['remaining']} not done: run the same command again to redo what can "
+                    f"be; {gaps}")
             doc = self.status.write()
             self.ledger.write("run_end", state=self.status.state, exit_code=self.exit_code,
                               message=self.status.message, samples=doc["samples"], tokens=doc["tokens"])

@@ -69,18 +69,28 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     return out
 
 
-def take_lock(path: str | os.PathLike, what: str) -> int:
-    """An exclusive flock on ``path`` (kept until the process exits or the fd is closed)."""
+def take_lock(path: str | os.PathLike, what: str, owner: str = "") -> int:
+    """An exclusive flock on ``path`` (kept until the process exits or the fd is closed); refused
+    naming who holds it."""
+    fd, holder = try_lock(path, owner)
+    if fd is None:
+        raise RunError(f"{what} is in use by {holder} ({path}); wait for it to finish or stop it first")
+    return fd
+
+
+def try_lock(path: str | os.PathLike, owner: str = "") -> tuple[int | None, str]:
+    """(the fd of an exclusive flock on ``path``, "") or (None, who holds it). The lock file says
+    ``pid N`` and ``owner`` (e.g. the run) while held."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = Path(path).read_text().strip() or "another process"
         os.close(fd)
-        raise RunError(f"{what} is in use by {holder} ({path}); wait for it to finish or stop it first") from None
+        return None, holder
     os.ftruncate(fd, 0)
-    os.write(fd, f"pid {os.getpid()}".encode())
-    return fd
+    os.write(fd, f"pid {os.getpid()}{f' ({owner})' if owner else ''}".encode())
+    return fd, ""
 
 
 def check_params(state_dir: Path, params: Mapping[str, Any]) -> bool:

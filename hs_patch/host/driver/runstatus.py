@@ -2,14 +2,16 @@
 
 ``status.json`` (rewritten atomically every ``--status-interval`` seconds and at the end)::
 
-    {"run", "state": starting|running|paused|stopping|finished|stopped|failed, "pid",
+    {"run", "state": queued|starting|running|paused|stopping|finished|stopped|failed, "pid",
      "started", "updated", "elapsed_s",
      "samples": {"total", "done", "done_before", "done_now", "rejected", "duplicates",
                  "failed", "in_flight", "remaining", "blank"},
      "tokens": {"done_now", "loss", "per_s"}, "bytes_written",
      "dump": {"paused", "pauses", "high_water", "low_water", "used_pct": {dir: pct}},
      "shipping": {"shipped", "pending"},
-     "errors": {"count", "retries", "consecutive_failures", "last"}, "message"}
+     "errors": {"count", "retries", "consecutive_failures", "last"},
+     "missing": {"lines", "rejected", "failed", "not_attempted", "never", "shown"},  # once ended (missing.py)
+     "message"}
 
 ``total`` is the number of non-blank input lines (``blank`` counts the others);
 ``remaining`` = total - done - rejected - duplicates - failed. A run that ends with nothing

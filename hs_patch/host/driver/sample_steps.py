@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import time
 import uuid
 from typing import Optional
@@ -18,7 +19,8 @@ from hs_patch.host.driver import chat, dataset, limits, runstate
 from hs_patch.host.fidelity import check as fidelity
 from hs_patch.host.driver.adopt import AdoptError, adopt
 from hs_patch.host.driver.capture_dir import RawTimeout
-from hs_patch.host.driver.client import ClientError
+from hs_patch.host.driver.client import ClientError, ServerRejected
+from hs_patch.host.driver.missing import Failure
 from hs_patch.host.driver.turns import Turn
 from hs_patch.host.fidelity import settings
 from hs_patch.host.fidelity.policy import FidelityMonitor
@@ -78,13 +80,16 @@ class SampleSteps:
             self.request_stop(reason + "; fix the cause, then run the same command again", EXIT_FAILURES)
         return None
 
-    def _failed(self, rec: dataset.Record, key: Optional[str], stage: str, error: str) -> None:
+    def _failed(self, rec: dataset.Record, key: Optional[str], stage: str, error: str, *, retry: bool = True) -> None:
+        """One sample failed; ``retry`` False: it fails the same way on every run (missing.py)."""
         if self.stop.is_set():  # interrupted by the stop, not a failure of its own: redone on resume
             self.ledger.write("abandoned", sample_id=rec.sample_id, key=key, stage=stage, error=error)
             return
         self.status.error(f"{rec.sample_id}: {error}")
         self.status.update(failed=1, consecutive_failures=1)
-        self.ledger.write("failed", sample_id=rec.sample_id, key=key, stage=stage, error=error)
+        with self.status.lock:
+            self.failures[rec.sample_id] = Failure(stage, error, retry)
+        self.ledger.write("failed", sample_id=rec.sample_id, key=key, stage=stage, error=error, retry=retry)
         n = self.status.c.consecutive_failures
         if n >= self.cfg.max_consecutive_failures:
             self.request_stop(f"stopped after {n} consecutive failures (last: {error}); fix the cause, then run "
@@ -98,7 +103,7 @@ class SampleSteps:
             self._reject(dataset.Reject(rec.source, rec.line, e.reason, str(e)))
             return
         except ClientError as e:
-            self._failed(rec, None, "regenerate", str(e))
+            self._failed(rec, None, "regenerate", str(e), retry=not refused(e))
             return
         key = store.sample_key(ids)
         if key in self.shipped.keys and key not in self.done.by_key:  # at the destination (its manifest, via the shipper)
@@ -124,7 +129,9 @@ class SampleSteps:
         cfg = self.cfg
         prov = {"sample_id": rec.sample_id, "source": rec.source, "line": str(rec.line), "run": cfg.run,
                 "source_id": rec.source_id, "input_format": rec.format, "regenerated": "0", "truncated_from": "",
-                "driver": f"hs-extract {__version__}"}
+                "driver": f"hs-extract {__version__}",
+                # where it was extracted: this host, and the shard (a reassigned shard: its own, not this host's)
+                "host": cfg.host_name or socket.gethostname(), "shard": cfg.shard or "0/1"}
         if rec.input_ids is not None:
             ids, mask = list(rec.input_ids), list(rec.loss_mask or [1] * len(rec.input_ids))
             prov["loss_mask"] = "given" if rec.loss_mask else "all"
@@ -195,7 +202,8 @@ class SampleSteps:
         try:
             intent.write(self.capture_dir, key, mask, prov)  # the hook writes mask + provenance into the sample
         except (OSError, intent.IntentError) as e:
-            self._failed(rec, key, "intent", f"cannot write the sample's intent into {self.capture_dir}: {e}")
+            self._failed(rec, key, "intent", f"cannot write the sample's intent into {self.capture_dir}: {e}",
+                         retry=not isinstance(e, intent.IntentError))  # an IntentError is the line's own
             return
         self.watcher.read_new()  # an earlier write of these tokens must count as before this request
         after = self.watcher.seq
@@ -210,7 +218,7 @@ class SampleSteps:
             try:
                 out = self.client.generate(ids, CAPTURE_PARAMS, rid, context={"sample_id": rec.sample_id}, **extra)
             except ClientError as e:
-                self._failed(rec, key, "generate", str(e))
+                self._failed(rec, key, "generate", str(e), retry=not refused(e))
                 return
             finally:
                 turn.release()  # answered: the next request goes while this sample is written, checked, adopted
@@ -247,3 +255,8 @@ class SampleSteps:
         self.ledger.write("done", sample_id=rec.sample_id, key=key, rid=rid, file=written.path.name,
                           bytes=written.nbytes, sha256=written.sha256, tokens=len(ids),
                           seconds=round(time.monotonic() - t0, 3))
+
+
+def refused(e: ClientError) -> bool:
+    """The server refused this very request (HTTP 400: its input): it refuses it again on every run."""
+    return isinstance(e, ServerRejected) and e.status == 400

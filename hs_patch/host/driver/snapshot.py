@@ -20,6 +20,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+# each program a snapshot runs gets this long: the whole snapshot stays well inside the
+# dashboard's 20 s read deadline (hs_patch.control.poll), past which the host is shown unreachable
+STEP_TIMEOUT_S = 8
+
 
 def _json(path: Path) -> Any:
     try:
@@ -50,8 +54,11 @@ def units(names: list[str]) -> dict[str, dict[str, str]]:
     if not shutil.which("systemctl"):
         return {}
     props = "ActiveState,SubState,Result,ExecMainStatus,ActiveEnterTimestamp"
-    out = subprocess.run(["systemctl", "show", "-p", props, *[f"{n}.service" for n in names]],
-                         capture_output=True, text=True, timeout=20).stdout
+    try:
+        out = subprocess.run(["systemctl", "show", "-p", props, *[f"{n}.service" for n in names]],
+                             capture_output=True, text=True, timeout=STEP_TIMEOUT_S).stdout
+    except subprocess.TimeoutExpired:
+        return {}
     res: dict[str, dict[str, str]] = {}
     for name, block in zip(names, out.split("\n\n")):
         res[name] = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
@@ -64,7 +71,7 @@ def gpus() -> list[dict[str, Any]] | None:
     q = "index,name,utilization.gpu,memory.used,memory.total"
     try:
         out = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20).stdout
+                             capture_output=True, text=True, timeout=STEP_TIMEOUT_S).stdout
     except (OSError, subprocess.TimeoutExpired):
         return None
     rows = []

@@ -16,8 +16,9 @@ sample, ``file`` relative to ROOT. A lock file serialises shippers sharing one R
 Answer: ``{"results": [{"file", "status", "bytes", "sha256"}], "manifest": N}`` where
 status is ``ok`` (in samples/, durable, in the manifest), ``kept`` (the destination already
 holds this sample, verified, with other bytes: a redo after the GPU host lost its local
-state; the destination's copy stays, its ``sha256``/``bytes`` are answered, the arrival is
-deleted), ``mismatch`` (the copy that arrived was wrong and is deleted) or ``missing``
+state, or the copy of a host whose shard was reassigned while it was cut off; the destination's
+copy stays, its ``sha256``/``bytes`` and the ``run``/``host`` that shipped it are answered, the
+arrival is deleted), ``mismatch`` (the copy that arrived was wrong and is deleted) or ``missing``
 (nothing arrived).
 
 With ``"list": true`` the answer also has ``"entries"``: key, file, bytes, sha256 and
@@ -129,7 +130,7 @@ def commit(root, files):
         res = {"file": f["file"], "status": status, "bytes": f["bytes"], "sha256": f["sha256"]}
         if status == "kept":
             old = entries[f["entry"]["key"]]
-            res.update(bytes=old["bytes"], sha256=old["sha256"])
+            res.update(bytes=old["bytes"], sha256=old["sha256"], run=old.get("run"), host=old.get("host"))
         results.append(res)
         if status == "ok":
             arrived.append(f)

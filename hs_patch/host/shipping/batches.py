@@ -175,8 +175,7 @@ class Shipper:
         """Wait for a batch's verification; record what matched, count what did not."""
         for p, res in zip(done.batch, done.commit.wait(), strict=True):
             if res["status"] == "kept":
-                print(f"hs-ship: {p.entry['file']}: the destination already holds this sample (shipped before this "
-                      "host lost its local state): its copy is kept, the local redo is dropped", file=sys.stderr)
+                print(f"hs-ship: {p.entry['file']}: {kept_words(p.entry, res)}", file=sys.stderr)
                 self.record_shipped(p, kept=res)
                 continue
             if res["status"] == "ok":
@@ -310,3 +309,16 @@ class Shipper:
                                f"{self.missing_local[0]}: something deleted them without an op: remove line")
             return EXIT_ERROR
         return EXIT_UNVERIFIED if self.failed else EXIT_OK
+
+
+def kept_words(ours: dict[str, Any], kept: dict[str, Any]) -> str:
+    """Why the destination keeps its own copy of a sample this shipper brought again: another job
+    shipped it (a dead host's shard finished by another host, then the dead host back), or this
+    one did before its host lost its local state."""
+    run, host = kept.get("run"), kept.get("host")
+    if (run and run != ours.get("run")) or (host and ours.get("host") and host != ours.get("host")):
+        by = " of ".join(x for x in (f"host {host}" if host else "", f"run {run}" if run else "") if x)
+        return (f"the destination already holds this sample, shipped by {by} (this shard was given to another host "
+                "while this one was out): that copy is kept, this host's is dropped")
+    return ("the destination already holds this sample (shipped before this host lost its local state): its copy "
+            "is kept, the local redo is dropped")
