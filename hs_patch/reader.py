@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
 from hs_patch.files import UNREADABLE, json_lines
 from hs_patch.server import fingerprint
-from hs_patch.store import FORMATS_READ, MANIFEST, SUFFIX, SampleError, file_sha256, read_manifest, sample_key
+from hs_patch.store import FORMATS_READ, MANIFEST, SUFFIX, SampleError, file_sha256, sample_key
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
