@@ -16,7 +16,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -97,13 +97,18 @@ class Engine:
         self._lock = threading.Lock()
         self.model_lock = threading.Lock()  # reference() hooks the model's layers: one forward at a time
         self.passes = 0
+        self.dead: Optional[str] = None        # why a scheduler thread ended: every request then fails at once
+        self._inflight: dict[str, Request] = {}   # iid -> a request submit() waits on
         for target, name in ((self._schedule, "standin-prefill"), (self._decode, "standin-decode")):
-            threading.Thread(target=target, name=name, daemon=True).start()
+            threading.Thread(target=self._guarded, args=(target,), name=name, daemon=True).start()
 
     # ------------------------------------------------------------------ API
     def submit(self, req: Request, timeout: float = 600.0) -> dict[str, Any]:
         with self._lock:
+            if self.dead is not None:  # SGLang's scheduler dies with the server: no request waits on it
+                raise RuntimeError(f"the scheduler ended: {self.dead}")
             self.active += 1
+            self._inflight[req.iid] = req
         try:
             self.incoming.put(req)
             if not req.done.wait(timeout):
@@ -114,6 +119,7 @@ class Engine:
         finally:
             with self._lock:
                 self.active -= 1
+                self._inflight.pop(req.iid, None)
 
     def idle(self) -> bool:
         with self._lock:
@@ -153,6 +159,18 @@ class Engine:
             site = extract_site(Path(wheel) if wheel else sglang_wheel(release), Path(tmp))
             source = apply_edits(RELEASES[release], (site / TARGET).read_text())
             return release, source, ReleaseCode.read(site)
+
+    def _guarded(self, target: Callable[[], None]) -> None:
+        """Run a scheduler loop; if it raises, fail every request now (not after submit's timeout)."""
+        try:
+            target()
+        except BaseException as e:  # noqa: BLE001 - reported to every waiting request, then logged
+            log.exception("stand-in scheduler thread %s ended", threading.current_thread().name)
+            with self._lock:
+                self.dead = f"{type(e).__name__}: {e}"
+                waiting = list(self._inflight.values())
+            for req in waiting:
+                self._fail(req, e)
 
     # ------------------------------------------------------------------ prefill scheduler
     def _gather(self) -> list[Request]:
