@@ -1,4 +1,5 @@
-"""Reading and checking samples, formats 1 and 2 (see :mod:`hs_patch.store` for the format).
+"""Reading and checking samples, every format in :data:`hs_patch.store.FORMATS_READ` (1 to 3; see
+:mod:`hs_patch.store` for the format).
 
 ``read_sample`` validates one file (format tag, planes and shapes, dtype, that the token
 ids hash to the sample's key, and size + sha256 against its manifest entry);
