@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,19 @@ ANSIBLE_IN_PROCESS = ("control", "ansible", "end_to_end")
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: Path(str(item.path)).parent.name in ANSIBLE_IN_PROCESS)
+
+
+# torch makes its Inductor cache dir (/tmp/torchinductor_<user>) as soon as transformers builds a
+# model, nothing compiled: the tests, and the stand-ins and scripts they start, keep it in a
+# directory of this session's own instead, removed when the session ends (unless one is set).
+_INDUCTOR_DIR = None if "TORCHINDUCTOR_CACHE_DIR" in os.environ else tempfile.mkdtemp(prefix="hs-tests-inductor-")
+if _INDUCTOR_DIR:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_DIR
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _INDUCTOR_DIR:
+        shutil.rmtree(_INDUCTOR_DIR, ignore_errors=True)
 
 
 def extract_site(version: str, dest: Path) -> Path:

@@ -1,4 +1,5 @@
-"""A test run leaves nothing behind: no temp dirs of passing tests, nothing of a killed stand-in."""
+"""A test run leaves nothing behind: no temp dirs of passing tests, no torch cache dir, nothing of a killed
+stand-in."""
 
 from __future__ import annotations
 
@@ -29,6 +30,16 @@ def test_a_passing_run_keeps_no_temp_dirs_and_a_failing_test_keeps_its_own(tmp_p
                        timeout=120)
         files = sorted("/".join(p.relative_to(root).parts[2:]) for p in root.rglob("*") if p.is_file())
         assert files == left, f"the repository's pytest settings (tmp_path_retention_*) left {files}"
+
+
+def test_building_the_tiny_model_leaves_nothing_in_tmp(tmp_path):
+    """transformers building a model makes torch's Inductor cache dir in TMPDIR; conftest points it at
+    the session's own directory, which every test and what it starts inherit."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    subprocess.run([sys.executable, "-c", "from lab.tiny_model import random_model; random_model(vocab_size=64)"],
+                   cwd=ROOT / "tests", env={**os.environ, "TMPDIR": str(tmp)}, check=True, timeout=300)
+    assert not list(tmp.iterdir())
 
 
 @pytest.mark.slow
