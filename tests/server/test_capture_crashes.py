@@ -183,11 +183,16 @@ def test_an_exception_in_the_writers_coordinator_stops_capture_at_once_with_its_
             for i in range(100):  # the next passes: at once, not after the stall limit
                 play(h, Batch([6]), torch.arange(10 + i, 16 + i), *states(6, 2.0))
         assert time.monotonic() - t0 < 5
-        deadline = time.monotonic() + 5  # the dying thread writes it right after it set the error
-        while not json.loads((d / writer.STATUS_FILE).read_text())["error"] and time.monotonic() < deadline:
+        def failed_records() -> list:
+            return [e for e in store.read_jsonl(d / store.ERRORS) if e["error"] == "writer_failed"] \
+                if (d / store.ERRORS).exists() else []
+
+        deadline = time.monotonic() + 5  # the dying thread writes both right after it set the error, status first
+        while time.monotonic() < deadline and not (
+                json.loads((d / writer.STATUS_FILE).read_text())["error"] and failed_records()):
             time.sleep(0.01)
         assert "a bug in the coordinator" in json.loads((d / writer.STATUS_FILE).read_text())["error"]
-        (rec,) = [e for e in store.read_jsonl(d / store.ERRORS) if e["error"] == "writer_failed"]
+        (rec,) = failed_records()
         assert "KeyError" in rec["why"]
     finally:
         monkeypatch.undo()
