@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 
 import closed_loop  # noqa: E402
 import common  # noqa: E402
-from loop import corpus, features  # noqa: E402
+from loop import corpus, features, specforge  # noqa: E402
 from test_gpu_scripts import free_port_block  # noqa: E402
 
 
@@ -163,7 +163,7 @@ def test_site514_replaces_the_kits_sglang_without_writing_through_its_hard_links
     delta = tmp_path / "site514.tar.xz"
     subprocess.run(f"tar -C {stage} -cf - . | xz -1 > {delta}", shell=True, check=True)
 
-    dst = closed_loop.build_site514(kit, delta, tmp_path / "site514")
+    dst = specforge.build_site514(kit, delta, tmp_path / "site514")
     assert (dst / "sglang/__init__.py").read_text() == "__version__ = '0.5.14'\n"
     assert not (dst / "sglang/srt/only_in_0516.py").exists(), "the kit's sglang is removed, not overlaid"
     assert sorted(p.name for p in dst.glob("*.dist-info")) == ["sglang-0.5.14.dist-info",
@@ -176,10 +176,10 @@ def test_site514_replaces_the_kits_sglang_without_writing_through_its_hard_links
            "    all_gather_matmul_cutile = None\nfrom .all_gather_matmul_triton" in edited
     compile(edited, agm, "exec")
     (dst / "marker").write_text("kept")
-    assert closed_loop.build_site514(kit, delta, dst) == dst and (dst / "marker").exists(), "made once"
+    assert specforge.build_site514(kit, delta, dst) == dst and (dst / "marker").exists(), "made once"
 
     (stage / agm).write_text("import torch\n")
     other = tmp_path / "other.tar.xz"
     subprocess.run(f"tar -C {stage} -cf - . | xz -1 > {other}", shell=True, check=True)
     with pytest.raises(RuntimeError, match="found it 0 times"):
-        closed_loop.build_site514(kit, other, tmp_path / "site514b")
+        specforge.build_site514(kit, other, tmp_path / "site514b")
