@@ -34,6 +34,7 @@ def test_a_resume_with_fraction_nan_is_refused(tmp_path):
                                         ("--fidelity-fraction", "1.5"), ("--fidelity-tie-tolerance", "nan"),
                                         ("--fidelity-tie-tolerance", "-1"), ("--fidelity-positions", "0")])
 def test_the_command_line_refuses_fidelity_values_that_mean_nothing(flag, value):
-    a = extract_cli.build_parser().parse_args(["drive", "--run", "r", "--data", "a.jsonl", "--model", "/m", f"{flag}={value}"])
+    a = extract_cli.build_parser().parse_args(["drive", "--run", "r", "--data", "a.jsonl", "--model", "/m",
+                                               f"{flag}={value}"])
     with pytest.raises(SystemExit, match=flag):
         drive_cli.drive_config(a)
