@@ -37,6 +37,7 @@ CAPTURE_LOCK = ".hs-driver.lock"
 QUEUE_POLL_S = 2.0   # --queue: how often a queued run tries the capture dir's lock
 SAMPLES_LOCK = ".hs-samples.lock"
 REGEN_SWEPT = "regeneration prompt (captured by SGLang < 0.5.10)"
+LATE_SWEPT = "a later capture of a sample already adopted (a retried request prefilled twice)"
 
 
 @dataclass
@@ -243,6 +244,12 @@ class Driver(SampleSteps):
             watcher = getattr(self, "watcher", None)
             if watcher is not None:
                 self._sweep(set(self.regen_keys), REGEN_SWEPT)
+                # a retried request prefilled twice: once its first capture is adopted, the retry's (written
+                # later by a writer behind) is published and listed again; it is RAM on /dev/shm, remove it now
+                watcher.read_new()
+                with self.keys_lock:
+                    adopted = set(self.done.by_key)
+                self._sweep(adopted, LATE_SWEPT)
             if self.bp is not None and self.status.state in ("running", "paused"):
                 self.status.state = "paused" if self.bp.paused else "running"
             try:
