@@ -232,7 +232,7 @@ class CaptureHook:
                 self._check_writer()
                 if time.monotonic() >= deadline:
                     raise RuntimeError(
-                        f"hs_patch: the sample writer has been behind for {self.cfg.stall_seconds:.0f}s "
+                        f"hs_patch: the sample writer has been behind for {self.cfg.stall_seconds:g}s "
                         f"(HS_CAPTURE_STALL_SECONDS); {self.cfg.directory} is too slow or blocked. Failing loudly "
                         "instead of dropping samples.") from None
         self.waits += 1

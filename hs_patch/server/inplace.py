@@ -30,19 +30,21 @@ class InPlaceSample:
     the file (one read). Nothing is visible until :func:`hs_patch.store.publish`.
     """
 
-    HEADER_ROOM = 64 << 10  # metadata is bounded (hs_patch.intent caps the driver's part)
+    HEADER_ROOM = 64 << 10  # metadata is bounded (hs_patch.intent caps the driver's part) but for the chunk list
+    CHUNKS_IN_ROOM = 32 << 10  # a chunk list (metadata "chunks") up to this long fits HEADER_ROOM
 
     def __init__(self, directory: str | os.PathLike, key_hint: str, planes: Sequence[str], tokens: int,
                  hidden: int, dtype: str):
         self.planes, self.tokens, self.hidden, self.dtype = list(planes), int(tokens), int(hidden), dtype
         self.row = hidden * store.DTYPE_SIZES[dtype]
+        self.header_room = header_room(self.tokens)
         self.path = store.temp_path(directory, key_hint)
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, PRIVATE)
         self.written = 0
         self._count = threading.Lock()  # chunks of one prompt may be written by several threads at once
 
     def plane_offset(self, idx: int) -> int:
-        return self.HEADER_ROOM + idx * self.tokens * self.row
+        return self.header_room + idx * self.tokens * self.row
 
     def put(self, idx: int, start: int, data: Any) -> None:
         """Write rows ``start..`` of plane ``idx`` (a contiguous [n, H] buffer)."""
@@ -65,7 +67,7 @@ class InPlaceSample:
                 for buf in t.buffers:
                     offset += pwrite_all(self.fd, buf, offset)
             specs = [store.tensor_spec(p, self.dtype, (self.tokens, self.hidden)) for p in self.planes] + list(tail)
-            pwrite_all(self.fd, store.encode_header(specs, metadata, size=self.HEADER_ROOM), 0)
+            pwrite_all(self.fd, store.encode_header(specs, metadata, size=self.header_room), 0)
             if fsync:
                 os.fsync(self.fd)
         except BaseException:
@@ -85,6 +87,20 @@ class InPlaceSample:
             os.close(self.fd)
             self.fd = -1
         self.path.unlink(missing_ok=True)
+
+
+def header_room(tokens: int) -> int:
+    """Bytes reserved for the header of a prompt of ``tokens`` written in place: HEADER_ROOM, plus what its
+    chunk list can need beyond CHUNKS_IN_ROOM. Parts are laid out before their number is known, and a small
+    --chunked-prefill-size cuts a long prompt into thousands (each start one more entry of "0,2,4,..."):
+    the longest list is one part a token, "0,1,...,tokens-1"; its room costs nothing next to the planes."""
+    longest, width, low = 0, 1, 0
+    while low < tokens:  # the starts with `width` digits: low .. 10**width - 1
+        high = min(tokens, 10 ** width)
+        longest += (high - low) * (width + 1)
+        low, width = high, width + 1
+    extra = max(0, longest - InPlaceSample.CHUNKS_IN_ROOM)
+    return InPlaceSample.HEADER_ROOM + -(-extra // 4096) * 4096
 
 
 @dataclass

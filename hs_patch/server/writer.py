@@ -307,7 +307,9 @@ class Writer:
             part.hasher.update(store.ids_bytes(ids))
             part.ids.append(ids.clone())
             if fp is not None:
-                part.fingerprints.append(fp.contiguous())  # a copy: the staging buffer is reused
+                # a copy (never a view: with one-row staging buffers the rows are contiguous already and
+                # .contiguous() would alias the buffer the next pass overwrites)
+                part.fingerprints.append(fp.clone() if fp.is_contiguous() else fp.contiguous())
             jobs.append(self._pool.submit(self._put, part.sample, prefix, slices))
             part.end = prefix + n
             if part.end == full:

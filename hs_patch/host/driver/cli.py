@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import signal
 import sys
 from typing import Any
@@ -181,6 +182,12 @@ def drive_config(a: argparse.Namespace) -> Any:
     for name in ("concurrency", "max_tokens", "max_consecutive_failures", "fidelity_rows"):
         if getattr(a, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= a.fidelity_fraction <= 1:  # also nan: it would sample no key, and compare as no weaker
+        raise SystemExit("--fidelity-fraction must be a share between 0 and 1")
+    if not 0 <= a.fidelity_tie_tolerance < math.inf:
+        raise SystemExit("--fidelity-tie-tolerance must be a finite number of standard deviations >= 0")
+    if a.fidelity_positions < 1:
+        raise SystemExit("--fidelity-positions must be >= 1")
     if a.awaiting < 0:
         raise SystemExit("--awaiting must be >= 0")
     if a.max_line_chars < 0:

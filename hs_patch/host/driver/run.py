@@ -19,7 +19,7 @@ import queue
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Container, Optional
 
 from hs_patch import __version__, intent, kv_cache, store
 from hs_patch.host.driver import capture_check, chat, dataset, limits, missing, runstate
@@ -37,6 +37,7 @@ CAPTURE_LOCK = ".hs-driver.lock"
 QUEUE_POLL_S = 2.0   # --queue: how often a queued run tries the capture dir's lock
 SAMPLES_LOCK = ".hs-samples.lock"
 REGEN_SWEPT = "regeneration prompt (captured by SGLang < 0.5.10)"
+LATE_SWEPT = "a later capture of a sample already adopted (a retried request prefilled twice)"
 
 
 @dataclass
@@ -243,6 +244,10 @@ class Driver(SampleSteps):
             watcher = getattr(self, "watcher", None)
             if watcher is not None:
                 self._sweep(set(self.regen_keys), REGEN_SWEPT)
+                # a retried request prefilled twice: once its first capture is adopted, the retry's (written
+                # later by a writer behind) is published and listed again; it is RAM on /dev/shm, remove it now
+                # (looked up in the live dict: a copy of a million done keys every tick would cost more)
+                self._sweep(self.done.by_key, LATE_SWEPT)
             if self.bp is not None and self.status.state in ("running", "paused"):
                 self.status.state = "paused" if self.bp.paused else "running"
             try:
@@ -254,7 +259,7 @@ class Driver(SampleSteps):
         """Raw samples in the capture dir whose tokens this run sent (per its ledger)."""
         return runstate.run_keys(self.state_dir / runstate.LEDGER, set(self.watcher.keys()))
 
-    def _sweep(self, keys: set[str], reason: str) -> None:
+    def _sweep(self, keys: Container[str], reason: str) -> None:
         """Remove this run's raw samples (and SGLang's health-check probe) left in the capture dir."""
         probe = store.sample_key(HEALTH_PROBE_IDS)
         for key in self.watcher.keys():  # a dataset sample of the probe's tokens in flight waits for its own

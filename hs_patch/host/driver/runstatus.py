@@ -112,9 +112,14 @@ def nothing_extracted(doc: dict[str, Any], reject_reasons: dict[str, int]) -> Op
     if s["done"]:
         return None
     reasons = ", ".join(f"{n} {r}" for r, n in sorted(reject_reasons.items(), key=lambda x: -x[1])[:4])
+    where = []
+    if s["rejected"] or not s["failed"]:
+        where.append("rejects.jsonl for each rejected line's reason (the input must be JSON lines: one object a line)")
+    if s["failed"]:  # the server, the capture or the fidelity check: not the input's fault
+        where.append("missing.jsonl for each failed line's stage and error")
     return (f"nothing was extracted: {s['total']} non-blank lines ({s['blank']} blank), {s['rejected']} rejected"
             f"{' (' + reasons + ')' if reasons else ''}, {s['duplicates']} duplicates, {s['failed']} failed; see "
-            "rejects.jsonl for each line's reason (the input must be JSON lines: one object a line)")
+            + "; see ".join(where))
 
 
 def prometheus_text(doc: dict[str, Any]) -> str:

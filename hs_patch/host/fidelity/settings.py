@@ -40,7 +40,8 @@ def weaker(new: Mapping[str, Any], old: Mapping[str, Any]) -> list[str]:
     for name, flag, less in (("rows_per_chunk", "--fidelity-rows", True), ("positions", "--fidelity-positions", True),
                              ("fraction", "--fidelity-fraction", True),
                              ("tie_tolerance", "--fidelity-tie-tolerance", False)):
-        if name in old and name in new and (new[name] < old[name] if less else new[name] > old[name]):
+        # "not as strict": a value that compares false both ways (nan) is weaker too
+        if name in old and name in new and not (new[name] >= old[name] if less else new[name] <= old[name]):
             out.append(f"{flag} {new[name]} (the run used {old[name]})")
     return out
 

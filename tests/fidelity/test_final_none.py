@@ -1,0 +1,36 @@
+"""HS_CAPTURE_FINAL=none (a documented choice: no final state stored) under the default fidelity check:
+the row checks still check every stored plane and decide; a right sample is kept, a wrong one is not."""
+
+from __future__ import annotations
+
+import hashlib
+
+from hs_patch import store
+from hs_patch.host.driver.run import EXIT_OK
+from lab import sabotage
+from lab.drive_runs import drive, start_standin
+from lab.runcheck import ledger, write_chats
+
+
+def test_without_a_final_state_the_row_checks_decide(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("HS_CAPTURE_FINAL", "none")
+    srv = start_standin(tiny_model_dir, tmp_path / "capture", "0.5.16")
+    try:
+        data = tmp_path / "d.jsonl"
+        ids = write_chats(data, 3, words=40)
+        tag = hashlib.sha256(ids[1].encode()).hexdigest()[:8]
+        undo = sabotage.install(case_of=lambda rid: "zeros" if f"-{tag}-" in rid else None)
+        try:
+            summary = drive(srv, tiny_model_dir, tmp_path, [data], concurrency=1, fidelity_fraction=0.5)
+        finally:
+            undo()
+    finally:
+        srv.close()
+    kept = store.read_manifest(tmp_path / "samples")
+    assert sorted(e["sample_id"] for e in kept.values()) == sorted([ids[0], ids[2]]), ledger(tmp_path / "state")
+    assert all(e["fidelity"]["ok"] and e["fidelity"]["kind"] == "rows" and e["fidelity"]["rows"] >= 2
+               for e in kept.values())
+    failed = [e for e in ledger(tmp_path / "state") if e["event"] == "failed"]
+    assert [(e["sample_id"], e["stage"]) for e in failed] == [(ids[1], "fidelity")]
+    assert "all zeros" in failed[0]["error"]
+    assert summary.exit_code != EXIT_OK  # one line failed
