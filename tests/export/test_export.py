@@ -238,6 +238,21 @@ def test_damaged_source_fails_that_sample_only(src, tmp_path):
     assert json.loads((tmp_path / "sf" / "export.json").read_text())["state"] == "incomplete"
 
 
+@pytest.mark.parametrize("damage", ["missing", "header"])
+def test_a_damaged_first_sample_fails_that_sample_only(src, tmp_path, damage):
+    """The export reads what it holds from one sample's header: a damaged or missing first file
+    (by key) must fail as that sample, as any other does, not refuse the whole export."""
+    entries = store.read_manifest(src)
+    key = min(entries)
+    p = src / entries[key]["file"]
+    if damage == "missing":
+        p.unlink()
+    else:
+        p.write_bytes(b"\0" * 64 + p.read_bytes()[64:])
+    s = export(src, tmp_path / "sf", ExportSpec("specforge"))
+    assert s.state == "incomplete" and list(s.failed) == [key] and s.exported == 6
+
+
 def test_destination_must_be_new_or_the_same_export(src, tmp_path):
     other = tmp_path / "other"
     other.mkdir()

@@ -120,6 +120,20 @@ def source_entries(src: Path) -> dict[str, dict[str, Any]]:
     return entries
 
 
+def first_metadata(src: Path, entries: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """The header of the first sample that opens: what the export holds. A missing or damaged
+    file is not the export's business here: it fails as that one sample, in its turn."""
+    first_error: Optional[Exception] = None
+    for key in sorted(entries):
+        try:
+            with reader.open_sample(src / entries[key]["file"]) as s:
+                return dict(s.metadata)
+        except (store.SampleError, OSError) as e:
+            first_error = first_error or e
+    raise ExportRefused(f"{src}: no sample opens (e.g. {first_error}); hs-patch inspect {src} lists what is wrong: "
+                        "re-ship or re-extract the run first")
+
+
 def _serving(spec: ExportSpec, meta: dict[str, str]) -> dict[str, Any]:
     n = meta.get("num_hidden_layers")
     arch = meta.get("architecture", "")
@@ -140,9 +154,7 @@ def export(src: str | Path, dst: str | Path, spec: ExportSpec, *, workers: int =
     t0 = time.time()
     src, dst = Path(src).resolve(), Path(dst).resolve()
     entries = source_entries(src)
-    first = entries[min(entries)]
-    with reader.open_sample(src / first["file"]) as s:
-        meta = dict(s.metadata)
+    meta = first_metadata(src, entries)
     spec = resolve(spec, meta)
     if spec.format == "speculators":
         try:
