@@ -253,6 +253,79 @@ def test_a_damaged_first_sample_fails_that_sample_only(src, tmp_path, damage):
     assert s.state == "incomplete" and list(s.failed) == [key] and s.exported == 6
 
 
+class Crash(BaseException):
+    """A SIGKILL stand-in: nothing after it runs, no handler catches it."""
+
+
+def _crash_when(monkeypatch, hit) -> None:
+    import os
+
+    real = os.replace
+
+    def replace(a, b):
+        if hit(str(b)):
+            raise Crash(b)
+        return real(a, b)
+
+    monkeypatch.setattr(os, "replace", replace)
+
+
+def test_speculators_rows_never_pair_with_moved_files_after_a_crash(src, tmp_path, monkeypatch):
+    """Rows move when a sample leaves the source; a crash at the first move must not leave the
+    old table loadable (its row would pair with another sample's file)."""
+    import datasets
+
+    dst = tmp_path / "sp"
+    export(src, dst, ExportSpec("speculators"))
+    live = layout.live_entries(dst)
+    store.Manifest(src).remove(min(live, key=lambda k: live[k]["row"]))   # row 0: the last row moves into it
+    with monkeypatch.context() as m:
+        _crash_when(m, lambda b: "/hidden_states/hs_" in b)
+        with pytest.raises(Crash):
+            export(src, dst, ExportSpec("speculators"))
+    with pytest.raises(FileNotFoundError):
+        datasets.load_from_disk(str(dst))
+    assert export(src, dst, ExportSpec("speculators")).state == "complete"
+    assert len(speculators_rows(dst)) == 6
+
+
+def test_speculators_table_is_whole_after_a_crash_while_it_is_replaced(src, tmp_path, monkeypatch):
+    """New samples make a new table; a crash after its data files are in place and before its
+    state.json must not leave the old state.json naming the old files (fewer rows) for a resume
+    to call complete."""
+    import datasets
+
+    keys = sorted(store.read_manifest(src))
+    half = tmp_path / "half"
+    write_run(half, 4, shipped=True)
+    dst = tmp_path / "sp"
+    export(half, dst, ExportSpec("speculators"))
+    write_run(half, 7, shipped=True)   # the same first 4 samples again (appended as adds) and 3 more
+    real_save = datasets.Dataset.save_to_disk
+    with monkeypatch.context() as m:
+        m.setattr(datasets.Dataset, "save_to_disk", lambda self, path, **kw: real_save(self, path, max_shard_size=200))
+        _crash_when(m, lambda b: b.endswith("/state.json"))
+        with pytest.raises(Crash):
+            export(half, dst, ExportSpec("speculators"))
+    s = export(half, dst, ExportSpec("speculators"))
+    assert s.state == "complete" and s.info["samples"] == 7 and len(keys) == 7
+    assert len(datasets.load_from_disk(str(dst))) == 7 and len(speculators_rows(dst)) == 7
+
+
+def test_a_killed_table_build_is_removed_by_the_next_run(src, tmp_path):
+    """A SIGKILL while the table is built leaves DST/.tmp/table.<pid> (its rows twice: the cache
+    and the table); the next run, holding the export's lock, removes it."""
+    import datasets
+
+    dst = tmp_path / "sp"
+    export(src, dst, ExportSpec("speculators"))
+    left = dst / ".tmp" / "table.4242" / "cache"
+    left.mkdir(parents=True)
+    (left / "data.arrow").write_bytes(b"rows of a killed run" * 100)
+    assert export(src, dst, ExportSpec("speculators")).state == "complete"
+    assert not list((dst / ".tmp").glob("table.*"))
+    assert len(datasets.load_from_disk(str(dst))) == 7
+
 def test_destination_must_be_new_or_the_same_export(src, tmp_path):
     other = tmp_path / "other"
     other.mkdir()

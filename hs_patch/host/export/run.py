@@ -179,10 +179,10 @@ def export(src: str | Path, dst: str | Path, spec: ExportSpec, *, workers: int =
         layout.write_info(dst, info)
         log = store.Manifest(dst, layout.LOG)
         keys = sorted(entries)
-        table_ok = (dst / arrow.STATE).is_file()
-        pl = layout.plan(dst, spec.format, spec.fp8, keys, log)
+        table_ok = spec.format == "speculators" and arrow.published_rows(dst) == len(keys)
+        pl = layout.plan(dst, spec.format, spec.fp8, keys, log,
+                         before_rows_change=lambda: arrow.unpublish(dst))  # no trainer may load the old table
         if spec.format == "speculators" and (pl.removed or pl.moved):
-            arrow.unpublish(dst)   # rows now pair with other files: no trainer may load the old table
             table_ok = False
         live = layout.live_entries(dst)
         rows_added = any(k not in live for k in keys)
