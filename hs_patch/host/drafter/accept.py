@@ -19,9 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
@@ -29,11 +30,12 @@ DESCRIPTION = __doc__.split("\n\n", 1)[1] + """
 output: a summary line (--json: one JSON object) and, with --out FILE, the whole report (every
 conversation, every difference) as JSON, written atomically.
 
-exit codes: 0 measured (and, with --plain, every difference is a near-tie); 1 error or nothing
-measured; 3 with --plain, an output differs beyond a near-tie (listed)
+exit codes: 0 measured (and, with --plain, every output compared and every difference a
+near-tie); 1 error, nothing measured, or with --plain a comparison that could not be made;
+3 with --plain, an output differs beyond a near-tie (listed); 130 interrupted (nothing written)
 """
 
-EXIT_OK, EXIT_ERROR, EXIT_MISMATCH = 0, 1, 3
+EXIT_OK, EXIT_ERROR, EXIT_MISMATCH, EXIT_INTERRUPTED = 0, 1, 3, 130
 SPEC_KEYS = ("speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
              "speculative_num_draft_tokens", "speculative_draft_model_path")
 
@@ -119,11 +121,15 @@ def measure_one(client: Any, sid: str, ids: list[int], params: dict[str, Any], k
     except ClientError as e:
         c.error = str(e)
         return c
-    meta = out["meta_info"]
+    meta = out.get("meta_info") or {}
     c.output_ids = [int(t) for t in out.get("output_ids") or []]
     c.completion_tokens = int(meta.get("completion_tokens") or len(c.output_ids))
     c.verify_ct = int(meta.get("spec_verify_ct") or 0)
     c.accept_length = round(c.completion_tokens / c.verify_ct, 4) if c.verify_ct else None
+    if not c.verify_ct and c.completion_tokens > 1:
+        # SGLang leaves spec_verify_ct out only when no verify pass ran (one token, from the prefill)
+        c.error = (f"{c.completion_tokens} tokens without spec_verify_ct: not an EAGLE-3 answer (its tokens would "
+                   "count with no verify pass and inflate the accept length)")
     return c
 
 
@@ -162,6 +168,8 @@ def summarize(convs: list[Conversation], settings: dict[str, Any], rejects: list
                          "failed": len(convs) - len(ok), "rejected_lines": len(rejects),
                          "completion_tokens": comp, "verify_ct": ver,
                          "accept_length": round(comp / ver, 4) if ver else None, "seconds": round(seconds, 1)}
+    if len(ok) < len(convs):
+        s["first_error"] = next(c.error for c in convs if c.error)
     per = sorted(c.accept_length for c in ok if c.accept_length is not None)
     if per:
         s["per_conversation"] = {"min": per[0], "median": per[len(per) // 2], "max": per[-1]}
@@ -171,6 +179,8 @@ def summarize(convs: list[Conversation], settings: dict[str, Any], rejects: list
         s["greedy"] = {"compared": len([x for x in g if "identical" in x]), "identical": sum(1 for x in g if x.get(
             "identical")), "differing": len(diff), "near_tie": sum(1 for x in diff if x.get("near_tie")),
             "mismatch": sum(1 for x in diff if not x.get("near_tie")), "errors": sum(1 for x in g if "error" in x)}
+        if s["greedy"]["errors"]:
+            s["greedy"]["first_error"] = next(x["error"] for x in g if "error" in x)
     return s
 
 
@@ -194,7 +204,7 @@ def run(a: argparse.Namespace, progress: Callable[[int, int], None] = lambda don
     if not work:
         raise ValueError(f"no usable conversation in {', '.join(a.data)} ({len(rejects)} rejected lines)")
     params = {"max_new_tokens": a.max_new_tokens, "temperature": 0.0, "ignore_eos": a.ignore_eos}
-    t0, done = time.time(), 0
+    t0 = time.time()
 
     def one(k: int) -> Conversation:
         sid, ids = work[k]
@@ -203,12 +213,7 @@ def run(a: argparse.Namespace, progress: Callable[[int, int], None] = lambda don
             compare(plain, c, ids, params, a.tie_margin, k)
         return c
 
-    convs = []
-    with ThreadPoolExecutor(max(1, a.concurrency)) as pool:
-        for c in pool.map(one, range(len(work))):
-            convs.append(c)
-            done += 1
-            progress(done, len(work))
+    convs = _map(one, len(work), a.concurrency, progress)
     summary = summarize(convs, settings, rejects, plain is not None, time.time() - t0)
     report = {**summary, "server": spec.display_url, "plain": plain.display_url if plain else None,
               "max_new_tokens": a.max_new_tokens, "tie_margin": a.tie_margin,
@@ -221,8 +226,39 @@ def run(a: argparse.Namespace, progress: Callable[[int, int], None] = lambda don
     return summary
 
 
+def _map(fn: Callable[[int], Conversation], total: int, concurrency: int,
+         progress: Callable[[int, int], None]) -> list[Conversation]:
+    """``fn(k)`` for k in 0..total-1, ``concurrency`` at a time, in order. Daemon threads: Ctrl-C
+    returns at once instead of waiting up to --timeout for the requests in flight."""
+    results: list[Any] = [None] * total
+    finished: queue.Queue[int] = queue.Queue()
+    todo, lock = iter(range(total)), threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                k = next(todo, None)
+            if k is None:
+                return
+            try:
+                results[k] = fn(k)
+            except BaseException as e:  # noqa: BLE001  (re-raised in the caller's thread)
+                results[k] = e
+            finished.put(k)
+
+    for _ in range(min(max(1, concurrency), total)):
+        threading.Thread(target=worker, daemon=True, name="accept").start()
+    for done in range(1, total + 1):
+        k = finished.get()
+        if isinstance(results[k], BaseException):
+            raise results[k]
+        progress(done, total)
+    return results
+
+
 def run_args(a: argparse.Namespace) -> int:
     from hs_patch.host.driver.client import ClientError
+    from hs_patch.host.driver.datafile import DataFileError
 
     if a.max_new_tokens < 1 or a.concurrency < 1 or a.limit < 0:
         print("hs-extract accept: --max-new-tokens and --concurrency must be >= 1, --limit >= 0", file=sys.stderr)
@@ -236,9 +272,12 @@ def run_args(a: argparse.Namespace) -> int:
     try:
         with bar:
             s = run(a, bar.update)
-    except (ClientError, ValueError, OSError) as e:
+    except (ClientError, DataFileError, ValueError, OSError) as e:
         print(f"hs-extract accept: {e}", file=sys.stderr)
         return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("hs-extract accept: interrupted; nothing written (run it again)", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if a.json:
         print(json.dumps(s, sort_keys=True))
     else:
@@ -250,10 +289,26 @@ def run_args(a: argparse.Namespace) -> int:
         if "greedy" in s:
             g = s["greedy"]
             print(f"greedy: {g['identical']}/{g['compared']} identical to the plain server, {g['near_tie']} "
-                  f"near-ties, {g['mismatch']} mismatches" + (f" (see {a.out})" if a.out and g["mismatch"] else ""))
-    if s["measured"] == 0:
+                  f"near-ties, {g['mismatch']} mismatches, {g['errors']} not compared"
+                  + (f" (see {a.out})" if a.out and (g["mismatch"] or g["errors"]) else ""))
+    return _verdict(s)
+
+
+def _verdict(s: dict[str, Any]) -> int:
+    """The exit code, saying on stderr why a run proves nothing (or not everything)."""
+    g = s.get("greedy", {})
+    if s["accept_length"] is None:
+        why = (f"every conversation failed, e.g. {s.get('first_error')}" if s["measured"] == 0 else
+               "no answer had a verify pass (raise --max-new-tokens: the first token comes from the prefill)")
+        print(f"hs-extract accept: nothing measured: {why}", file=sys.stderr)
         return EXIT_ERROR
-    return EXIT_MISMATCH if s.get("greedy", {}).get("mismatch") else EXIT_OK
+    if g.get("mismatch"):
+        return EXIT_MISMATCH
+    if g.get("errors"):
+        print(f"hs-extract accept: the greedy check is incomplete: {g['errors']} of {g['errors'] + g['compared']} "
+              f"outputs could not be compared with --plain, e.g. {g.get('first_error')}", file=sys.stderr)
+        return EXIT_ERROR
+    return EXIT_OK
 
 
 class _Bar:
