@@ -371,3 +371,54 @@ def test_cli_export_of_a_missing_or_empty_source_says_which(tmp_path, capsys):
         assert main(["export", "--format", "speculators", str(tmp_path / src), str(tmp_path / "out")]) == 1
         assert says in capsys.readouterr().err, src
     assert not (tmp_path / "out").exists(), "nothing is written for a refused source"
+
+
+def test_workers_of_a_killed_export_exit_too(tmp_path):
+    """SIGKILL (or the OOM killer) on hs-extract export: its worker processes must not wait forever."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    src = tmp_path / "run"
+    write_run(src, 40, lengths=(300, 200), hidden=512, shipped=True)
+
+    def children(pid: int) -> list[int]:
+        out = []
+        for d in Path("/proc").iterdir():
+            try:
+                if d.name.isdigit() and int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid \
+                        and b"spawn_main" in (d / "cmdline").read_bytes():
+                    out.append(int(d.name))
+            except (OSError, ValueError, IndexError):
+                pass
+        return out
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    p = subprocess.Popen([sys.executable, "-m", "hs_patch.host.extract_cli", "export", "--format", "speculators",
+                          "--workers", "2", str(src), str(tmp_path / "sp")], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(workers) < 2 and time.monotonic() < deadline and p.poll() is None:
+            workers = children(p.pid)
+            time.sleep(0.05)
+        assert len(workers) == 2, "the export did not start its two workers"
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(Path(f"/proc/{w}").exists() for w in workers):
+            time.sleep(0.2)
+        left = [w for w in workers if Path(f"/proc/{w}").exists() and b"Z" not in
+                (Path(f"/proc/{w}/stat").read_bytes().rsplit(b")", 1)[1][:3])]
+        assert not left, f"workers {left} outlived their export"
+    finally:
+        if p.poll() is None:
+            p.kill()
+        for w in workers:
+            try:
+                os.kill(w, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

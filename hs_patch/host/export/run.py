@@ -11,6 +11,8 @@ size only) and redoes the rest.
 from __future__ import annotations
 
 import multiprocessing
+import os
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -64,10 +66,20 @@ def _norm(model: str) -> tuple[Any, float]:
     return _NORM[model]
 
 
-def _init_worker() -> None:
+def _init_worker(parent: Optional[int] = None) -> None:
     import torch
 
     torch.set_num_threads(1)
+    if parent is not None:
+        threading.Thread(target=_exit_with, args=(parent,), daemon=True, name="exit-with-parent").start()
+
+
+def _exit_with(parent: int) -> None:
+    """A worker whose export was killed (SIGKILL, the OOM killer) exits too: it would otherwise
+    wait forever on the task queue, whose write end every worker holds."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def work(t: Task) -> dict[str, Any]:
@@ -226,7 +238,7 @@ def _results(tasks: list[Task], workers: int) -> Iterable[dict[str, Any]]:
         yield from map(work, tasks)
         return
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_init_worker) as pool:
+                             initializer=_init_worker, initargs=(os.getpid(),)) as pool:
         pending: set[Future] = set()
         it = iter(tasks)
         try:
