@@ -422,3 +422,33 @@ def test_workers_of_a_killed_export_exit_too(tmp_path):
                 os.kill(w, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "speculators"])
+def test_a_full_destination_stops_the_export_and_a_rerun_finishes_it(src, tmp_path, monkeypatch, capsys, fmt):
+    """ENOSPC: every later sample would be read whole (and its sha256 checked) only to fail the same
+    way, one line each; the export stops there, says the destination is full, and resumes."""
+    import errno
+
+    from hs_patch.host.export import writers
+    from hs_patch.host.extract_cli import main
+
+    name = "write_specforge" if fmt == "specforge" else "write_speculators"
+    real, calls = getattr(writers, name), []
+
+    def write(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*a, **kw)
+
+    dst = tmp_path / fmt
+    with monkeypatch.context() as m:
+        m.setattr(writers, name, write)
+        assert main(["export", "--format", fmt, "--workers", "1", str(src), str(dst)]) == 3
+    cap = capsys.readouterr()
+    assert len(calls) == 3, "no sample is tried after the destination filled up"
+    assert f"{dst} is full" in cap.err and "4 samples not tried" in cap.err and "train:" not in cap.out
+    assert main(["export", "--format", fmt, "--workers", "1", "--json", str(src), str(dst)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["state"], out["exported"], out["kept"]) == ("complete", 5, 2)

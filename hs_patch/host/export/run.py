@@ -10,6 +10,7 @@ size only) and redoes the rest.
 
 from __future__ import annotations
 
+import errno
 import multiprocessing
 import os
 import threading
@@ -52,6 +53,8 @@ class Summary:
     tokens: int = 0
     seconds: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
+    full: str = ""          # the destination filled up: why, and the samples not tried after it
+    not_tried: int = 0
 
 
 _NORM: dict[str, Any] = {}
@@ -112,7 +115,8 @@ def work(t: Task) -> dict[str, Any]:
         return {"key": t.key, "status": "written", "record": rec, "tokens": rec["tokens"],
                 "src_bytes": t.src_entry["bytes"], "out_bytes": out.nbytes}
     except (store.SampleError, ExportRefused, OSError, RuntimeError, ValueError) as e:
-        return {"key": t.key, "status": "failed", "error": f"{type(e).__name__}: {e}"}
+        return {"key": t.key, "status": "failed", "error": f"{type(e).__name__}: {e}",
+                "full": isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)}
 
 
 def source_entries(src: Path) -> dict[str, dict[str, Any]]:
@@ -203,7 +207,8 @@ def export(src: str | Path, dst: str | Path, spec: ExportSpec, *, workers: int =
         summ = Summary("incomplete", removed=len(pl.removed), moved=len(pl.moved), swept=len(pl.swept))
         total = sum(e["bytes"] for e in entries.values())
         done_bytes = 0
-        for i, res in enumerate(_results(tasks, workers), 1):
+        results = _results(tasks, workers)
+        for i, res in enumerate(results, 1):
             done_bytes += entries[res["key"]]["bytes"]
             if res["status"] == "written":
                 log.append(res["record"])
@@ -214,6 +219,10 @@ def export(src: str | Path, dst: str | Path, spec: ExportSpec, *, workers: int =
                 summ.kept += 1
             else:
                 summ.failed[res["key"]] = res["error"]
+                if res.get("full"):   # every later sample would be read in full only to fail the same way
+                    summ.full, summ.not_tried = res["error"], len(tasks) - i
+                    results.close()
+                    break
             summ.tokens += int(res.get("tokens", 0))
             if progress:
                 progress(i, len(tasks), done_bytes, total)
