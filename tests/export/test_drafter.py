@@ -111,6 +111,7 @@ def test_cli_refuses_bad_layers_and_configs_with_what_to_give(tmp_path, capsys):
                      "--into", str(cfg)]) == 1
         assert "is not a drafter config.json" in capsys.readouterr().err and cfg.read_text() == text
 
+
 def test_cli_reads_the_layers_of_an_export_and_of_samples(tmp_path, capsys):
     from hs_patch.host.export.run import export
     from hs_patch.host.export.spec import ExportSpec

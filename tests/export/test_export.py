@@ -115,6 +115,19 @@ def test_derive_post_norm_uses_the_models_norm_weight(tmp_path, tiny_model_dir):
         assert same_bits(g["raw"]["hidden_state"][0], derived)
 
 
+
+def test_a_model_of_another_width_is_refused_before_any_sample(tmp_path, tiny_model_dir):
+    """--model names the served model: its norm weight derives the post-norm state and its depth
+    the serving ids; another model's would fail every sample with a bare tensor-size error (and
+    'run again' never helps), or record serving ids for the wrong depth."""
+    pre = tmp_path / "pre"
+    write_run(pre, 3, final="pre", layers=(1, 2, 3), hidden=128)   # the tiny model is 64 wide
+    for spec in (ExportSpec("specforge", derive_post_norm=True, model=str(tiny_model_dir)),
+                 ExportSpec("speculators", model=str(tiny_model_dir))):
+        with pytest.raises(ExportRefused, match="has hidden_size 64, the samples 128"):
+            export(pre, tmp_path / spec.format, spec)
+        assert not (tmp_path / spec.format).exists()
+
 # --------------------------------------------------------------------------- speculators
 
 

@@ -150,6 +150,17 @@ def first_metadata(src: Path, entries: dict[str, dict[str, Any]]) -> dict[str, s
                         "re-ship or re-extract the run first")
 
 
+def same_width(model: str, meta: dict[str, str]) -> None:
+    """Refuse a --model that did not serve these samples (its norm weight and depth would be used)."""
+    from hs_patch.host.model_files import model_info
+
+    info = model_info(model)
+    if meta.get("hidden_size", "").isdigit() and int(meta["hidden_size"]) != info.hidden_size:
+        raise ExportRefused(f"--model {model} has hidden_size {info.hidden_size}, the samples {meta['hidden_size']} "
+                            f"(captured from {meta.get('model') or 'another model'}): give the served model's "
+                            "directory")
+
+
 def _serving(spec: ExportSpec, meta: dict[str, str]) -> dict[str, Any]:
     n = meta.get("num_hidden_layers")
     arch = meta.get("architecture", "")
@@ -172,6 +183,8 @@ def export(src: str | Path, dst: str | Path, spec: ExportSpec, *, workers: int =
     entries = source_entries(src)
     meta = first_metadata(src, entries)
     spec = resolve(spec, meta)
+    if spec.model:
+        same_width(spec.model, meta)
     if spec.format == "speculators":
         try:
             import datasets  # noqa: F401  (the table is written last: refuse before any work)
