@@ -155,7 +155,11 @@ class _Front:
                 with front.lock:
                     n, front.count = front.count, front.count + 1
                 front.posted.set()
-                self._answer(*post(n, body))
+                answer = post(n, body)
+                if answer is None:   # hang up without an answer, as a dead server's proxy does
+                    self.close_connection = True
+                    return
+                self._answer(*answer)
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
         self.httpd.daemon_threads = True
@@ -235,3 +239,20 @@ def test_ctrl_c_stops_at_once_with_requests_in_flight(servers, tiny_model_dir, h
         slow.close()
     assert time.monotonic() - t0 < 10 and rc == 130 and "interrupted" in err and "Traceback" not in err
     assert not (tmp_path / "r.json").exists()
+
+
+def test_a_server_that_stops_answering_stops_the_run(servers, tiny_model_dir, heldout, capsys, monkeypatch):
+    """Each conversation retries an unreachable server for about a minute: without a stop, 1,000
+    held-out chats at --concurrency 16 would take an hour to fail."""
+    from hs_patch.host.driver import client
+
+    monkeypatch.setattr(client.RetryPolicy, "delay", lambda self, attempt: 0.0)
+    gone = _Front(servers["good"].url, lambda n, body: None)
+    try:
+        rc, s, err = _accept_err({**servers, "gone": gone}, "gone", tiny_model_dir, heldout, capsys,
+                                 "--concurrency", "1", "--max-consecutive-failures", "2")
+    finally:
+        gone.close()
+    attempts = 1 + client.RetryPolicy().retries
+    assert rc == 1 and gone.count == 2 * attempts, "two conversations tried, the other four never sent"
+    assert s["failed"] == 6 and "2 conversations in a row" in s["stopped"] and "is the server up?" in err

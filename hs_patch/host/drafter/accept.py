@@ -31,8 +31,8 @@ output: a summary line (--json: one JSON object) and, with --out FILE, the whole
 conversation, every difference) as JSON, written atomically.
 
 exit codes: 0 measured (and, with --plain, every output compared and every difference a
-near-tie); 1 error, nothing measured, or with --plain a comparison that could not be made;
-3 with --plain, an output differs beyond a near-tie (listed); 130 interrupted (nothing written)
+near-tie); 1 error, nothing measured, stopped after --max-consecutive-failures, or with --plain
+a comparison that could not be made; 3 with --plain, an output differs beyond a near-tie (listed); 130 interrupted (nothing written)
 """
 
 EXIT_OK, EXIT_ERROR, EXIT_MISMATCH, EXIT_INTERRUPTED = 0, 1, 3, 130
@@ -50,6 +50,7 @@ class Conversation:
     output_ids: list[int] = field(default_factory=list)
     error: str = ""
     greedy: dict[str, Any] = field(default_factory=dict)
+    unreachable: bool = False   # the server did not answer at all (not in the report)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -75,6 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code (Kimi)")
     p.add_argument("--chat-template-kwargs", default="{}", metavar="JSON", help="extra chat template variables")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="per request (default: %(default)s)")
+    p.add_argument("--max-consecutive-failures", type=int, default=5, metavar="N", help="stop sending after N "
+                   "conversations in a row found a server unreachable, each after its retries (about a minute): "
+                   "the rest fail as not sent (0: never stop; default: %(default)s)")
     p.add_argument("--out", metavar="FILE", help="write the whole report here (JSON)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
@@ -113,13 +117,13 @@ def spec_settings(info: dict[str, Any]) -> dict[str, Any]:
 
 
 def measure_one(client: Any, sid: str, ids: list[int], params: dict[str, Any], k: int) -> Conversation:
-    from hs_patch.host.driver.client import ClientError
+    from hs_patch.host.driver.client import ClientError, ServerRejected
 
     c = Conversation(sid, len(ids))
     try:
         out = client.generate(ids, params, f"accept-{os.getpid()}-{k}")
     except ClientError as e:
-        c.error = str(e)
+        c.error, c.unreachable = str(e), not isinstance(e, ServerRejected)
         return c
     meta = out.get("meta_info") or {}
     c.output_ids = [int(t) for t in out.get("output_ids") or []]
@@ -190,13 +194,14 @@ def run(a: argparse.Namespace, progress: Callable[[int, int], None] = lambda don
 
     kwargs = json.loads(a.chat_template_kwargs)
     key = read_api_key(a.api_key_file)
-    spec = SGLangClient(a.server, timeout=a.timeout, api_key=key)
+    stop, why = threading.Event(), []
+    spec = SGLangClient(a.server, timeout=a.timeout, api_key=key, should_stop=stop.is_set)
     settings = spec_settings(spec.server_info(timeout=30))
     if str(settings["speculative_algorithm"] or "").upper() not in ("EAGLE3", "EAGLE"):
         raise ValueError(f"{spec.display_url} does not run EAGLE-3 (speculative_algorithm "
                          f"{settings['speculative_algorithm']!r}): start it with --speculative-algorithm EAGLE3 "
                          "--speculative-draft-model-path DRAFTER")
-    plain = SGLangClient(a.plain, timeout=a.timeout, api_key=key) if a.plain else None
+    plain = SGLangClient(a.plain, timeout=a.timeout, api_key=key, should_stop=stop.is_set) if a.plain else None
     if plain is not None and plain.server_info(timeout=30).get("speculative_algorithm"):
         raise ValueError(f"--plain {plain.display_url} runs speculative decoding itself: give a server of the same "
                          "target without --speculative-algorithm")
@@ -205,19 +210,31 @@ def run(a: argparse.Namespace, progress: Callable[[int, int], None] = lambda don
         raise ValueError(f"no usable conversation in {', '.join(a.data)} ({len(rejects)} rejected lines)")
     params = {"max_new_tokens": a.max_new_tokens, "temperature": 0.0, "ignore_eos": a.ignore_eos}
     t0 = time.time()
+    lock, in_a_row = threading.Lock(), [0]
 
     def one(k: int) -> Conversation:
         sid, ids = work[k]
+        if stop.is_set():
+            return Conversation(sid, len(ids), error=f"not sent: {why[0]}")
         c = measure_one(spec, sid, ids, params, k)
+        with lock:
+            in_a_row[0] = in_a_row[0] + 1 if c.unreachable else 0
+            if a.max_consecutive_failures and in_a_row[0] >= a.max_consecutive_failures and not stop.is_set():
+                why.append(f"{in_a_row[0]} conversations in a row found {spec.display_url} unreachable, the last: "
+                           f"{c.error}")
+                stop.set()
         if plain is not None and not c.error:
             compare(plain, c, ids, params, a.tie_margin, k)
         return c
 
     convs = _map(one, len(work), a.concurrency, progress)
     summary = summarize(convs, settings, rejects, plain is not None, time.time() - t0)
+    if why:
+        summary["stopped"] = why[0]
     report = {**summary, "server": spec.display_url, "plain": plain.display_url if plain else None,
               "max_new_tokens": a.max_new_tokens, "tie_margin": a.tie_margin,
-              "by_conversation": [{k: v for k, v in asdict(c).items() if k != "output_ids"} for c in convs],
+              "by_conversation": [{k: v for k, v in asdict(c).items() if k not in ("output_ids", "unreachable")}
+                                  for c in convs],
               "rejects": rejects}
     if a.out:
         from hs_patch.files import write_text_atomic
@@ -260,8 +277,9 @@ def run_args(a: argparse.Namespace) -> int:
     from hs_patch.host.driver.client import ClientError
     from hs_patch.host.driver.datafile import DataFileError
 
-    if a.max_new_tokens < 1 or a.concurrency < 1 or a.limit < 0:
-        print("hs-extract accept: --max-new-tokens and --concurrency must be >= 1, --limit >= 0", file=sys.stderr)
+    if a.max_new_tokens < 1 or a.concurrency < 1 or a.limit < 0 or a.max_consecutive_failures < 0:
+        print("hs-extract accept: --max-new-tokens and --concurrency must be >= 1, --limit and "
+              "--max-consecutive-failures >= 0", file=sys.stderr)
         return EXIT_ERROR
     try:
         json.loads(a.chat_template_kwargs)
@@ -297,6 +315,10 @@ def run_args(a: argparse.Namespace) -> int:
 def _verdict(s: dict[str, Any]) -> int:
     """The exit code, saying on stderr why a run proves nothing (or not everything)."""
     g = s.get("greedy", {})
+    if s.get("stopped"):
+        print(f"hs-extract accept: stopped: {s['stopped']}; is the server up? Run it again when it is",
+              file=sys.stderr)
+        return EXIT_ERROR
     if s["accept_length"] is None:
         why = (f"every conversation failed, e.g. {s.get('first_error')}" if s["measured"] == 0 else
                "no answer had a verify pass (raise --max-new-tokens: the first token comes from the prefill)")
