@@ -351,6 +351,22 @@ def test_destination_must_be_new_or_the_same_export(src, tmp_path):
         export(src, dst, ExportSpec("speculators", fp8=True))
 
 
+
+def test_another_source_never_deletes_what_an_export_holds(src, tmp_path):
+    """Exporting run B into run A's export (to merge them) deleted A's samples from it as 'gone
+    from the source'; the same run moved elsewhere (nothing gone) is still exported in place."""
+    dst = tmp_path / "sp"
+    export(src, dst, ExportSpec("speculators"))
+    other = tmp_path / "other"
+    write_run(other, 2, shipped=True)
+    with pytest.raises(ExportRefused, match="lacks 5 of its samples"):
+        export(other, dst, ExportSpec("speculators"))
+    assert len(layout.live_entries(dst)) == 7 and len(list((dst / "hidden_states").glob("hs_*"))) == 7
+    moved = tmp_path / "moved"
+    src.rename(moved)
+    s = export(moved, dst, ExportSpec("speculators"))
+    assert (s.state, s.kept, s.removed) == ("complete", 7, 0)
+
 def test_raw_capture_without_loss_mask_is_refused(tmp_path):
     raw = tmp_path / "raw"
     t = torch.tensor([1, 2, 3])

@@ -199,6 +199,11 @@ def export(src: str | Path, dst: str | Path, spec: ExportSpec, *, workers: int =
                                 "or remove this one")
         if not prev and any(p.name != layout.LOCK for p in dst.iterdir()):
             raise ExportRefused(f"{dst} is not empty and holds no export.json: give a new or empty directory")
+        gone = set(layout.live_entries(dst)) - set(entries) if prev else set()
+        if gone and prev.get("source") not in (None, str(src)):
+            raise ExportRefused(f"{dst} is an export of {prev['source']}, and {src} lacks {len(gone)} of its samples, "
+                                "which this run would delete from it: export into a new directory (runs are merged "
+                                f"at the source, e.g. a fleet run's RUN/HOST/ parts), or remove {dst} first")
         info = {"identity": spec.identity(), "source": str(src), "hs_patch": __version__, "state": "in-progress",
                 "sample_format": meta.get("format"), "dtype": meta.get("dtype"), "hidden_size": meta.get("hidden_size"),
                 "sglang_release_captured": meta.get("sglang_release"), "model": meta.get("model"),
