@@ -214,6 +214,16 @@ def test_a_missing_data_file_is_an_error_not_a_traceback(servers, tiny_model_dir
     assert rc == 1 and "nope.jsonl cannot be read" in capsys.readouterr().err
 
 
+def test_an_out_file_that_cannot_be_written_is_refused_before_measuring(servers, tiny_model_dir, heldout, tmp_path,
+                                                                        capsys):
+    """Found only after the whole measurement (an hour at 1,000 chats), it lost the measurement."""
+    before = servers["good"].engine.passes
+    rc = main(["accept", "--server", servers["good"].url, "--data", str(heldout), "--model", str(tiny_model_dir),
+               "--out", str(tmp_path / "no-such-dir" / "report.json")])
+    assert rc == 1 and "no-such-dir does not exist or is not writable" in capsys.readouterr().err
+    assert servers["good"].engine.passes == before, "nothing was sent"
+
+
 def test_ctrl_c_stops_at_once_with_requests_in_flight(servers, tiny_model_dir, heldout, tmp_path):
     """A slow server: Ctrl-C must not wait up to --timeout for the requests in flight."""
     import os

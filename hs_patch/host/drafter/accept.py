@@ -286,6 +286,10 @@ def run_args(a: argparse.Namespace) -> int:
     except ValueError:
         print(f"hs-extract accept: --chat-template-kwargs {a.chat_template_kwargs!r} is not JSON", file=sys.stderr)
         return EXIT_ERROR
+    if a.out and not os.access(os.path.dirname(os.path.abspath(a.out)), os.W_OK):   # before the hours of measuring
+        print(f"hs-extract accept: --out {a.out}: its directory {os.path.dirname(os.path.abspath(a.out))} does not "
+              "exist or is not writable", file=sys.stderr)
+        return EXIT_ERROR
     bar = _Bar(not a.json and sys.stderr.isatty())
     try:
         with bar:
