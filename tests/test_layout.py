@@ -74,7 +74,8 @@ DRIVER_USERS = {
     "hs_patch/host/fidelity/check.py": {"client"},          # the server's /generate answer: generated token, top-1
     "hs_patch/host/shipping/batches.py": {"runstate"},      # the driver's done marker and shipped.jsonl's name
     # hs-extract accept reads held-out chats, renders prompts and calls /generate exactly as the driver does
-    "hs_patch/host/drafter/accept.py": {"chat", "client", "dataset"},
+    # (and reports the reader's unreadable-file error, datafile's, as the driver does)
+    "hs_patch/host/drafter/accept.py": {"chat", "client", "dataset", "datafile"},
 }
 READINESS_LAZY = {"torch", "tvm_ffi"}  # imported inside the GPU checks only, by the venv's Python
 

@@ -52,10 +52,16 @@ def heldout(tmp_path):
 
 
 def _accept(servers, name, tiny_model_dir, data, capsys, *extra) -> tuple[int, dict]:
+    rc, s, _ = _accept_err(servers, name, tiny_model_dir, data, capsys, *extra)
+    return rc, s
+
+
+def _accept_err(servers, name, tiny_model_dir, data, capsys, *extra) -> tuple[int, dict, str]:
     rc = main(["accept", "--server", servers[name].url, "--data", str(data), "--model", str(tiny_model_dir),
                "--max-new-tokens", "12", "--ignore-eos", "--json", *extra])
-    out = capsys.readouterr().out.strip().splitlines()
-    return rc, json.loads(out[-1]) if out else {}
+    cap = capsys.readouterr()
+    out = cap.out.strip().splitlines()
+    return rc, json.loads(out[-1]) if out else {}, cap.err
 
 
 def test_accept_length_is_completion_over_verify_passes_and_greedy_output_is_unchanged(
@@ -117,3 +123,146 @@ def test_wrong_servers_and_bad_input_are_refused_with_what_to_do(servers, tiny_m
     assert rc == 1 and "is not JSON" in capsys.readouterr().err
     rc = main(["accept", "--server", "http://127.0.0.1:9", "--data", str(heldout), "--model", str(tiny_model_dir)])
     assert rc == 1 and "failed after" in capsys.readouterr().err
+
+
+class _Front:
+    """An HTTP front: GET (server info) from ``info_url``, each POST /generate answered by ``post(n, body)``
+    (n counts from 0) as (status, body); ``forward`` sends one to a server as it is."""
+
+    def __init__(self, info_url: str, post):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        front, self.posted = self, threading.Event()
+        self.count, self.lock = 0, threading.Lock()
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _answer(self, status: int, data: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._answer(*_Front.forward(info_url + self.path, None))
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                with front.lock:
+                    n, front.count = front.count, front.count + 1
+                front.posted.set()
+                answer = post(n, body)
+                if answer is None:   # hang up without an answer, as a dead server's proxy does
+                    self.close_connection = True
+                    return
+                self._answer(*answer)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    @staticmethod
+    def forward(url: str, body) -> tuple[int, bytes]:
+        import urllib.request
+
+        req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"},
+                                     method="POST" if body is not None else "GET")
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_a_greedy_check_that_could_not_compare_does_not_pass(servers, tiny_model_dir, heldout, capsys):
+    """--plain answering nothing (dead, overloaded, refusing) is no proof that greedy output is unchanged."""
+    dead = _Front(servers["plain"].url, lambda n, body: (400, b'{"error": {"message": "refused"}}'))
+    try:
+        rc, s, err = _accept_err(servers, "good", tiny_model_dir, heldout, capsys, "--plain", dead.url)
+    finally:
+        dead.close()
+    assert s["greedy"]["errors"] == 6 and s["greedy"]["compared"] == 0
+    assert rc == 1, "a check that compared nothing must not exit 0"
+    assert "greedy check is incomplete" in err and "refused" in err
+
+
+def test_answers_without_verify_passes_never_count_as_accepted_tokens(servers, tiny_model_dir, heldout, capsys):
+    """Every other answer from a server without speculative decoding (no spec_verify_ct): its tokens
+    must not be added to the accepted ones with no verify pass (an accept length above draft tokens)."""
+    mixed = _Front(servers["good"].url, lambda n, body: _Front.forward(
+        servers["plain" if n % 2 else "good"].url + "/generate", body))
+    try:
+        rc, s = _accept({**servers, "mixed": mixed}, "mixed", tiny_model_dir, heldout, capsys, "--concurrency", "1")
+    finally:
+        mixed.close()
+    assert s["accept_length"] <= 4.0 and s["failed"] == 3 and "without spec_verify_ct" in s["first_error"]
+    assert rc == 0
+    rc, s, err = _accept_err(servers, "good", tiny_model_dir, heldout, capsys, "--max-new-tokens", "1")
+    assert rc == 1 and s["accept_length"] is None, "one token each: no verify pass, nothing measured"
+    assert "no answer had a verify pass" in err
+
+
+def test_a_missing_data_file_is_an_error_not_a_traceback(servers, tiny_model_dir, tmp_path, capsys):
+    rc = main(["accept", "--server", servers["good"].url, "--data", str(tmp_path / "nope.jsonl"),
+               "--model", str(tiny_model_dir)])
+    assert rc == 1 and "nope.jsonl cannot be read" in capsys.readouterr().err
+
+
+def test_an_out_file_that_cannot_be_written_is_refused_before_measuring(servers, tiny_model_dir, heldout, tmp_path,
+                                                                        capsys):
+    """Found only after the whole measurement (an hour at 1,000 chats), it lost the measurement."""
+    before = servers["good"].engine.passes
+    rc = main(["accept", "--server", servers["good"].url, "--data", str(heldout), "--model", str(tiny_model_dir),
+               "--out", str(tmp_path / "no-such-dir" / "report.json")])
+    assert rc == 1 and "no-such-dir does not exist or is not writable" in capsys.readouterr().err
+    assert servers["good"].engine.passes == before, "nothing was sent"
+
+
+def test_ctrl_c_stops_at_once_with_requests_in_flight(servers, tiny_model_dir, heldout, tmp_path):
+    """A slow server: Ctrl-C must not wait up to --timeout for the requests in flight."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    slow = _Front(servers["good"].url, lambda n, body: (time.sleep(60), (503, b"{}"))[1])
+    try:
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+        p = subprocess.Popen([sys.executable, "-m", "hs_patch.host.extract_cli", "accept", "--server", slow.url,
+                              "--data", str(heldout), "--model", str(tiny_model_dir), "--out", str(tmp_path / "r.json")],
+                             env=env, stderr=subprocess.PIPE, text=True)
+        assert slow.posted.wait(60), "no request reached the server"
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        rc = p.wait(30)
+        err = p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+        slow.close()
+    assert time.monotonic() - t0 < 10 and rc == 130 and "interrupted" in err and "Traceback" not in err
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_a_server_that_stops_answering_stops_the_run(servers, tiny_model_dir, heldout, capsys, monkeypatch):
+    """Each conversation retries an unreachable server for about a minute: without a stop, 1,000
+    held-out chats at --concurrency 16 would take an hour to fail."""
+    from hs_patch.host.driver import client
+
+    monkeypatch.setattr(client.RetryPolicy, "delay", lambda self, attempt: 0.0)
+    gone = _Front(servers["good"].url, lambda n, body: None)
+    try:
+        rc, s, err = _accept_err({**servers, "gone": gone}, "gone", tiny_model_dir, heldout, capsys,
+                                 "--concurrency", "1", "--max-consecutive-failures", "2")
+    finally:
+        gone.close()
+    attempts = 1 + client.RetryPolicy().retries
+    assert rc == 1 and gone.count == 2 * attempts, "two conversations tried, the other four never sent"
+    assert s["failed"] == 6 and "2 conversations in a row" in s["stopped"] and "is the server up?" in err

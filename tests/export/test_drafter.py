@@ -99,6 +99,19 @@ def test_cli_writes_the_block_into_a_drafter_config(tmp_path, capsys):
     assert "cannot serve an EAGLE-3 drafter on Kimi-K2.5" in capsys.readouterr().err
 
 
+
+def test_cli_refuses_bad_layers_and_configs_with_what_to_give(tmp_path, capsys):
+    for layers in ("", "a,b", ","):
+        assert main(["drafter-config", "--serve-release", "0.5.23", "--layers", layers, "--num-layers", "61"]) == 1
+        assert "comma-separated layer numbers" in capsys.readouterr().err, layers
+    for text in ("[1]", '{"eagle_config": "x"}'):
+        cfg = tmp_path / "config.json"
+        cfg.write_text(text)
+        assert main(["drafter-config", "--serve-release", "0.5.23", "--layers", "2,30,58", "--num-layers", "61",
+                     "--into", str(cfg)]) == 1
+        assert "is not a drafter config.json" in capsys.readouterr().err and cfg.read_text() == text
+
+
 def test_cli_reads_the_layers_of_an_export_and_of_samples(tmp_path, capsys):
     from hs_patch.host.export.run import export
     from hs_patch.host.export.spec import ExportSpec

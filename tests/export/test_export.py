@@ -115,6 +115,19 @@ def test_derive_post_norm_uses_the_models_norm_weight(tmp_path, tiny_model_dir):
         assert same_bits(g["raw"]["hidden_state"][0], derived)
 
 
+
+def test_a_model_of_another_width_is_refused_before_any_sample(tmp_path, tiny_model_dir):
+    """--model names the served model: its norm weight derives the post-norm state and its depth
+    the serving ids; another model's would fail every sample with a bare tensor-size error (and
+    'run again' never helps), or record serving ids for the wrong depth."""
+    pre = tmp_path / "pre"
+    write_run(pre, 3, final="pre", layers=(1, 2, 3), hidden=128)   # the tiny model is 64 wide
+    for spec in (ExportSpec("specforge", derive_post_norm=True, model=str(tiny_model_dir)),
+                 ExportSpec("speculators", model=str(tiny_model_dir))):
+        with pytest.raises(ExportRefused, match="has hidden_size 64, the samples 128"):
+            export(pre, tmp_path / spec.format, spec)
+        assert not (tmp_path / spec.format).exists()
+
 # --------------------------------------------------------------------------- speculators
 
 
@@ -238,6 +251,94 @@ def test_damaged_source_fails_that_sample_only(src, tmp_path):
     assert json.loads((tmp_path / "sf" / "export.json").read_text())["state"] == "incomplete"
 
 
+@pytest.mark.parametrize("damage", ["missing", "header"])
+def test_a_damaged_first_sample_fails_that_sample_only(src, tmp_path, damage):
+    """The export reads what it holds from one sample's header: a damaged or missing first file
+    (by key) must fail as that sample, as any other does, not refuse the whole export."""
+    entries = store.read_manifest(src)
+    key = min(entries)
+    p = src / entries[key]["file"]
+    if damage == "missing":
+        p.unlink()
+    else:
+        p.write_bytes(b"\0" * 64 + p.read_bytes()[64:])
+    s = export(src, tmp_path / "sf", ExportSpec("specforge"))
+    assert s.state == "incomplete" and list(s.failed) == [key] and s.exported == 6
+
+
+class Crash(BaseException):
+    """A SIGKILL stand-in: nothing after it runs, no handler catches it."""
+
+
+def _crash_when(monkeypatch, hit) -> None:
+    import os
+
+    real = os.replace
+
+    def replace(a, b):
+        if hit(str(b)):
+            raise Crash(b)
+        return real(a, b)
+
+    monkeypatch.setattr(os, "replace", replace)
+
+
+def test_speculators_rows_never_pair_with_moved_files_after_a_crash(src, tmp_path, monkeypatch):
+    """Rows move when a sample leaves the source; a crash at the first move must not leave the
+    old table loadable (its row would pair with another sample's file)."""
+    import datasets
+
+    dst = tmp_path / "sp"
+    export(src, dst, ExportSpec("speculators"))
+    live = layout.live_entries(dst)
+    store.Manifest(src).remove(min(live, key=lambda k: live[k]["row"]))   # row 0: the last row moves into it
+    with monkeypatch.context() as m:
+        _crash_when(m, lambda b: "/hidden_states/hs_" in b)
+        with pytest.raises(Crash):
+            export(src, dst, ExportSpec("speculators"))
+    with pytest.raises(FileNotFoundError):
+        datasets.load_from_disk(str(dst))
+    assert export(src, dst, ExportSpec("speculators")).state == "complete"
+    assert len(speculators_rows(dst)) == 6
+
+
+def test_speculators_table_is_whole_after_a_crash_while_it_is_replaced(src, tmp_path, monkeypatch):
+    """New samples make a new table; a crash after its data files are in place and before its
+    state.json must not leave the old state.json naming the old files (fewer rows) for a resume
+    to call complete."""
+    import datasets
+
+    keys = sorted(store.read_manifest(src))
+    half = tmp_path / "half"
+    write_run(half, 4, shipped=True)
+    dst = tmp_path / "sp"
+    export(half, dst, ExportSpec("speculators"))
+    write_run(half, 7, shipped=True)   # the same first 4 samples again (appended as adds) and 3 more
+    real_save = datasets.Dataset.save_to_disk
+    with monkeypatch.context() as m:
+        m.setattr(datasets.Dataset, "save_to_disk", lambda self, path, **kw: real_save(self, path, max_shard_size=200))
+        _crash_when(m, lambda b: b.endswith("/state.json"))
+        with pytest.raises(Crash):
+            export(half, dst, ExportSpec("speculators"))
+    s = export(half, dst, ExportSpec("speculators"))
+    assert s.state == "complete" and s.info["samples"] == 7 and len(keys) == 7
+    assert len(datasets.load_from_disk(str(dst))) == 7 and len(speculators_rows(dst)) == 7
+
+
+def test_a_killed_table_build_is_removed_by_the_next_run(src, tmp_path):
+    """A SIGKILL while the table is built leaves DST/.tmp/table.<pid> (its rows twice: the cache
+    and the table); the next run, holding the export's lock, removes it."""
+    import datasets
+
+    dst = tmp_path / "sp"
+    export(src, dst, ExportSpec("speculators"))
+    left = dst / ".tmp" / "table.4242" / "cache"
+    left.mkdir(parents=True)
+    (left / "data.arrow").write_bytes(b"rows of a killed run" * 100)
+    assert export(src, dst, ExportSpec("speculators")).state == "complete"
+    assert not list((dst / ".tmp").glob("table.*"))
+    assert len(datasets.load_from_disk(str(dst))) == 7
+
 def test_destination_must_be_new_or_the_same_export(src, tmp_path):
     other = tmp_path / "other"
     other.mkdir()
@@ -249,6 +350,22 @@ def test_destination_must_be_new_or_the_same_export(src, tmp_path):
     with pytest.raises(ExportRefused, match="another export"):
         export(src, dst, ExportSpec("speculators", fp8=True))
 
+
+
+def test_another_source_never_deletes_what_an_export_holds(src, tmp_path):
+    """Exporting run B into run A's export (to merge them) deleted A's samples from it as 'gone
+    from the source'; the same run moved elsewhere (nothing gone) is still exported in place."""
+    dst = tmp_path / "sp"
+    export(src, dst, ExportSpec("speculators"))
+    other = tmp_path / "other"
+    write_run(other, 2, shipped=True)
+    with pytest.raises(ExportRefused, match="lacks 5 of its samples"):
+        export(other, dst, ExportSpec("speculators"))
+    assert len(layout.live_entries(dst)) == 7 and len(list((dst / "hidden_states").glob("hs_*"))) == 7
+    moved = tmp_path / "moved"
+    src.rename(moved)
+    s = export(moved, dst, ExportSpec("speculators"))
+    assert (s.state, s.kept, s.removed) == ("complete", 7, 0)
 
 def test_raw_capture_without_loss_mask_is_refused(tmp_path):
     raw = tmp_path / "raw"
@@ -283,3 +400,84 @@ def test_cli_export_of_a_missing_or_empty_source_says_which(tmp_path, capsys):
         assert main(["export", "--format", "speculators", str(tmp_path / src), str(tmp_path / "out")]) == 1
         assert says in capsys.readouterr().err, src
     assert not (tmp_path / "out").exists(), "nothing is written for a refused source"
+
+
+def test_workers_of_a_killed_export_exit_too(tmp_path):
+    """SIGKILL (or the OOM killer) on hs-extract export: its worker processes must not wait forever."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    src = tmp_path / "run"
+    write_run(src, 40, lengths=(300, 200), hidden=512, shipped=True)
+
+    def children(pid: int) -> list[int]:
+        out = []
+        for d in Path("/proc").iterdir():
+            try:
+                if d.name.isdigit() and int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid \
+                        and b"spawn_main" in (d / "cmdline").read_bytes():
+                    out.append(int(d.name))
+            except (OSError, ValueError, IndexError):
+                pass
+        return out
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    p = subprocess.Popen([sys.executable, "-m", "hs_patch.host.extract_cli", "export", "--format", "speculators",
+                          "--workers", "2", str(src), str(tmp_path / "sp")], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(workers) < 2 and time.monotonic() < deadline and p.poll() is None:
+            workers = children(p.pid)
+            time.sleep(0.05)
+        assert len(workers) == 2, "the export did not start its two workers"
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(Path(f"/proc/{w}").exists() for w in workers):
+            time.sleep(0.2)
+        left = [w for w in workers if Path(f"/proc/{w}").exists() and b"Z" not in
+                (Path(f"/proc/{w}/stat").read_bytes().rsplit(b")", 1)[1][:3])]
+        assert not left, f"workers {left} outlived their export"
+    finally:
+        if p.poll() is None:
+            p.kill()
+        for w in workers:
+            try:
+                os.kill(w, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "speculators"])
+def test_a_full_destination_stops_the_export_and_a_rerun_finishes_it(src, tmp_path, monkeypatch, capsys, fmt):
+    """ENOSPC: every later sample would be read whole (and its sha256 checked) only to fail the same
+    way, one line each; the export stops there, says the destination is full, and resumes."""
+    import errno
+
+    from hs_patch.host.export import writers
+    from hs_patch.host.extract_cli import main
+
+    name = "write_specforge" if fmt == "specforge" else "write_speculators"
+    real, calls = getattr(writers, name), []
+
+    def write(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*a, **kw)
+
+    dst = tmp_path / fmt
+    with monkeypatch.context() as m:
+        m.setattr(writers, name, write)
+        assert main(["export", "--format", fmt, "--workers", "1", str(src), str(dst)]) == 3
+    cap = capsys.readouterr()
+    assert len(calls) == 3, "no sample is tried after the destination filled up"
+    assert f"{dst} is full" in cap.err and "4 samples not tried" in cap.err and "train:" not in cap.out
+    assert main(["export", "--format", fmt, "--workers", "1", "--json", str(src), str(dst)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["state"], out["exported"], out["kept"]) == ("complete", 5, 2)

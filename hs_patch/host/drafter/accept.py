@@ -19,9 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
@@ -29,11 +30,12 @@ DESCRIPTION = __doc__.split("\n\n", 1)[1] + """
 output: a summary line (--json: one JSON object) and, with --out FILE, the whole report (every
 conversation, every difference) as JSON, written atomically.
 
-exit codes: 0 measured (and, with --plain, every difference is a near-tie); 1 error or nothing
-measured; 3 with --plain, an output differs beyond a near-tie (listed)
+exit codes: 0 measured (and, with --plain, every output compared and every difference a
+near-tie); 1 error, nothing measured, stopped after --max-consecutive-failures, or with --plain
+a comparison that could not be made; 3 with --plain, an output differs beyond a near-tie (listed); 130 interrupted (nothing written)
 """
 
-EXIT_OK, EXIT_ERROR, EXIT_MISMATCH = 0, 1, 3
+EXIT_OK, EXIT_ERROR, EXIT_MISMATCH, EXIT_INTERRUPTED = 0, 1, 3, 130
 SPEC_KEYS = ("speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
              "speculative_num_draft_tokens", "speculative_draft_model_path")
 
@@ -48,6 +50,7 @@ class Conversation:
     output_ids: list[int] = field(default_factory=list)
     error: str = ""
     greedy: dict[str, Any] = field(default_factory=dict)
+    unreachable: bool = False   # the server did not answer at all (not in the report)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -73,6 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code (Kimi)")
     p.add_argument("--chat-template-kwargs", default="{}", metavar="JSON", help="extra chat template variables")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="per request (default: %(default)s)")
+    p.add_argument("--max-consecutive-failures", type=int, default=5, metavar="N", help="stop sending after N "
+                   "conversations in a row found a server unreachable, each after its retries (about a minute): "
+                   "the rest fail as not sent (0: never stop; default: %(default)s)")
     p.add_argument("--out", metavar="FILE", help="write the whole report here (JSON)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
@@ -111,19 +117,23 @@ def spec_settings(info: dict[str, Any]) -> dict[str, Any]:
 
 
 def measure_one(client: Any, sid: str, ids: list[int], params: dict[str, Any], k: int) -> Conversation:
-    from hs_patch.host.driver.client import ClientError
+    from hs_patch.host.driver.client import ClientError, ServerRejected
 
     c = Conversation(sid, len(ids))
     try:
         out = client.generate(ids, params, f"accept-{os.getpid()}-{k}")
     except ClientError as e:
-        c.error = str(e)
+        c.error, c.unreachable = str(e), not isinstance(e, ServerRejected)
         return c
-    meta = out["meta_info"]
+    meta = out.get("meta_info") or {}
     c.output_ids = [int(t) for t in out.get("output_ids") or []]
     c.completion_tokens = int(meta.get("completion_tokens") or len(c.output_ids))
     c.verify_ct = int(meta.get("spec_verify_ct") or 0)
     c.accept_length = round(c.completion_tokens / c.verify_ct, 4) if c.verify_ct else None
+    if not c.verify_ct and c.completion_tokens > 1:
+        # SGLang leaves spec_verify_ct out only when no verify pass ran (one token, from the prefill)
+        c.error = (f"{c.completion_tokens} tokens without spec_verify_ct: not an EAGLE-3 answer (its tokens would "
+                   "count with no verify pass and inflate the accept length)")
     return c
 
 
@@ -162,6 +172,8 @@ def summarize(convs: list[Conversation], settings: dict[str, Any], rejects: list
                          "failed": len(convs) - len(ok), "rejected_lines": len(rejects),
                          "completion_tokens": comp, "verify_ct": ver,
                          "accept_length": round(comp / ver, 4) if ver else None, "seconds": round(seconds, 1)}
+    if len(ok) < len(convs):
+        s["first_error"] = next(c.error for c in convs if c.error)
     per = sorted(c.accept_length for c in ok if c.accept_length is not None)
     if per:
         s["per_conversation"] = {"min": per[0], "median": per[len(per) // 2], "max": per[-1]}
@@ -171,6 +183,8 @@ def summarize(convs: list[Conversation], settings: dict[str, Any], rejects: list
         s["greedy"] = {"compared": len([x for x in g if "identical" in x]), "identical": sum(1 for x in g if x.get(
             "identical")), "differing": len(diff), "near_tie": sum(1 for x in diff if x.get("near_tie")),
             "mismatch": sum(1 for x in diff if not x.get("near_tie")), "errors": sum(1 for x in g if "error" in x)}
+        if s["greedy"]["errors"]:
+            s["greedy"]["first_error"] = next(x["error"] for x in g if "error" in x)
     return s
 
 
@@ -180,13 +194,14 @@ def run(a: argparse.Namespace, progress: Callable[[int, int], None] = lambda don
 
     kwargs = json.loads(a.chat_template_kwargs)
     key = read_api_key(a.api_key_file)
-    spec = SGLangClient(a.server, timeout=a.timeout, api_key=key)
+    stop, why = threading.Event(), []
+    spec = SGLangClient(a.server, timeout=a.timeout, api_key=key, should_stop=stop.is_set)
     settings = spec_settings(spec.server_info(timeout=30))
     if str(settings["speculative_algorithm"] or "").upper() not in ("EAGLE3", "EAGLE"):
         raise ValueError(f"{spec.display_url} does not run EAGLE-3 (speculative_algorithm "
                          f"{settings['speculative_algorithm']!r}): start it with --speculative-algorithm EAGLE3 "
                          "--speculative-draft-model-path DRAFTER")
-    plain = SGLangClient(a.plain, timeout=a.timeout, api_key=key) if a.plain else None
+    plain = SGLangClient(a.plain, timeout=a.timeout, api_key=key, should_stop=stop.is_set) if a.plain else None
     if plain is not None and plain.server_info(timeout=30).get("speculative_algorithm"):
         raise ValueError(f"--plain {plain.display_url} runs speculative decoding itself: give a server of the same "
                          "target without --speculative-algorithm")
@@ -194,25 +209,32 @@ def run(a: argparse.Namespace, progress: Callable[[int, int], None] = lambda don
     if not work:
         raise ValueError(f"no usable conversation in {', '.join(a.data)} ({len(rejects)} rejected lines)")
     params = {"max_new_tokens": a.max_new_tokens, "temperature": 0.0, "ignore_eos": a.ignore_eos}
-    t0, done = time.time(), 0
+    t0 = time.time()
+    lock, in_a_row = threading.Lock(), [0]
 
     def one(k: int) -> Conversation:
         sid, ids = work[k]
+        if stop.is_set():
+            return Conversation(sid, len(ids), error=f"not sent: {why[0]}")
         c = measure_one(spec, sid, ids, params, k)
+        with lock:
+            in_a_row[0] = in_a_row[0] + 1 if c.unreachable else 0
+            if a.max_consecutive_failures and in_a_row[0] >= a.max_consecutive_failures and not stop.is_set():
+                why.append(f"{in_a_row[0]} conversations in a row found {spec.display_url} unreachable, the last: "
+                           f"{c.error}")
+                stop.set()
         if plain is not None and not c.error:
             compare(plain, c, ids, params, a.tie_margin, k)
         return c
 
-    convs = []
-    with ThreadPoolExecutor(max(1, a.concurrency)) as pool:
-        for c in pool.map(one, range(len(work))):
-            convs.append(c)
-            done += 1
-            progress(done, len(work))
+    convs = _map(one, len(work), a.concurrency, progress)
     summary = summarize(convs, settings, rejects, plain is not None, time.time() - t0)
+    if why:
+        summary["stopped"] = why[0]
     report = {**summary, "server": spec.display_url, "plain": plain.display_url if plain else None,
               "max_new_tokens": a.max_new_tokens, "tie_margin": a.tie_margin,
-              "by_conversation": [{k: v for k, v in asdict(c).items() if k != "output_ids"} for c in convs],
+              "by_conversation": [{k: v for k, v in asdict(c).items() if k not in ("output_ids", "unreachable")}
+                                  for c in convs],
               "rejects": rejects}
     if a.out:
         from hs_patch.files import write_text_atomic
@@ -221,24 +243,63 @@ def run(a: argparse.Namespace, progress: Callable[[int, int], None] = lambda don
     return summary
 
 
+def _map(fn: Callable[[int], Conversation], total: int, concurrency: int,
+         progress: Callable[[int, int], None]) -> list[Conversation]:
+    """``fn(k)`` for k in 0..total-1, ``concurrency`` at a time, in order. Daemon threads: Ctrl-C
+    returns at once instead of waiting up to --timeout for the requests in flight."""
+    results: list[Any] = [None] * total
+    finished: queue.Queue[int] = queue.Queue()
+    todo, lock = iter(range(total)), threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                k = next(todo, None)
+            if k is None:
+                return
+            try:
+                results[k] = fn(k)
+            except BaseException as e:  # noqa: BLE001  (re-raised in the caller's thread)
+                results[k] = e
+            finished.put(k)
+
+    for _ in range(min(max(1, concurrency), total)):
+        threading.Thread(target=worker, daemon=True, name="accept").start()
+    for done in range(1, total + 1):
+        k = finished.get()
+        if isinstance(results[k], BaseException):
+            raise results[k]
+        progress(done, total)
+    return results
+
+
 def run_args(a: argparse.Namespace) -> int:
     from hs_patch.host.driver.client import ClientError
+    from hs_patch.host.driver.datafile import DataFileError
 
-    if a.max_new_tokens < 1 or a.concurrency < 1 or a.limit < 0:
-        print("hs-extract accept: --max-new-tokens and --concurrency must be >= 1, --limit >= 0", file=sys.stderr)
+    if a.max_new_tokens < 1 or a.concurrency < 1 or a.limit < 0 or a.max_consecutive_failures < 0:
+        print("hs-extract accept: --max-new-tokens and --concurrency must be >= 1, --limit and "
+              "--max-consecutive-failures >= 0", file=sys.stderr)
         return EXIT_ERROR
     try:
         json.loads(a.chat_template_kwargs)
     except ValueError:
         print(f"hs-extract accept: --chat-template-kwargs {a.chat_template_kwargs!r} is not JSON", file=sys.stderr)
         return EXIT_ERROR
+    if a.out and not os.access(os.path.dirname(os.path.abspath(a.out)), os.W_OK):   # before the hours of measuring
+        print(f"hs-extract accept: --out {a.out}: its directory {os.path.dirname(os.path.abspath(a.out))} does not "
+              "exist or is not writable", file=sys.stderr)
+        return EXIT_ERROR
     bar = _Bar(not a.json and sys.stderr.isatty())
     try:
         with bar:
             s = run(a, bar.update)
-    except (ClientError, ValueError, OSError) as e:
+    except (ClientError, DataFileError, ValueError, OSError) as e:
         print(f"hs-extract accept: {e}", file=sys.stderr)
         return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("hs-extract accept: interrupted; nothing written (run it again)", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if a.json:
         print(json.dumps(s, sort_keys=True))
     else:
@@ -250,10 +311,30 @@ def run_args(a: argparse.Namespace) -> int:
         if "greedy" in s:
             g = s["greedy"]
             print(f"greedy: {g['identical']}/{g['compared']} identical to the plain server, {g['near_tie']} "
-                  f"near-ties, {g['mismatch']} mismatches" + (f" (see {a.out})" if a.out and g["mismatch"] else ""))
-    if s["measured"] == 0:
+                  f"near-ties, {g['mismatch']} mismatches, {g['errors']} not compared"
+                  + (f" (see {a.out})" if a.out and (g["mismatch"] or g["errors"]) else ""))
+    return _verdict(s)
+
+
+def _verdict(s: dict[str, Any]) -> int:
+    """The exit code, saying on stderr why a run proves nothing (or not everything)."""
+    g = s.get("greedy", {})
+    if s.get("stopped"):
+        print(f"hs-extract accept: stopped: {s['stopped']}; is the server up? Run it again when it is",
+              file=sys.stderr)
         return EXIT_ERROR
-    return EXIT_MISMATCH if s.get("greedy", {}).get("mismatch") else EXIT_OK
+    if s["accept_length"] is None:
+        why = (f"every conversation failed, e.g. {s.get('first_error')}" if s["measured"] == 0 else
+               "no answer had a verify pass (raise --max-new-tokens: the first token comes from the prefill)")
+        print(f"hs-extract accept: nothing measured: {why}", file=sys.stderr)
+        return EXIT_ERROR
+    if g.get("mismatch"):
+        return EXIT_MISMATCH
+    if g.get("errors"):
+        print(f"hs-extract accept: the greedy check is incomplete: {g['errors']} of {g['errors'] + g['compared']} "
+              f"outputs could not be compared with --plain, e.g. {g.get('first_error')}", file=sys.stderr)
+        return EXIT_ERROR
+    return EXIT_OK
 
 
 class _Bar:

@@ -51,8 +51,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def planes_of(a: argparse.Namespace) -> tuple[list[int], dict[str, Any]]:
     """(planes, what the source says about the model)."""
-    if a.layers:
-        return [int(x) for x in a.layers.replace(" ", "").split(",") if x], {}
+    if a.layers is not None:
+        try:
+            planes = [int(x) for x in a.layers.replace(" ", "").split(",") if x]
+        except ValueError:
+            planes = []
+        if not planes:
+            raise ValueError(f"--layers {a.layers!r}: give the planes as comma-separated layer numbers, e.g. 2,30,58")
+        return planes, {}
     if a.export:
         from hs_patch.host.export import layout
 
@@ -103,6 +109,10 @@ def run_args(a: argparse.Namespace) -> int:
             cfg = json.loads(path.read_text())
         except (OSError, ValueError) as e:
             print(f"hs-extract drafter-config: {path}: {e}", file=sys.stderr)
+            return 1
+        if not isinstance(cfg, dict) or not isinstance(cfg.get("eagle_config") or {}, dict):
+            print(f"hs-extract drafter-config: {path} is not a drafter config.json (a JSON object whose eagle_config, "
+                  "if any, is an object): give the config.json of the exported drafter", file=sys.stderr)
             return 1
         cfg["eagle_config"] = {**(cfg.get("eagle_config") or {}), **block}
         store.write_text_atomic(path, json.dumps(cfg, indent=2) + "\n")

@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Optional
 
 from hs_patch import reader, store
 
@@ -33,6 +33,18 @@ def mask_sha256(mask: Any) -> str:
 def unpublish(dst: Path) -> None:
     """Make ``load_from_disk(dst)`` fail until :func:`write_table` publishes a table again."""
     (dst / STATE).unlink(missing_ok=True)
+
+
+def published_rows(dst: Path) -> Optional[int]:
+    """The rows of the table a trainer loads from ``dst`` now (None: none loads)."""
+    if not (dst / STATE).is_file():
+        return None
+    import datasets
+
+    try:
+        return len(datasets.load_from_disk(str(dst)))
+    except Exception:  # noqa: BLE001  (any table datasets cannot load is one to write again)
+        return None
 
 
 def _rows(src: Path, keys: list[str], src_entries: Mapping[str, Mapping[str, Any]],
@@ -70,6 +82,7 @@ def write_table(dst: Path, src: Path, keys_by_row: list[str], src_entries: Mappi
         del ds
         out = work / "out"
         files = [f["filename"] for f in json.loads((out / STATE).read_text())["_data_files"]]
+        unpublish(dst)   # the old state.json must not name a mix of old and new data files after a crash
         for name in files + [INFO]:
             os.replace(out / name, dst / name)
         os.replace(out / STATE, dst / STATE)

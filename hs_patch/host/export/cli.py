@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -75,7 +76,14 @@ def run_args(a: argparse.Namespace) -> int:
         with bar:
             s = export(a.src, a.dst, spec, workers=a.workers, quick=a.quick, fsync=not a.no_fsync,
                        progress=bar.update)
-    except (ExportRefused, ModelFileError, SampleError, RuntimeError, OSError) as e:
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            print(f"hs-extract export: {a.dst} is full ({e.strerror}): free space there and run the same command "
+                  "again (what is written is kept)", file=sys.stderr)
+        else:
+            print(f"hs-extract export: {e}", file=sys.stderr)
+        return 1
+    except (ExportRefused, ModelFileError, SampleError, RuntimeError) as e:
         print(f"hs-extract export: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -84,7 +92,7 @@ def run_args(a: argparse.Namespace) -> int:
     out = {"state": s.state, "exported": s.exported, "kept": s.kept, "failed": len(s.failed), "removed": s.removed,
            "moved": s.moved, "swept": s.swept, "tokens": s.tokens, "seconds": s.seconds,
            "src_bytes_read": s.src_bytes, "bytes_written": s.out_bytes, "export": str(a.dst),
-           "serving": s.info.get("serving")}
+           "serving": s.info.get("serving"), **({"full": s.full, "not_tried": s.not_tried} if s.full else {})}
     if a.json:
         print(json.dumps(out, sort_keys=True))
     else:
@@ -92,7 +100,11 @@ def run_args(a: argparse.Namespace) -> int:
             print(f"  failed {key}: {err}", file=sys.stderr)
         print(f"{s.state}: {s.exported} exported, {s.kept} kept, {len(s.failed)} failed, {s.removed} removed from "
               f"the export, {s.swept} stray files deleted; {s.tokens} tokens in {s.seconds:.1f}s")
-        print(train_hint(a, s.info))
+        if s.full:
+            print(f"stopped: {a.dst} is full ({s.full}); {s.not_tried} samples not tried: free space there and run "
+                  "the same command again", file=sys.stderr)
+        elif s.state == "complete":
+            print(train_hint(a, s.info))
     return 0 if s.state == "complete" else 3
 
 

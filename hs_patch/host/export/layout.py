@@ -15,9 +15,10 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from hs_patch import store
 
@@ -84,15 +85,21 @@ class Plan:
     swept: list[str] = field(default_factory=list)
 
 
-def plan(dst: Path, fmt: str, fp8: bool, src_keys: list[str], log: store.Manifest) -> Plan:
+def plan(dst: Path, fmt: str, fp8: bool, src_keys: list[str], log: store.Manifest,
+         before_rows_change: Callable[[], None] = lambda: None) -> Plan:
     """Drop what left the source, keep rows dense (speculators pairs row i with hs_i), sweep strays.
 
     Surviving samples keep their row; rows beyond the new count move into the holes
     (a rename and a new ``add``), new samples fill the remaining holes in key order.
+    ``before_rows_change`` runs before the first speculators file is deleted or moved (the
+    export withdraws its table there: a crash mid-way must not leave it pairing rows with
+    other samples' files).
     """
     live = live_entries(dst)
     wanted = set(src_keys)
     p = Plan()
+    if fmt != "specforge" and (set(live) - wanted or any(int(e["row"]) >= len(src_keys) for e in live.values())):
+        before_rows_change()
     for key in sorted(set(live) - wanted):
         (dst / live[key]["file"]).unlink(missing_ok=True)
         log.remove(key, reason="not in the source any more")
@@ -138,4 +145,6 @@ def sweep(dst: Path, fmt: str, fp8: bool, keep: set[str]) -> list[str]:
             out.append(rel)
     for tmp in dst.rglob(f"{store.TMPDIR}/*.tmp"):
         tmp.unlink(missing_ok=True)
+    for table in (dst / store.TMPDIR).glob("table.*"):   # a crashed run's table build (we hold the lock)
+        shutil.rmtree(table, ignore_errors=True)
     return out

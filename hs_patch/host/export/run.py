@@ -10,7 +10,10 @@ size only) and redoes the rest.
 
 from __future__ import annotations
 
+import errno
 import multiprocessing
+import os
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -50,6 +53,8 @@ class Summary:
     tokens: int = 0
     seconds: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
+    full: str = ""          # the destination filled up: why, and the samples not tried after it
+    not_tried: int = 0
 
 
 _NORM: dict[str, Any] = {}
@@ -64,10 +69,20 @@ def _norm(model: str) -> tuple[Any, float]:
     return _NORM[model]
 
 
-def _init_worker() -> None:
+def _init_worker(parent: Optional[int] = None) -> None:
     import torch
 
     torch.set_num_threads(1)
+    if parent is not None:
+        threading.Thread(target=_exit_with, args=(parent,), daemon=True, name="exit-with-parent").start()
+
+
+def _exit_with(parent: int) -> None:
+    """A worker whose export was killed (SIGKILL, the OOM killer) exits too: it would otherwise
+    wait forever on the task queue, whose write end every worker holds."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def work(t: Task) -> dict[str, Any]:
@@ -100,7 +115,8 @@ def work(t: Task) -> dict[str, Any]:
         return {"key": t.key, "status": "written", "record": rec, "tokens": rec["tokens"],
                 "src_bytes": t.src_entry["bytes"], "out_bytes": out.nbytes}
     except (store.SampleError, ExportRefused, OSError, RuntimeError, ValueError) as e:
-        return {"key": t.key, "status": "failed", "error": f"{type(e).__name__}: {e}"}
+        return {"key": t.key, "status": "failed", "error": f"{type(e).__name__}: {e}",
+                "full": isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)}
 
 
 def source_entries(src: Path) -> dict[str, dict[str, Any]]:
@@ -118,6 +134,31 @@ def source_entries(src: Path) -> dict[str, dict[str, Any]]:
         raise ExportRefused(f"{src}: no samples in {store.MANIFEST}: give a driver's --samples-dir, a shipped run "
                             "directory (RUN/ with manifest.jsonl and samples/) or a fleet run (RUN/HOST/ parts)")
     return entries
+
+
+def first_metadata(src: Path, entries: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """The header of the first sample that opens: what the export holds. A missing or damaged
+    file is not the export's business here: it fails as that one sample, in its turn."""
+    first_error: Optional[Exception] = None
+    for key in sorted(entries):
+        try:
+            with reader.open_sample(src / entries[key]["file"]) as s:
+                return dict(s.metadata)
+        except (store.SampleError, OSError) as e:
+            first_error = first_error or e
+    raise ExportRefused(f"{src}: no sample opens (e.g. {first_error}); hs-patch inspect {src} lists what is wrong: "
+                        "re-ship or re-extract the run first")
+
+
+def same_width(model: str, meta: dict[str, str]) -> None:
+    """Refuse a --model that did not serve these samples (its norm weight and depth would be used)."""
+    from hs_patch.host.model_files import model_info
+
+    info = model_info(model)
+    if meta.get("hidden_size", "").isdigit() and int(meta["hidden_size"]) != info.hidden_size:
+        raise ExportRefused(f"--model {model} has hidden_size {info.hidden_size}, the samples {meta['hidden_size']} "
+                            f"(captured from {meta.get('model') or 'another model'}): give the served model's "
+                            "directory")
 
 
 def _serving(spec: ExportSpec, meta: dict[str, str]) -> dict[str, Any]:
@@ -140,10 +181,10 @@ def export(src: str | Path, dst: str | Path, spec: ExportSpec, *, workers: int =
     t0 = time.time()
     src, dst = Path(src).resolve(), Path(dst).resolve()
     entries = source_entries(src)
-    first = entries[min(entries)]
-    with reader.open_sample(src / first["file"]) as s:
-        meta = dict(s.metadata)
+    meta = first_metadata(src, entries)
     spec = resolve(spec, meta)
+    if spec.model:
+        same_width(spec.model, meta)
     if spec.format == "speculators":
         try:
             import datasets  # noqa: F401  (the table is written last: refuse before any work)
@@ -158,6 +199,11 @@ def export(src: str | Path, dst: str | Path, spec: ExportSpec, *, workers: int =
                                 "or remove this one")
         if not prev and any(p.name != layout.LOCK for p in dst.iterdir()):
             raise ExportRefused(f"{dst} is not empty and holds no export.json: give a new or empty directory")
+        gone = set(layout.live_entries(dst)) - set(entries) if prev else set()
+        if gone and prev.get("source") not in (None, str(src)):
+            raise ExportRefused(f"{dst} is an export of {prev['source']}, and {src} lacks {len(gone)} of its samples, "
+                                "which this run would delete from it: export into a new directory (runs are merged "
+                                f"at the source, e.g. a fleet run's RUN/HOST/ parts), or remove {dst} first")
         info = {"identity": spec.identity(), "source": str(src), "hs_patch": __version__, "state": "in-progress",
                 "sample_format": meta.get("format"), "dtype": meta.get("dtype"), "hidden_size": meta.get("hidden_size"),
                 "sglang_release_captured": meta.get("sglang_release"), "model": meta.get("model"),
@@ -167,10 +213,10 @@ def export(src: str | Path, dst: str | Path, spec: ExportSpec, *, workers: int =
         layout.write_info(dst, info)
         log = store.Manifest(dst, layout.LOG)
         keys = sorted(entries)
-        table_ok = (dst / arrow.STATE).is_file()
-        pl = layout.plan(dst, spec.format, spec.fp8, keys, log)
+        table_ok = spec.format == "speculators" and arrow.published_rows(dst) == len(keys)
+        pl = layout.plan(dst, spec.format, spec.fp8, keys, log,
+                         before_rows_change=lambda: arrow.unpublish(dst))  # no trainer may load the old table
         if spec.format == "speculators" and (pl.removed or pl.moved):
-            arrow.unpublish(dst)   # rows now pair with other files: no trainer may load the old table
             table_ok = False
         live = layout.live_entries(dst)
         rows_added = any(k not in live for k in keys)
@@ -179,7 +225,8 @@ def export(src: str | Path, dst: str | Path, spec: ExportSpec, *, workers: int =
         summ = Summary("incomplete", removed=len(pl.removed), moved=len(pl.moved), swept=len(pl.swept))
         total = sum(e["bytes"] for e in entries.values())
         done_bytes = 0
-        for i, res in enumerate(_results(tasks, workers), 1):
+        results = _results(tasks, workers)
+        for i, res in enumerate(results, 1):
             done_bytes += entries[res["key"]]["bytes"]
             if res["status"] == "written":
                 log.append(res["record"])
@@ -190,6 +237,10 @@ def export(src: str | Path, dst: str | Path, spec: ExportSpec, *, workers: int =
                 summ.kept += 1
             else:
                 summ.failed[res["key"]] = res["error"]
+                if res.get("full"):   # every later sample would be read in full only to fail the same way
+                    summ.full, summ.not_tried = res["error"], len(tasks) - i
+                    results.close()
+                    break
             summ.tokens += int(res.get("tokens", 0))
             if progress:
                 progress(i, len(tasks), done_bytes, total)
@@ -214,7 +265,7 @@ def _results(tasks: list[Task], workers: int) -> Iterable[dict[str, Any]]:
         yield from map(work, tasks)
         return
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_init_worker) as pool:
+                             initializer=_init_worker, initargs=(os.getpid(),)) as pool:
         pending: set[Future] = set()
         it = iter(tasks)
         try:
