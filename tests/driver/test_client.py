@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -149,3 +150,13 @@ def test_secrets_in_request_errors_are_scrubbed():
     with pytest.raises(ClientError) as e:
         c.generate([1], {}, "r")
     assert "abcdef" not in str(e.value) and "hunter2" not in str(e.value) and "key=***" in str(e.value)
+
+
+@pytest.mark.parametrize("url", ["localhost:30000", "127.0.0.1:30000", "ftp://127.0.0.1:30000", "http://"])
+def test_a_server_given_without_http_is_refused_at_once_saying_how_to_write_it(url):
+    """"localhost:30000" parses as scheme "localhost": it used to be retried for 20 s, then fail with
+    requests' InvalidSchema."""
+    t = time.monotonic()
+    with pytest.raises(ClientError, match="give it as http://HOST:PORT"):
+        SGLangClient(url)
+    assert time.monotonic() - t < 1

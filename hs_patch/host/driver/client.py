@@ -107,6 +107,9 @@ class SGLangClient:
                  connect_timeout: float = 10.0,
                  on_retry: Optional[Callable[[dict[str, Any]], None]] = None,
                  should_stop: Callable[[], bool] = lambda: False, api_key: Optional[str] = None):
+        u = urlsplit(base_url)
+        if u.scheme not in ("http", "https") or not u.hostname:  # "localhost:30000" parses as scheme "localhost"
+            raise ClientError(f"{redact_url(base_url)!r} is not a server URL: give it as http://HOST:PORT")
         self.base_url, self._auth, self._params, self._secrets = _split(base_url.rstrip("/"))
         self.display_url = redact_url(base_url.rstrip("/"))
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
