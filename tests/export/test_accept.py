@@ -198,11 +198,13 @@ def test_answers_without_verify_passes_never_count_as_accepted_tokens(servers, t
     mixed = _Front(servers["good"].url, lambda n, body: _Front.forward(
         servers["plain" if n % 2 else "good"].url + "/generate", body))
     try:
-        rc, s = _accept({**servers, "mixed": mixed}, "mixed", tiny_model_dir, heldout, capsys, "--concurrency", "1")
+        rc, s, err = _accept_err({**servers, "mixed": mixed}, "mixed", tiny_model_dir, heldout, capsys,
+                                 "--concurrency", "1")
     finally:
         mixed.close()
     assert s["accept_length"] <= 4.0 and s["failed"] == 3 and "without spec_verify_ct" in s["first_error"]
-    assert rc == 0
+    assert rc == 1, "a number over 3 of the 6 conversations asked for is not the measurement asked for"
+    assert "incomplete: 3 of 6 conversations failed" in err and "without spec_verify_ct" in err
     rc, s, err = _accept_err(servers, "good", tiny_model_dir, heldout, capsys, "--max-new-tokens", "1")
     assert rc == 1 and s["accept_length"] is None, "one token each: no verify pass, nothing measured"
     assert "no answer had a verify pass" in err

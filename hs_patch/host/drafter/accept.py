@@ -30,9 +30,9 @@ DESCRIPTION = __doc__.split("\n\n", 1)[1] + """
 output: a summary line (--json: one JSON object) and, with --out FILE, the whole report (every
 conversation, every difference) as JSON, written atomically.
 
-exit codes: 0 measured (and, with --plain, every output compared and every difference a
-near-tie); 1 error, nothing measured, stopped after --max-consecutive-failures, or with --plain
-a comparison that could not be made; 3 with --plain, an output differs beyond a near-tie (listed); 130 interrupted (nothing written)
+exit codes: 0 every conversation measured (and, with --plain, every output compared and every
+difference a near-tie); 1 error, a conversation failed (the summary still covers the others),
+stopped after --max-consecutive-failures, or with --plain a comparison that could not be made; 3 with --plain, an output differs beyond a near-tie (listed); 130 interrupted (nothing written)
 """
 
 EXIT_OK, EXIT_ERROR, EXIT_MISMATCH, EXIT_INTERRUPTED = 0, 1, 3, 130
@@ -330,6 +330,11 @@ def _verdict(s: dict[str, Any]) -> int:
         return EXIT_ERROR
     if g.get("mismatch"):
         return EXIT_MISMATCH
+    if s["failed"]:  # a number over fewer conversations than asked for is not the measurement asked for
+        print(f"hs-extract accept: incomplete: {s['failed']} of {s['failed'] + s['measured']} conversations failed, "
+              f"e.g. {s.get('first_error')}; the accept length covers the {s['measured']} measured (--out lists "
+              "each); run it again when the cause is fixed", file=sys.stderr)
+        return EXIT_ERROR
     if g.get("errors"):
         print(f"hs-extract accept: the greedy check is incomplete: {g['errors']} of {g['errors'] + g['compared']} "
               f"outputs could not be compared with --plain, e.g. {g.get('first_error')}", file=sys.stderr)
