@@ -134,6 +134,18 @@ def test_cli_reads_the_layers_of_an_export_and_of_samples(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 29, 57]
 
 
+def test_cli_reads_the_layers_of_samples_whose_first_is_damaged(tmp_path, capsys):
+    """The lowest key's file missing: the layers come from the next sample (hs-patch inspect reports the damage)."""
+    from hs_patch import store
+
+    src = tmp_path / "run"
+    write_run(src, 3, shipped=True)                       # layers 2, 30, 58
+    entries = store.read_manifest(src)
+    (src / entries[min(entries)]["file"]).unlink()
+    assert main(["drafter-config", "--serve-release", "0.5.16", "--samples", str(src), "--num-layers", "61"]) == 0
+    assert json.loads(capsys.readouterr().out)["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 29, 57]
+
+
 def test_hs_patch_status_prints_the_serving_ids(release_sources, capsys, monkeypatch):
     from hs_patch.host.patch_cli import main as patch_main
 

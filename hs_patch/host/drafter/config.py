@@ -66,13 +66,12 @@ def planes_of(a: argparse.Namespace) -> tuple[list[int], dict[str, Any]]:
         if not info:
             raise SystemExit(f"{a.export}: no export.json (is it an hs-extract export?)")
         return list(info["identity"]["layers"]), dict(info.get("serving") or {})
-    from hs_patch import reader
+    from hs_patch.host.export.run import first_metadata
 
     entries = store.read_manifest(a.samples)
     if not entries:
         raise SystemExit(f"{a.samples}: no samples in {store.MANIFEST}")
-    with reader.open_sample(Path(a.samples) / entries[min(entries)]["file"]) as s:
-        meta = s.metadata
+    meta = first_metadata(Path(a.samples), entries)  # a damaged sample is not this command's business
     return [int(x) for x in meta.get("layers", "").split(",") if x], {"architecture": meta.get("architecture", ""),
                                                                        **({"num_hidden_layers": meta["num_hidden_layers"]}
                                                                           if "num_hidden_layers" in meta else {})}
