@@ -7,6 +7,7 @@ accept length is known in advance; ``standin_flip_at`` makes it emit a different
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -268,3 +269,20 @@ def test_a_server_that_stops_answering_stops_the_run(servers, tiny_model_dir, he
     attempts = 1 + client.RetryPolicy().retries
     assert rc == 1 and gone.count == 2 * attempts, "two conversations tried, the other four never sent"
     assert s["failed"] == 6 and "2 conversations in a row" in s["stopped"] and "is the server up?" in err
+
+
+def test_a_plain_server_of_another_model_path_is_named_before_any_difference(servers, tiny_model_dir, heldout,
+                                                                              tmp_path, capsys):
+    """--plain serving other weights would make every difference look like the drafter's: the two servers'
+    model paths are compared and a difference said (a warning: the same weights may sit at two paths)."""
+    copy = tmp_path / "same-weights-elsewhere"
+    shutil.copytree(tiny_model_dir, copy)
+    other = StandinServer(Engine(str(copy), None, chunked_prefill_size=256)).start()
+    try:
+        rc, s, err = _accept_err(servers, "good", tiny_model_dir, heldout, capsys, "--plain", other.url)
+    finally:
+        other.close()
+    assert f"--plain serves {copy}" in err and "the same weights" in err
+    assert rc == 0 and s["greedy"]["mismatch"] == 0, "the same weights: the check itself is unchanged"
+    rc, s, err = _accept_err(servers, "good", tiny_model_dir, heldout, capsys, "--plain", servers["plain"].url)
+    assert "warning" not in err

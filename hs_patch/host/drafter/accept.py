@@ -196,15 +196,22 @@ def run(a: argparse.Namespace, progress: Callable[[int, int], None] = lambda don
     key = read_api_key(a.api_key_file)
     stop, why = threading.Event(), []
     spec = SGLangClient(a.server, timeout=a.timeout, api_key=key, should_stop=stop.is_set)
-    settings = spec_settings(spec.server_info(timeout=30))
+    spec_info = spec.server_info(timeout=30)
+    settings = spec_settings(spec_info)
     if str(settings["speculative_algorithm"] or "").upper() not in ("EAGLE3", "EAGLE"):
         raise ValueError(f"{spec.display_url} does not run EAGLE-3 (speculative_algorithm "
                          f"{settings['speculative_algorithm']!r}): start it with --speculative-algorithm EAGLE3 "
                          "--speculative-draft-model-path DRAFTER")
     plain = SGLangClient(a.plain, timeout=a.timeout, api_key=key, should_stop=stop.is_set) if a.plain else None
-    if plain is not None and plain.server_info(timeout=30).get("speculative_algorithm"):
+    plain_info = plain.server_info(timeout=30) if plain is not None else {}
+    if plain_info.get("speculative_algorithm"):
         raise ValueError(f"--plain {plain.display_url} runs speculative decoding itself: give a server of the same "
                          "target without --speculative-algorithm")
+    models = (spec_info.get("model_path"), plain_info.get("model_path"))
+    if all(models) and models[0] != models[1]:  # the same weights may sit at two paths: said, not refused
+        print(f"hs-extract accept: warning: --plain serves {models[1]}, the EAGLE-3 server {models[0]}: unless "
+              "these are the same weights, the greedy differences are the models', not the drafter's",
+              file=sys.stderr)
     work, rejects = prompts(a.data, load_tokenizer(a.model, a.trust_remote_code), kwargs, a.limit)
     if not work:
         raise ValueError(f"no usable conversation in {', '.join(a.data)} ({len(rejects)} rejected lines)")
