@@ -21,7 +21,8 @@ read (:mod:`hs_patch.server.fingerprint`). Per sample this module checks:
    of squares of those units over its block, is sub-Gaussian with variance proxy <= 1; a
    relation fails when the sum of squares over all its rows and blocks exceeds the chi-square
    tail bound N + 2 sqrt(N t) + 2t (Laurent-Massart, t = ln 1e12: a right sample fails with
-   probability < 1e-12). A one per cent change of the rows' direction gives ~14 per block.
+   probability < 1e-12). A one per cent change of the rows' direction gives ~14 per block. An fp32
+   model's units are finer than the norm's own arithmetic: see :func:`allowance`.
 
 What it cannot see, said where it is used: a row scaled by a constant (RMSNorm is
 scale-invariant); states SGLang itself computed wrong (the same-pass top-1 of
@@ -47,6 +48,10 @@ DEFAULT_ROWS = 8                  # rows checked per chunk (its first, its last,
 FALSE_FAILURE = 1e-12             # the chance that rounding alone fails one relation of a right sample
 BYTES_TOLERANCE = 1e-4            # of a block's L1 norm: fp32 summation order, GPU against host
 RMS_TOLERANCE = 0.01              # rms(post / w) of a post-norm-only capture: 1 within this
+FP32_ULPS = 2                     # fp32 elements: another formula of the same norm (x * rsqrt(ms) * w against
+                                  # x * w / sqrt(ms)) rounds each differently by up to about this many units
+SCALE_UNITS = 4                   # a row's scale: its mean square summed in another fp32 order is off by
+                                  # about sqrt(H) units of 2^-24; this many times that is allowed
 
 
 class Norms:
@@ -133,6 +138,27 @@ def ulp(x: "torch.Tensor") -> "torch.Tensor":
     return torch.ldexp(torch.full_like(xf, torch.finfo(x.dtype).eps), torch.frexp(xf).exponent - 1)
 
 
+def allowance(predicted: "torch.Tensor") -> "torch.Tensor":
+    """How far rounding alone may move each block sum of ``predicted`` [rows, H] (one standard unit, fp32
+    [rows, BLOCKS]), the server having computed the same rows its own way:
+
+    - each element by one unit in the last place of its dtype (bf16: SGLang's fused norm rounds from the
+      unrounded fp32 sum, ours from the stored residual), and by at least FP32_ULPS units of fp32 (an
+      fp32 model, where the formula's own rounding is what differs: bf16 and fp16 units are larger);
+    - the whole row by one common factor (its mean square summed in another order), which moves each
+      block sum by that factor: SCALE_UNITS x sqrt(H) x 2^-24 of the block sum. Negligible next to the
+      bf16 units; in fp32 it and the floor above are what let a right sample of a chunked prompt pass
+      (16 blocks and more a relation, where one fp32 unit alone gave 1.6 per block against a bound that
+      tends to 1: review of 2026-12-05); a 1% change of the rows' direction still exceeds the bound by
+      orders of magnitude."""
+    import torch
+
+    elem = torch.maximum(ulp(predicted), predicted.float().abs() * (FP32_ULPS * 2.0 ** -24))
+    var = elem.pow(2).unflatten(-1, (fingerprint.BLOCKS, -1)).sum(-1)
+    scale = SCALE_UNITS * math.sqrt(predicted.shape[-1]) * 2.0 ** -24 * fingerprint.block_sums(predicted).abs()
+    return (var + scale.pow(2)).sqrt()
+
+
 def chi2_bound(n: int) -> float:
     t = math.log(1 / FALSE_FAILURE)
     return n + 2 * math.sqrt(n * t) + 2 * t
@@ -174,7 +200,7 @@ class _Checker:
     def relation(self, what: str, predicted: "torch.Tensor", stream: str, meaning: str) -> None:
         """``predicted`` (bf16 rows computed here from the stored ones) against the stream, within rounding."""
         got = fingerprint.block_sums(predicted)
-        sigma = ulp(predicted).pow(2).unflatten(-1, (fingerprint.BLOCKS, -1)).sum(-1).sqrt()
+        sigma = allowance(predicted)
         z2 = ((got - self.stream(stream)) / sigma.clamp_min(1e-30)).pow(2)
         n = z2.numel()
         chi2 = float(z2.sum()) if bool(z2.isfinite().all()) else math.inf
