@@ -137,9 +137,11 @@ def compare(logits: "torch.Tensor", server: Sequence[int], positions: Sequence[i
     ``logit_dtype``: the dtype of the server's logits; a disagreement is also allowed its
     :func:`logit_rounding`.
     """
+    out: list[Position] = []
+    if not len(positions):  # nothing to compare (no final state stored): no statistics of no rows
+        return out
     ours = logits.argmax(-1)
     std = logits.std(-1)
-    out = []
     for i, (pos, tok) in enumerate(zip(positions, server)):
         o = int(ours[i])
         if o != tok:

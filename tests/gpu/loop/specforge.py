@@ -1,5 +1,6 @@
 """SpecForge's own capture for the closed loop (the anchor): its pinned SGLang 0.5.14 site and the
-options of its ``scripts/prepare_hidden_states.py`` on one GPU shared with the running trainings."""
+options of its capture script (prepare_hidden_states.py, in its repository) on one GPU shared with
+the running trainings."""
 
 from __future__ import annotations
 
