@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
+import statistics
 import threading
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -86,6 +88,38 @@ class GpuMemory:
         return None if self.start is None else self.peak - self.start
 
 
+class GroupCpu:
+    """CPU seconds (user + system) of every process in a server's process group (the launcher, the
+    scheduler with the capture writer's threads, the detokenizer) while the block runs, from /proc.
+    Capture row minus pristine row, per GB of states, is what writing costs inside the server: times
+    the engine's rate, it says whether the writer's ceiling on the GPU host is its CPU."""
+
+    TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def __init__(self, pgid: int):
+        self.pgid, self.seconds = pgid, None
+
+    def total(self) -> Optional[float]:
+        ticks, found = 0, False
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                rest = stat.read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # a process that ended meanwhile
+            if int(rest[2]) == self.pgid:  # fields after the name: state, ppid, pgrp, ..., utime (12th), stime
+                ticks += int(rest[11]) + int(rest[12])
+                found = True
+        return ticks / self.TICK if found else None
+
+    def __enter__(self) -> "GroupCpu":
+        self._start = self.total()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        end = self.total()
+        self.seconds = None if None in (self._start, end) else round(end - self._start, 2)
+
+
 def config_only_model(a: argparse.Namespace, layers: int) -> str:
     """A kimi-layer model directory of ``layers`` layers without weights (the servers load it as dummy)."""
     from make_model import build
@@ -132,7 +166,8 @@ def _depth(a: argparse.Namespace, model_dir: str, layers: int, index: int, prist
     hidden = int(cfg["hidden_size"])
     planes = len(default_layers(layers)) + 2
     res: dict = {"model": model_dir, "layers": layers, "hidden": hidden, "capture_layers": list(default_layers(layers)),
-                 "planes": planes, "prompts": count, "order": [], "memory": {}, **{r: {"tok_s": []} for r in ROWS}}
+                 "planes": planes, "prompts": count, "order": [], "memory": {}, **{r: {"tok_s": []} for r in ROWS},
+                 "state_bytes_per_token": BYTES_PER_TOKEN.get(hidden, planes * hidden * 2)}
     parent["runs"][str(layers)] = res
     dump = Path(a.dump_root) / f"dump-sweep-{tag}"
     shutil.rmtree(dump, ignore_errors=True)
@@ -163,8 +198,12 @@ def _depth(a: argparse.Namespace, model_dir: str, layers: int, index: int, prist
             order = list(ROWS[k:] + ROWS[:k]) if rnd else ["pristine", "capture"]
             secs: dict[str, float] = {}
             for row in order:
-                with GpuMemory() as mem:
+                server = servers["pristine" if row == "pristine" else "capture"]
+                with GpuMemory() as mem, GroupCpu(server.proc.pid) as cpu:
                     secs[row] = run_row(a, row, servers, model_dir, dump, prompts, rnd, tag, res, drive_extra)
+                if rnd and cpu.seconds is not None:
+                    res[row].setdefault("server_cpu_s_per_GB", []).append(
+                        round(cpu.seconds / (total * res["state_bytes_per_token"] / 1e9), 3))
                 growth = mem.growth()
                 if growth is not None:
                     key = "pristine" if row == "pristine" else "capture"
@@ -175,7 +214,6 @@ def _depth(a: argparse.Namespace, model_dir: str, layers: int, index: int, prist
             s.stop()
         shutil.rmtree(dump, ignore_errors=True)
     medians(res)
-    res["state_bytes_per_token"] = BYTES_PER_TOKEN.get(hidden, planes * hidden * 2)
     res["engine_GBps_of_states"] = res["pristine"]["median_tok_s"] * res["state_bytes_per_token"] / 1e9
     REC.save()
     return res
@@ -186,7 +224,8 @@ def summarize_sweep(k: str, f: dict) -> None:
           f"({f['long_prompts']} of {f['long_tokens']}), concurrency {f['concurrency']}, chunk "
           f"{f['chunked_prefill_size']}, {f['rounds']} round(s) a depth, dummy weights {f['dummy_weights']}")
     print(f"  {'layers':>6}{'GB/s states':>12}{'pristine':>10}{'capture':>10}{'driver':>10}{'capt/pr':>9}{'drv/pr':>8}"
-          f"{'waits':>7}  GPU memory (MB): held at start pristine/capture, growth under load pristine/capture")
+          f"{'waits':>7}{'CPU s/GB':>10}  GPU memory (MB): held at start pristine/capture, growth under load "
+          "pristine/capture")
     for layers, r in f["runs"].items():
         if "ratios" not in r:
             continue
@@ -197,4 +236,12 @@ def summarize_sweep(k: str, f: dict) -> None:
         print(f"  {layers:>6}{r['engine_GBps_of_states']:12.2f}{r['pristine']['median_tok_s']:10.0f}"
               f"{r['capture']['median_tok_s']:10.0f}{r['driver']['median_tok_s']:10.0f}"
               f"{r['ratios']['capture/pristine']:9.3f}{r['ratios']['driver/pristine']:8.3f}"
-              f"{str((r.get('hook_status') or {}).get('waits')):>7}  {mb}")
+              f"{str((r.get('hook_status') or {}).get('waits')):>7}{_writer_cpu(r):>10}  {mb}")
+
+
+def _writer_cpu(r: dict) -> str:
+    """What writing cost the capturing server: its CPU s per GB of states minus the pristine server's."""
+    cap, pri = (r.get(row, {}).get("server_cpu_s_per_GB") or [] for row in ("capture", "pristine"))
+    if not cap or not pri:
+        return "-"
+    return f"{statistics.median(cap) - statistics.median(pri):.2f}"

@@ -140,6 +140,8 @@ def test_sweep_phase_runs_every_depth_end_to_end_on_standins(standin_site, tmp_p
         assert all(len(r[row]["tok_s"]) == 1 for row in extract.ROWS)
         assert all(d["exit_code"] == 0 and d["samples_clean"] for d in r["driver"]["runs"])
         assert r["hook_status"]["errors"] == 0 and r["planes"] == 5 and r["engine_GBps_of_states"] > 0
+        cpu = {row: r[row]["server_cpu_s_per_GB"] for row in extract.ROWS}
+        assert all(len(v) == 1 and v[0] > 0 for v in cpu.values()), cpu  # each row's server process group, /proc
     logs = sorted((tmp_path / "logs").glob("server-sw-*.log"))
     assert len(logs) == 4 and all("--load-format dummy" in p.read_text() for p in logs), "dummy weights asked for"
     sweep.summarize_sweep("sweep_cpu", res)
