@@ -173,6 +173,29 @@ def test_cut_at_any_step_then_resumed_loses_and_duplicates_nothing(tmp_path, mon
         assert {p.name: p.stat().st_ino for p in (dest / "samples").iterdir()} == committed
 
 
+@pytest.mark.parametrize("loss", ["deleted", "damaged"])
+def test_a_local_copy_is_not_deleted_on_the_word_of_the_destinations_manifest_alone(tmp_path, monkeypatch, loss):
+    """Cut after the destination committed (nothing recorded here), then the destination's copy is
+    lost or damaged: the re-run must verify it there and re-send it, not delete the only good copy
+    (before: the start-up sync recorded it from the manifest and the local file was deleted, exit 0)."""
+    samples, state, dest = dirs(tmp_path)
+    written = make_samples(samples, 3)
+    cfg = shipper.ShipConfig(samples, state, ship_link.parse_dest(str(dest)))
+    with monkeypatch.context() as m:
+        _crash_after(m, ship_link.Commit, "wait", when=lambda results, self: bool(results))
+        with pytest.raises(Crash):
+            shipper.ship(cfg)
+    assert all(w.path.exists() for w in written) and not shipped_records(state)
+    lost = dest / "samples" / written[0].path.name
+    if loss == "deleted":
+        lost.unlink()
+    else:
+        flip_byte(lost, -1)
+    assert shipper.ship(cfg) == shipper.EXIT_OK
+    assert_destination_has(dest, written)
+    assert_shipped_locally(samples, state, written)
+
+
 def test_a_file_damaged_in_transit_is_sent_again(tmp_path, monkeypatch):
     samples, state, dest = dirs(tmp_path)
     written = make_samples(samples, 3)
