@@ -37,6 +37,7 @@ INCOMING = ".incoming"
 SAMPLES = "samples"
 MANIFEST = "manifest.jsonl"
 LOCK = ".manifest.lock"
+VERIFYING = ".hs-verifying."  # in INCOMING: a file this step took from rsync's name before hashing it
 
 
 def sha256_and_sync(path):
@@ -110,10 +111,14 @@ def verify(root, f, entries):
         return "kept"
     status = "missing"
     if os.path.isfile(staged):
-        if sha256_and_sync(staged) == want:
-            os.replace(staged, final)
+        # hashed and moved under a name of its own: another shipper's rsync (a reassigned shard's
+        # host) may land its own NAME at rsync's name meanwhile, and that is not the file hashed
+        mine = os.path.join(root, INCOMING, VERIFYING + name)
+        os.replace(staged, mine)
+        if sha256_and_sync(mine) == want:
+            os.replace(mine, final)
             return "ok"
-        os.unlink(staged)
+        os.unlink(mine)
         status = "mismatch"
     if os.path.isfile(final) and sha256_and_sync(final) == want:  # moved there by an interrupted run
         return "ok"
@@ -121,6 +126,9 @@ def verify(root, f, entries):
 
 
 def commit(root, files):
+    for leftover in os.listdir(os.path.join(root, INCOMING)):  # of a killed step (the lock is held)
+        if leftover.startswith(VERIFYING):
+            os.unlink(os.path.join(root, INCOMING, leftover))
     entries = read_entries(os.path.join(root, MANIFEST))
     # files are hashed in parallel (hashlib and file reads release the GIL)
     with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
