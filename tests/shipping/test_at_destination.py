@@ -4,9 +4,12 @@ exactly the file it hashed, whatever other shippers' rsyncs do in ``.incoming/``
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 from pathlib import Path
+
+import pytest
 
 from hs_patch.host.shipping import at_destination
 
@@ -59,3 +62,32 @@ def test_a_file_taken_by_a_killed_verify_step_is_removed_and_sent_again(tmp_path
     answer = at_destination.commit(str(root), [_request("k.safetensors", data)])
     assert answer["results"][0]["status"] == "missing" and not taken.exists()
     assert not (root / at_destination.SAMPLES / "k.safetensors").exists()
+
+
+def test_a_full_destination_leaves_no_partial_manifest_and_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    """ENOSPC while the manifest is rewritten. Before: the partial temp manifest stayed (one more per
+    retry, each holding space the next try needed) and the shipper showed a Python traceback."""
+    root = tmp_path / "dest"
+    (root / at_destination.INCOMING).mkdir(parents=True)
+    data = b"D" * 100
+    (root / at_destination.INCOMING / "k.safetensors").write_bytes(data)
+    real_fsync = os.fsync
+
+    def full(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".tmp"):
+            raise OSError(28, "No space left on device")
+        real_fsync(fd)
+    monkeypatch.setattr(at_destination.os, "fsync", full)
+    monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps({"root": str(root), "files": [_request("k.safetensors", data)]})))
+    with pytest.raises(SystemExit) as e:
+        at_destination.main()
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "No space left on device" in err and "the destination is full" in err
+    assert not [p for p in root.iterdir() if p.name.endswith(".tmp")], "a partial manifest was left behind"
+    # once there is space again, the next step commits it (it was moved into samples/ already)
+    monkeypatch.setattr(at_destination.os, "fsync", real_fsync)
+    (root / ".manifest.jsonl.99999.tmp").write_bytes(b"left by a killed step")
+    answer = at_destination.commit(str(root), [_request("k.safetensors", data)])
+    assert answer["results"][0]["status"] == "ok" and answer["manifest"] == 1
+    assert not [p for p in root.iterdir() if p.name.endswith(".tmp")]

@@ -25,6 +25,7 @@ With ``"list": true`` the answer also has ``"entries"``: key, file, bytes, sha25
 sample_id of every sample in the destination's manifest (the shipper's start-up sync, so
 that samples already shipped count as done even when the GPU host forgot them).
 """
+import errno
 import fcntl
 import hashlib
 import json
@@ -86,13 +87,29 @@ def read_entries(path):
 
 def write_entries(root, entries):
     tmp = os.path.join(root, ".%s.%d.tmp" % (MANIFEST, os.getpid()))
-    with open(tmp, "wb") as f:
-        for rec in entries.values():
-            f.write((json.dumps(rec, separators=(",", ":"), sort_keys=True) + "\n").encode())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(root, MANIFEST))
+    try:
+        with open(tmp, "wb") as f:
+            for rec in entries.values():
+                f.write((json.dumps(rec, separators=(",", ":"), sort_keys=True) + "\n").encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(root, MANIFEST))
+    except BaseException:
+        # a full disk: the partial copy must not hold the space the next try needs
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
     fsync_dir(root)
+
+
+def remove_leftovers(root):
+    """What a killed step left (the lock is held, so no step of another shipper is running)."""
+    for name in os.listdir(root):
+        if name.startswith("." + MANIFEST + ".") and name.endswith(".tmp"):
+            os.unlink(os.path.join(root, name))
+    for name in os.listdir(os.path.join(root, INCOMING)):
+        if name.startswith(VERIFYING):
+            os.unlink(os.path.join(root, INCOMING, name))
 
 
 def verify(root, f, entries):
@@ -126,9 +143,7 @@ def verify(root, f, entries):
 
 
 def commit(root, files):
-    for leftover in os.listdir(os.path.join(root, INCOMING)):  # of a killed step (the lock is held)
-        if leftover.startswith(VERIFYING):
-            os.unlink(os.path.join(root, INCOMING, leftover))
+    remove_leftovers(root)
     entries = read_entries(os.path.join(root, MANIFEST))
     # files are hashed in parallel (hashlib and file reads release the GIL)
     with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
@@ -160,14 +175,21 @@ def main():
     os.umask(0o077)  # samples and manifest at the destination are readable by the shipping account only
     req = json.load(sys.stdin)
     root = os.path.expanduser(req["root"])
-    for d in (os.path.join(root, INCOMING), os.path.join(root, SAMPLES)):
-        os.makedirs(d, exist_ok=True)
-    with open(os.path.join(root, LOCK), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        answer = commit(root, req["files"])
-        if req.get("list"):
-            fields = ("key", "file", "bytes", "sha256", "sample_id")
-            answer["entries"] = [{k: e.get(k) for k in fields} for e in read_entries(os.path.join(root, MANIFEST)).values()]
+    try:
+        for d in (os.path.join(root, INCOMING), os.path.join(root, SAMPLES)):
+            os.makedirs(d, exist_ok=True)
+        with open(os.path.join(root, LOCK), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            answer = commit(root, req["files"])
+            if req.get("list"):
+                fields = ("key", "file", "bytes", "sha256", "sample_id")
+                answer["entries"] = [{k: e.get(k) for k in fields}
+                                     for e in read_entries(os.path.join(root, MANIFEST)).values()]
+    except OSError as e:  # one line the shipper shows, not a traceback
+        full = " (the destination is full: free space there; the shipper retries by itself)" \
+            if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        sys.stderr.write("verify step at %s: %s%s\n" % (root, e, full))
+        sys.exit(1)
     json.dump(answer, sys.stdout)
 
 
