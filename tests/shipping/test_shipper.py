@@ -323,3 +323,21 @@ def test_one_shipper_per_state_dir(tmp_path, capsys):
         assert shipper.main(ship_cmd(samples, state, str(dest))) == shipper.EXIT_USAGE
     assert "another shipper" in capsys.readouterr().err
     assert written[0].path.exists()
+
+
+def test_a_destination_manifest_line_without_bytes_is_named_not_a_crash(tmp_path, capsys):
+    """Before: the start-up sync recorded {"bytes": null} in shipped.jsonl and the status write
+    crashed with a TypeError traceback, at every start after (the record stays)."""
+    samples, state, dest = dirs(tmp_path)
+    written = make_samples(samples, 2)
+    dest.mkdir()
+    odd = {"op": "add", "key": "abc", "file": "samples/abc.safetensors", "sha256": "0" * 64}
+    (dest / store.MANIFEST).write_text(json.dumps(odd) + "\n")
+    state.mkdir()
+    (state / shipper.SHIPPED_LOG).write_text(json.dumps({"op": "shipped", "key": "old", "file": "old.safetensors",
+                                                         "bytes": None, "sha256": None, "t": 1}) + "\n")
+    assert shipper.main(ship_cmd(samples, state, str(dest))) == shipper.EXIT_OK
+    assert "lists abc without bytes or sha256" in capsys.readouterr().err
+    assert all(not w.path.exists() for w in written)
+    assert {r["key"] for r in shipped_records(state)} == {"old"} | {w.key for w in written}
+    assert status(state)["shipped"]["bytes"] == sum(w.nbytes for w in written)

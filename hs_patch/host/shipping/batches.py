@@ -208,7 +208,8 @@ class Shipper:
         doc = {
             "state": state, "pid": os.getpid(), "updated": round(time.time(), 3),
             "samples_dir": str(self.cfg.samples_dir), "dest": str(self.cfg.dest),
-            "shipped": {"count": len(self.shipped), "bytes": sum(r["bytes"] for r in self.shipped.values())},
+            "shipped": {"count": len(self.shipped), "bytes": sum(r["bytes"] for r in self.shipped.values()
+                                                                  if type(r.get("bytes")) is int)},
             "this_run": {"count": self.run_files, "bytes": self.run_bytes, "busy_seconds": round(self.busy_seconds, 3)},
             "pending": {"count": len(self.pending), "bytes": sum(p.entry["bytes"] for p in self.pending)},
             "verifying": len(self.inflight.batch) if self.inflight else 0,
@@ -271,6 +272,10 @@ class Shipper:
             key, name = e.get("key"), Path(str(e.get("file") or "")).name
             if not isinstance(key, str) or not name or self.shipped.get(key, {}).get("sha256") == e.get("sha256") \
                     or key in local:
+                continue
+            if type(e.get("bytes")) is not int or not isinstance(e.get("sha256"), str):
+                print(f"hs-ship: the destination's manifest lists {key} without bytes or sha256: not counted as "
+                      f"shipped (hs-patch inspect {self.cfg.dest.path} names the line)", file=sys.stderr)
                 continue
             rec = {"op": "shipped", "key": key, "file": name, "bytes": e.get("bytes"), "sha256": e.get("sha256"),
                    "t": round(time.time(), 3), "from": "destination"}
