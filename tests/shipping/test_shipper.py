@@ -341,3 +341,20 @@ def test_a_destination_manifest_line_without_bytes_is_named_not_a_crash(tmp_path
     assert all(not w.path.exists() for w in written)
     assert {r["key"] for r in shipped_records(state)} == {"old"} | {w.key for w in written}
     assert status(state)["shipped"]["bytes"] == sum(w.nbytes for w in written)
+
+
+def test_a_shipper_stopped_by_a_signal_with_samples_left_does_not_say_done(tmp_path, monkeypatch, capsys):
+    """Before: exit 0 and "hs-ship: done" with samples still unshipped (only the status file said stopped)."""
+    samples, state, dest = dirs(tmp_path)
+    written = make_samples(samples, 2)
+    real_connect = shipper.Shipper.connect
+
+    def connect_then_sigterm(self, link):
+        ok = real_connect(self, link)
+        self.stop_requested = True  # what the SIGTERM handler sets
+        return ok
+    monkeypatch.setattr(shipper.Shipper, "connect", connect_then_sigterm)
+    assert shipper.main(ship_cmd(samples, state, str(dest))) == shipper.EXIT_OK
+    err = capsys.readouterr().err
+    assert "hs-ship: done" not in err and "stopped by a signal with 2 samples still to ship" in err
+    assert all(w.path.exists() for w in written) and status(state)["state"] == "stopped"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import json
 import os
 import signal
 import sys
@@ -225,6 +226,15 @@ def run_args(args: argparse.Namespace) -> int:
         print("hs-ship: stopped mid-batch; run the same command again to resume", file=sys.stderr)
         return EXIT_ERROR
     status = f"{cfg.state_dir / STATUS_FILE}"
+    try:
+        st = json.loads((cfg.state_dir / STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        st = {}
+    left = (st.get("pending") or {}).get("count") or 0
+    if code == EXIT_OK and st.get("state") == "stopped" and left:
+        print(f"hs-ship: stopped by a signal with {left} samples still to ship (kept here); run the same "
+              "command again to ship them", file=sys.stderr)
+        return code
     messages = {EXIT_OK: "done", EXIT_UNVERIFIED: f"some files failed verification and are kept; see {status}",
                 EXIT_ERROR: f"see {status}"}
     print(f"hs-ship: {messages[code]}", file=sys.stderr)
