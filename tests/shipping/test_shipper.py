@@ -358,3 +358,17 @@ def test_a_shipper_stopped_by_a_signal_with_samples_left_does_not_say_done(tmp_p
     err = capsys.readouterr().err
     assert "hs-ship: done" not in err and "stopped by a signal with 2 samples still to ship" in err
     assert all(w.path.exists() for w in written) and status(state)["state"] == "stopped"
+
+
+@pytest.mark.parametrize("option", [("--poll", "nan"), ("--poll", "inf"), ("--backoff-max", "nan"),
+                                    ("--backoff-max", "inf")])
+def test_a_poll_or_backoff_that_is_not_a_finite_number_is_refused(tmp_path, capsys, option):
+    """Before: --poll nan passed the '<= 0' check and --follow spun at full CPU rewriting its status
+    (pause(nan) returns at once); --backoff-max nan retried a failing destination without a pause."""
+    samples, state, dest = dirs(tmp_path)
+    make_samples(samples, 1)
+    done = tmp_path / "driver.done"
+    done.write_text("")  # so that a shipper that accepts the value ends (the test fails, not hangs)
+    argv = ship_cmd(samples, state, str(dest), "--follow", "--until-file", str(done), *option)
+    assert shipper.main(argv) == shipper.EXIT_USAGE
+    assert "must be finite numbers > 0" in capsys.readouterr().err

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import json
+import math
 import os
 import signal
 import sys
@@ -99,8 +100,9 @@ def check_config(cfg: ShipConfig) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
     if cfg.until_file and not cfg.follow:
         raise ConfigError("--until-file only means something with --follow")
-    if cfg.poll_seconds <= 0 or cfg.bwlimit_kbps < 0 or cfg.backoff_max <= 0:
-        raise ConfigError("--poll and --backoff-max must be > 0 and --bwlimit >= 0")
+    # written so that nan fails too (it compares false both ways: --poll nan was a busy loop)
+    if not (0 < cfg.poll_seconds < math.inf and 0 < cfg.backoff_max < math.inf) or cfg.bwlimit_kbps < 0:
+        raise ConfigError("--poll and --backoff-max must be finite numbers > 0 and --bwlimit >= 0")
 
 
 # ---------------------------------------------------------------------------- CLI
