@@ -372,3 +372,17 @@ def test_a_poll_or_backoff_that_is_not_a_finite_number_is_refused(tmp_path, caps
     argv = ship_cmd(samples, state, str(dest), "--follow", "--until-file", str(done), *option)
     assert shipper.main(argv) == shipper.EXIT_USAGE
     assert "must be finite numbers > 0" in capsys.readouterr().err
+
+
+def test_a_sample_listed_here_whose_file_is_gone_counts_as_shipped_when_the_destination_holds_it(tmp_path):
+    """The state directory lost and the local manifest's removes too (files gone): the start-up sync's
+    records still settle them (a 'from: destination' record no longer deletes a file that is here,
+    but one already gone is not 'listed, never shipped')."""
+    samples, state, dest = dirs(tmp_path)
+    written = make_samples(samples, 2)
+    assert shipper.main(ship_cmd(samples, state, str(dest))) == shipper.EXIT_OK
+    adds = [line for line in (samples / store.MANIFEST).read_text().splitlines() if '"remove"' not in line]
+    (samples / store.MANIFEST).write_text("\n".join(adds) + "\n")
+    (state / shipper.SHIPPED_LOG).unlink()
+    assert shipper.main(ship_cmd(samples, state, str(dest))) == shipper.EXIT_OK
+    assert_shipped_locally(samples, state, written)

@@ -110,7 +110,8 @@ class Shipper:
                 continue
             path = self.cfg.samples_dir / name
             done = self.shipped.get(key)
-            if done is not None and done["sha256"] == entry["sha256"] and done.get("from") != "destination":
+            if done is not None and done["sha256"] == entry["sha256"] and (done.get("from") != "destination"
+                                                                          or not path.exists()):
                 self.drop_local(key, path, None)  # verified by this shipper before the run was cut
                 continue
             # a record taken from the destination's manifest alone is not a verification of the copy
