@@ -386,3 +386,18 @@ def test_a_sample_listed_here_whose_file_is_gone_counts_as_shipped_when_the_dest
     (state / shipper.SHIPPED_LOG).unlink()
     assert shipper.main(ship_cmd(samples, state, str(dest))) == shipper.EXIT_OK
     assert_shipped_locally(samples, state, written)
+
+
+@pytest.mark.parametrize("where", ["samples", "its parent", "inside it", "loopback parent"])
+def test_a_destination_that_overlaps_the_samples_directory_is_refused(tmp_path, capsys, where):
+    """--dest RUN while the samples are in RUN/samples: DEST/samples/ is the samples directory, the
+    verify step 'moves' each file onto itself and the shipper then deletes it. Before: exit 0, "done",
+    every sample deleted and no copy anywhere (--dest the samples directory: its manifest rewritten)."""
+    samples, state, _ = dirs(tmp_path)
+    written = make_samples(samples, 2)
+    dest = {"samples": str(samples), "its parent": str(tmp_path), "inside it": str(samples / "out"),
+            "loopback parent": f"root@127.0.0.1:{tmp_path}"}[where]
+    assert shipper.main(ship_cmd(samples, state, dest)) == shipper.EXIT_USAGE
+    assert "overlap" in capsys.readouterr().err
+    assert all(w.path.exists() for w in written)
+    assert set(store.read_manifest(samples)) == {w.key for w in written}

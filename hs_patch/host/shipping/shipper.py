@@ -95,6 +95,7 @@ def check_config(cfg: ShipConfig) -> None:
     if not cfg.dest.host and (cfg.ssh.key or cfg.ssh.port or cfg.ssh.known_hosts or cfg.ssh.options):
         raise ConfigError(f"--dest {cfg.dest} is a local directory, so the SSH options mean nothing; "
                           "give --dest [user@]host:path")
+    check_not_overlapping(cfg)
     for name in ("batch_files", "batch_bytes", "retries"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
@@ -103,6 +104,23 @@ def check_config(cfg: ShipConfig) -> None:
     # written so that nan fails too (it compares false both ways: --poll nan was a busy loop)
     if not (0 < cfg.poll_seconds < math.inf and 0 < cfg.backoff_max < math.inf) or cfg.bwlimit_kbps < 0:
         raise ConfigError("--poll and --backoff-max must be finite numbers > 0 and --bwlimit >= 0")
+
+
+LOOPBACK = {"localhost", "127.0.0.1", "::1", "[::1]"}
+
+
+def check_not_overlapping(cfg: ShipConfig) -> None:
+    """A destination on this host that holds the samples directory, or lies in it, is refused: its
+    DEST/samples/ may be the samples directory itself (then the verified "copy" is the local file the
+    shipper deletes next) and DEST/manifest.jsonl the local manifest (rewritten by the verify step)."""
+    host = (cfg.dest.host or "").rpartition("@")[2].lower()
+    if cfg.dest.host and not (host in LOOPBACK or host.startswith("127.")):
+        return
+    dest, samples = Path(cfg.dest.path).expanduser().resolve(), cfg.samples_dir.resolve()
+    if dest == samples or dest in samples.parents or samples in dest.parents:
+        raise ConfigError(f"--dest {cfg.dest} and --samples-dir {cfg.samples_dir} overlap ({dest} and {samples}): "
+                          "the destination keeps its samples in DEST/samples/ and its own DEST/manifest.jsonl, so "
+                          "shipping there would delete the only copy; give a directory of its own (training storage)")
 
 
 # ---------------------------------------------------------------------------- CLI
