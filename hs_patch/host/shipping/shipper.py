@@ -170,8 +170,8 @@ ssh:
 
 exit codes:
   0  everything listed is shipped and verified (or stopped by a signal after its batch)
-  1  error that waiting cannot cure (host key, authentication, unknown host, a listed file
-     gone): fix and run again (an unreachable destination is waited for, not an error)
+  1  error that waiting cannot cure (host key, authentication, unknown host, a refusal by
+     the storage host's forced command, a listed file gone): fix and run again (an unreachable destination is waited for, not an error)
   2  bad arguments or configuration: the message says what to fix
   3  some files still fail verification after --retries transfers: they are kept here
      and named in the status file; run again to retry them
