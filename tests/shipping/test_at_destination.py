@@ -91,3 +91,23 @@ def test_a_full_destination_leaves_no_partial_manifest_and_says_so_in_one_line(t
     answer = at_destination.commit(str(root), [_request("k.safetensors", data)])
     assert answer["results"][0]["status"] == "ok" and answer["manifest"] == 1
     assert not [p for p in root.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_file_sent_again_for_a_line_the_manifest_already_has_is_made_durable(tmp_path, monkeypatch):
+    """The destination's copy lost, the manifest line intact: the copy sent again is renamed into
+    samples/ and the shipper then deletes its own. Before: samples/ was fsynced only when the
+    manifest changed, so that rename could be lost with power while the manifest listed it."""
+    root = tmp_path / "dest"
+    (root / at_destination.INCOMING).mkdir(parents=True)
+    (root / at_destination.SAMPLES).mkdir()
+    data = b"E" * 100
+    req = _request("k.safetensors", data)
+    (root / at_destination.INCOMING / "k.safetensors").write_bytes(data)
+    at_destination.commit(str(root), [req])
+    (root / at_destination.SAMPLES / "k.safetensors").unlink()
+    (root / at_destination.INCOMING / "k.safetensors").write_bytes(data)
+    synced: list[str] = []
+    real = at_destination.fsync_dir
+    monkeypatch.setattr(at_destination, "fsync_dir", lambda path: (synced.append(path), real(path)))
+    assert at_destination.commit(str(root), [req])["results"][0]["status"] == "ok"
+    assert str(root / at_destination.SAMPLES) in synced

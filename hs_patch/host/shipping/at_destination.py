@@ -165,8 +165,9 @@ def commit(root, files):
             rec["shipped"] = round(time.time(), 3)
             entries[rec["key"]] = rec
             changed = True
-    if changed:
+    if arrived:  # the renames into samples/ durable before the shipper deletes its copies, listed or not
         fsync_dir(os.path.join(root, SAMPLES))
+    if changed:
         write_entries(root, entries)
     return {"results": results, "manifest": len(entries)}
 
