@@ -44,8 +44,10 @@ def ship(cfg: ShipConfig) -> int:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise ConfigError(f"another shipper holds {cfg.state_dir / LOCK_FILE}: one shipper per "
-                              "state directory; stop it first (or wait for it)") from None
+            # exit 1, not 2: a busy lock is no bad configuration, and the follow unit (Restart=on-failure,
+            # RestartPreventExitStatus=2) must come back once a manual shipper is done, not stay down
+            raise LinkError(f"another shipper holds {cfg.state_dir / LOCK_FILE}: one shipper per "
+                            "state directory; stop it first (or wait for it)") from None
         shipper = Shipper(cfg)
         previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
 
@@ -171,7 +173,8 @@ ssh:
 exit codes:
   0  everything listed is shipped and verified (or stopped by a signal after its batch)
   1  error that waiting cannot cure (host key, authentication, unknown host, a refusal by
-     the storage host's forced command, a listed file gone): fix and run again (an unreachable destination is waited for, not an error)
+     the storage host's forced command, a listed file gone), or another shipper holds
+     STATE_DIR/shipper.lock: fix and run again (an unreachable destination is waited for, not an error)
   2  bad arguments or configuration: the message says what to fix
   3  some files still fail verification after --retries transfers: they are kept here
      and named in the status file; run again to retry them
