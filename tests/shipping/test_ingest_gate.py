@@ -136,3 +136,25 @@ def test_shipping_works_through_the_forced_command_and_nothing_else_does(tmp_pat
                           capture_output=True, text=True, timeout=60)
     assert pull.returncode != 0 and "refused" in pull.stderr and not (tmp_path / "stolen").exists()
     assert _ssh(server, "df", "-Pk", str(root)).returncode == 0
+
+
+def test_a_destination_the_forced_command_refuses_is_an_error_not_an_outage(tmp_path, gated_sshd):
+    """--dest outside the gate's ROOT (a typo, another storage directory): refused every time, which
+    waiting cannot cure. Before: ridden out as an outage for ever ('waiting_for_destination', the
+    dashboard's STORAGE UNREACHABLE) while the storage host answered at once."""
+    server, root = gated_sshd
+    samples, state, _ = dirs(tmp_path)
+    written = make_samples(samples, 2)
+    dest = tmp_path / "not-under-root" / "run1"
+    argv = [sys.executable, "-m", "hs_patch.host.shipping.shipper",
+            *ship_cmd(samples, state, f"{server.host}:{dest}", *server.ship_args(), "--backoff-max", "0.2")]
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    try:
+        code = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = proc.stderr.read()
+    assert code == shipper.EXIT_ERROR and "hs-ingest-gate: refused" in err and "is outside" in err, err
+    assert all(w.path.exists() for w in written) and not dest.exists()

@@ -173,6 +173,29 @@ def test_cut_at_any_step_then_resumed_loses_and_duplicates_nothing(tmp_path, mon
         assert {p.name: p.stat().st_ino for p in (dest / "samples").iterdir()} == committed
 
 
+@pytest.mark.parametrize("loss", ["deleted", "damaged"])
+def test_a_local_copy_is_not_deleted_on_the_word_of_the_destinations_manifest_alone(tmp_path, monkeypatch, loss):
+    """Cut after the destination committed (nothing recorded here), then the destination's copy is
+    lost or damaged: the re-run must verify it there and re-send it, not delete the only good copy
+    (before: the start-up sync recorded it from the manifest and the local file was deleted, exit 0)."""
+    samples, state, dest = dirs(tmp_path)
+    written = make_samples(samples, 3)
+    cfg = shipper.ShipConfig(samples, state, ship_link.parse_dest(str(dest)))
+    with monkeypatch.context() as m:
+        _crash_after(m, ship_link.Commit, "wait", when=lambda results, self: bool(results))
+        with pytest.raises(Crash):
+            shipper.ship(cfg)
+    assert all(w.path.exists() for w in written) and not shipped_records(state)
+    lost = dest / "samples" / written[0].path.name
+    if loss == "deleted":
+        lost.unlink()
+    else:
+        flip_byte(lost, -1)
+    assert shipper.ship(cfg) == shipper.EXIT_OK
+    assert_destination_has(dest, written)
+    assert_shipped_locally(samples, state, written)
+
+
 def test_a_file_damaged_in_transit_is_sent_again(tmp_path, monkeypatch):
     samples, state, dest = dirs(tmp_path)
     written = make_samples(samples, 3)
@@ -291,12 +314,93 @@ def test_bad_arguments_exit_2_and_say_what_to_fix(tmp_path, capsys):
     assert e.value.code == shipper.EXIT_USAGE
 
 
-def test_one_shipper_per_state_dir(tmp_path, capsys):
+def test_one_shipper_per_state_dir_and_a_busy_lock_is_not_bad_configuration(tmp_path, capsys):
+    """Exit 1, not 2: under fab the follow unit is not restarted after exit 2, so a unit (re)started
+    while an operator's manual hs-extract ship held the lock stayed down for the rest of the run."""
     samples, state, dest = dirs(tmp_path)
     written = make_samples(samples, 1)
     state.mkdir()
     with open(state / shipper.LOCK_FILE, "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
-        assert shipper.main(ship_cmd(samples, state, str(dest))) == shipper.EXIT_USAGE
+        assert shipper.main(ship_cmd(samples, state, str(dest))) == shipper.EXIT_ERROR
     assert "another shipper" in capsys.readouterr().err
     assert written[0].path.exists()
+    assert shipper.main(ship_cmd(samples, state, str(dest))) == shipper.EXIT_OK  # once it is free
+
+
+def test_a_destination_manifest_line_without_bytes_is_named_not_a_crash(tmp_path, capsys):
+    """Before: the start-up sync recorded {"bytes": null} in shipped.jsonl and the status write
+    crashed with a TypeError traceback, at every start after (the record stays)."""
+    samples, state, dest = dirs(tmp_path)
+    written = make_samples(samples, 2)
+    dest.mkdir()
+    odd = {"op": "add", "key": "abc", "file": "samples/abc.safetensors", "sha256": "0" * 64}
+    (dest / store.MANIFEST).write_text(json.dumps(odd) + "\n")
+    state.mkdir()
+    (state / shipper.SHIPPED_LOG).write_text(json.dumps({"op": "shipped", "key": "old", "file": "old.safetensors",
+                                                         "bytes": None, "sha256": None, "t": 1}) + "\n")
+    assert shipper.main(ship_cmd(samples, state, str(dest))) == shipper.EXIT_OK
+    assert "lists abc without bytes or sha256" in capsys.readouterr().err
+    assert all(not w.path.exists() for w in written)
+    assert {r["key"] for r in shipped_records(state)} == {"old"} | {w.key for w in written}
+    assert status(state)["shipped"]["bytes"] == sum(w.nbytes for w in written)
+
+
+def test_a_shipper_stopped_by_a_signal_with_samples_left_does_not_say_done(tmp_path, monkeypatch, capsys):
+    """Before: exit 0 and "hs-ship: done" with samples still unshipped (only the status file said stopped)."""
+    samples, state, dest = dirs(tmp_path)
+    written = make_samples(samples, 2)
+    real_connect = shipper.Shipper.connect
+
+    def connect_then_sigterm(self, link):
+        ok = real_connect(self, link)
+        self.stop_requested = True  # what the SIGTERM handler sets
+        return ok
+    monkeypatch.setattr(shipper.Shipper, "connect", connect_then_sigterm)
+    assert shipper.main(ship_cmd(samples, state, str(dest))) == shipper.EXIT_OK
+    err = capsys.readouterr().err
+    assert "hs-ship: done" not in err and "stopped by a signal with 2 samples still to ship" in err
+    assert all(w.path.exists() for w in written) and status(state)["state"] == "stopped"
+
+
+@pytest.mark.parametrize("option", [("--poll", "nan"), ("--poll", "inf"), ("--backoff-max", "nan"),
+                                    ("--backoff-max", "inf")])
+def test_a_poll_or_backoff_that_is_not_a_finite_number_is_refused(tmp_path, capsys, option):
+    """Before: --poll nan passed the '<= 0' check and --follow spun at full CPU rewriting its status
+    (pause(nan) returns at once); --backoff-max nan retried a failing destination without a pause."""
+    samples, state, dest = dirs(tmp_path)
+    make_samples(samples, 1)
+    done = tmp_path / "driver.done"
+    done.write_text("")  # so that a shipper that accepts the value ends (the test fails, not hangs)
+    argv = ship_cmd(samples, state, str(dest), "--follow", "--until-file", str(done), *option)
+    assert shipper.main(argv) == shipper.EXIT_USAGE
+    assert "must be finite numbers > 0" in capsys.readouterr().err
+
+
+def test_a_sample_listed_here_whose_file_is_gone_counts_as_shipped_when_the_destination_holds_it(tmp_path):
+    """The state directory lost and the local manifest's removes too (files gone): the start-up sync's
+    records still settle them (a 'from: destination' record no longer deletes a file that is here,
+    but one already gone is not 'listed, never shipped')."""
+    samples, state, dest = dirs(tmp_path)
+    written = make_samples(samples, 2)
+    assert shipper.main(ship_cmd(samples, state, str(dest))) == shipper.EXIT_OK
+    adds = [line for line in (samples / store.MANIFEST).read_text().splitlines() if '"remove"' not in line]
+    (samples / store.MANIFEST).write_text("\n".join(adds) + "\n")
+    (state / shipper.SHIPPED_LOG).unlink()
+    assert shipper.main(ship_cmd(samples, state, str(dest))) == shipper.EXIT_OK
+    assert_shipped_locally(samples, state, written)
+
+
+@pytest.mark.parametrize("where", ["samples", "its parent", "inside it", "loopback parent"])
+def test_a_destination_that_overlaps_the_samples_directory_is_refused(tmp_path, capsys, where):
+    """--dest RUN while the samples are in RUN/samples: DEST/samples/ is the samples directory, the
+    verify step 'moves' each file onto itself and the shipper then deletes it. Before: exit 0, "done",
+    every sample deleted and no copy anywhere (--dest the samples directory: its manifest rewritten)."""
+    samples, state, _ = dirs(tmp_path)
+    written = make_samples(samples, 2)
+    dest = {"samples": str(samples), "its parent": str(tmp_path), "inside it": str(samples / "out"),
+            "loopback parent": f"root@127.0.0.1:{tmp_path}"}[where]
+    assert shipper.main(ship_cmd(samples, state, dest)) == shipper.EXIT_USAGE
+    assert "overlap" in capsys.readouterr().err
+    assert all(w.path.exists() for w in written)
+    assert set(store.read_manifest(samples)) == {w.key for w in written}

@@ -25,6 +25,7 @@ With ``"list": true`` the answer also has ``"entries"``: key, file, bytes, sha25
 sample_id of every sample in the destination's manifest (the shipper's start-up sync, so
 that samples already shipped count as done even when the GPU host forgot them).
 """
+import errno
 import fcntl
 import hashlib
 import json
@@ -37,6 +38,7 @@ INCOMING = ".incoming"
 SAMPLES = "samples"
 MANIFEST = "manifest.jsonl"
 LOCK = ".manifest.lock"
+VERIFYING = ".hs-verifying."  # in INCOMING: a file this step took from rsync's name before hashing it
 
 
 def sha256_and_sync(path):
@@ -85,13 +87,29 @@ def read_entries(path):
 
 def write_entries(root, entries):
     tmp = os.path.join(root, ".%s.%d.tmp" % (MANIFEST, os.getpid()))
-    with open(tmp, "wb") as f:
-        for rec in entries.values():
-            f.write((json.dumps(rec, separators=(",", ":"), sort_keys=True) + "\n").encode())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(root, MANIFEST))
+    try:
+        with open(tmp, "wb") as f:
+            for rec in entries.values():
+                f.write((json.dumps(rec, separators=(",", ":"), sort_keys=True) + "\n").encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(root, MANIFEST))
+    except BaseException:
+        # a full disk: the partial copy must not hold the space the next try needs
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
     fsync_dir(root)
+
+
+def remove_leftovers(root):
+    """What a killed step left (the lock is held, so no step of another shipper is running)."""
+    for name in os.listdir(root):
+        if name.startswith("." + MANIFEST + ".") and name.endswith(".tmp"):
+            os.unlink(os.path.join(root, name))
+    for name in os.listdir(os.path.join(root, INCOMING)):
+        if name.startswith(VERIFYING):
+            os.unlink(os.path.join(root, INCOMING, name))
 
 
 def verify(root, f, entries):
@@ -110,10 +128,14 @@ def verify(root, f, entries):
         return "kept"
     status = "missing"
     if os.path.isfile(staged):
-        if sha256_and_sync(staged) == want:
-            os.replace(staged, final)
+        # hashed and moved under a name of its own: another shipper's rsync (a reassigned shard's
+        # host) may land its own NAME at rsync's name meanwhile, and that is not the file hashed
+        mine = os.path.join(root, INCOMING, VERIFYING + name)
+        os.replace(staged, mine)
+        if sha256_and_sync(mine) == want:
+            os.replace(mine, final)
             return "ok"
-        os.unlink(staged)
+        os.unlink(mine)
         status = "mismatch"
     if os.path.isfile(final) and sha256_and_sync(final) == want:  # moved there by an interrupted run
         return "ok"
@@ -121,6 +143,7 @@ def verify(root, f, entries):
 
 
 def commit(root, files):
+    remove_leftovers(root)
     entries = read_entries(os.path.join(root, MANIFEST))
     # files are hashed in parallel (hashlib and file reads release the GIL)
     with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
@@ -142,8 +165,9 @@ def commit(root, files):
             rec["shipped"] = round(time.time(), 3)
             entries[rec["key"]] = rec
             changed = True
-    if changed:
+    if arrived:  # the renames into samples/ durable before the shipper deletes its copies, listed or not
         fsync_dir(os.path.join(root, SAMPLES))
+    if changed:
         write_entries(root, entries)
     return {"results": results, "manifest": len(entries)}
 
@@ -152,14 +176,21 @@ def main():
     os.umask(0o077)  # samples and manifest at the destination are readable by the shipping account only
     req = json.load(sys.stdin)
     root = os.path.expanduser(req["root"])
-    for d in (os.path.join(root, INCOMING), os.path.join(root, SAMPLES)):
-        os.makedirs(d, exist_ok=True)
-    with open(os.path.join(root, LOCK), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        answer = commit(root, req["files"])
-        if req.get("list"):
-            fields = ("key", "file", "bytes", "sha256", "sample_id")
-            answer["entries"] = [{k: e.get(k) for k in fields} for e in read_entries(os.path.join(root, MANIFEST)).values()]
+    try:
+        for d in (os.path.join(root, INCOMING), os.path.join(root, SAMPLES)):
+            os.makedirs(d, exist_ok=True)
+        with open(os.path.join(root, LOCK), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            answer = commit(root, req["files"])
+            if req.get("list"):
+                fields = ("key", "file", "bytes", "sha256", "sample_id")
+                answer["entries"] = [{k: e.get(k) for k in fields}
+                                     for e in read_entries(os.path.join(root, MANIFEST)).values()]
+    except OSError as e:  # one line the shipper shows, not a traceback
+        full = " (the destination is full: free space there; the shipper retries by itself)" \
+            if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        sys.stderr.write("verify step at %s: %s%s\n" % (root, e, full))
+        sys.exit(1)
     json.dump(answer, sys.stdout)
 
 

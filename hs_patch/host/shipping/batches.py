@@ -110,9 +110,12 @@ class Shipper:
                 continue
             path = self.cfg.samples_dir / name
             done = self.shipped.get(key)
-            if done is not None and done["sha256"] == entry["sha256"]:
-                self.drop_local(key, path, None)  # verified before the run was cut
+            if done is not None and done["sha256"] == entry["sha256"] and (done.get("from") != "destination"
+                                                                          or not path.exists()):
+                self.drop_local(key, path, None)  # verified by this shipper before the run was cut
                 continue
+            # a record taken from the destination's manifest alone is not a verification of the copy
+            # there: while a local copy exists, it is verified there (and re-sent if lost) first
             if key in busy or self.attempts.get((key, entry["sha256"]), 0) >= self.cfg.retries:
                 continue  # being verified, or given up (listed in self.failed)
             try:
@@ -206,7 +209,8 @@ class Shipper:
         doc = {
             "state": state, "pid": os.getpid(), "updated": round(time.time(), 3),
             "samples_dir": str(self.cfg.samples_dir), "dest": str(self.cfg.dest),
-            "shipped": {"count": len(self.shipped), "bytes": sum(r["bytes"] for r in self.shipped.values())},
+            "shipped": {"count": len(self.shipped), "bytes": sum(r["bytes"] for r in self.shipped.values()
+                                                                  if type(r.get("bytes")) is int)},
             "this_run": {"count": self.run_files, "bytes": self.run_bytes, "busy_seconds": round(self.busy_seconds, 3)},
             "pending": {"count": len(self.pending), "bytes": sum(p.entry["bytes"] for p in self.pending)},
             "verifying": len(self.inflight.batch) if self.inflight else 0,
@@ -260,10 +264,19 @@ class Shipper:
         return False
 
     def sync_destination(self, entries: list[dict[str, Any]]) -> None:
-        """Record in shipped.jsonl each sample the destination holds that it does not list (as is)."""
+        """Record in shipped.jsonl each sample the destination holds that it does not list (as is),
+        except those still here: they are verified at the destination before their local copy goes
+        (the destination's manifest may list a file lost or damaged there since)."""
+        local = {key for key, entry in store.read_manifest(self.cfg.samples_dir).items()
+                 if (self.cfg.samples_dir / Path(str(entry.get("file") or "")).name).is_file()}
         for e in entries:
             key, name = e.get("key"), Path(str(e.get("file") or "")).name
-            if not isinstance(key, str) or not name or self.shipped.get(key, {}).get("sha256") == e.get("sha256"):
+            if not isinstance(key, str) or not name or self.shipped.get(key, {}).get("sha256") == e.get("sha256") \
+                    or key in local:
+                continue
+            if type(e.get("bytes")) is not int or not isinstance(e.get("sha256"), str):
+                print(f"hs-ship: the destination's manifest lists {key} without bytes or sha256: not counted as "
+                      f"shipped (hs-patch inspect {self.cfg.dest.path} names the line)", file=sys.stderr)
                 continue
             rec = {"op": "shipped", "key": key, "file": name, "bytes": e.get("bytes"), "sha256": e.get("sha256"),
                    "t": round(time.time(), 3), "from": "destination"}

@@ -47,11 +47,12 @@ class LinkError(RuntimeError):
         return PERMANENT.search(str(self)) is not None
 
 
-# what ssh says when waiting cannot help (its own messages, not those of a command it runs)
+# what ssh says when waiting cannot help (its own messages, not those of a command it runs), and the
+# storage host's forced command refusing (gate.py: a --dest outside its ROOT, another hs-patch there)
 PERMANENT = re.compile(r"Host key verification failed|REMOTE HOST IDENTIFICATION HAS CHANGED|"
                        r"Permission denied \((publickey|password|keyboard|gssapi|hostbased)|"
                        r"Could not resolve hostname|Bad configuration option|no such identity|"
-                       r"Too many authentication failures|Bad owner or permissions")
+                       r"Too many authentication failures|Bad owner or permissions|hs-ingest-gate: refused")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import json
+import math
 import os
 import signal
 import sys
@@ -42,8 +44,10 @@ def ship(cfg: ShipConfig) -> int:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise ConfigError(f"another shipper holds {cfg.state_dir / LOCK_FILE}: one shipper per "
-                              "state directory; stop it first (or wait for it)") from None
+            # exit 1, not 2: a busy lock is no bad configuration, and the follow unit (Restart=on-failure,
+            # RestartPreventExitStatus=2) must come back once a manual shipper is done, not stay down
+            raise LinkError(f"another shipper holds {cfg.state_dir / LOCK_FILE}: one shipper per "
+                            "state directory; stop it first (or wait for it)") from None
         shipper = Shipper(cfg)
         previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
 
@@ -93,13 +97,32 @@ def check_config(cfg: ShipConfig) -> None:
     if not cfg.dest.host and (cfg.ssh.key or cfg.ssh.port or cfg.ssh.known_hosts or cfg.ssh.options):
         raise ConfigError(f"--dest {cfg.dest} is a local directory, so the SSH options mean nothing; "
                           "give --dest [user@]host:path")
+    check_not_overlapping(cfg)
     for name in ("batch_files", "batch_bytes", "retries"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
     if cfg.until_file and not cfg.follow:
         raise ConfigError("--until-file only means something with --follow")
-    if cfg.poll_seconds <= 0 or cfg.bwlimit_kbps < 0 or cfg.backoff_max <= 0:
-        raise ConfigError("--poll and --backoff-max must be > 0 and --bwlimit >= 0")
+    # written so that nan fails too (it compares false both ways: --poll nan was a busy loop)
+    if not (0 < cfg.poll_seconds < math.inf and 0 < cfg.backoff_max < math.inf) or cfg.bwlimit_kbps < 0:
+        raise ConfigError("--poll and --backoff-max must be finite numbers > 0 and --bwlimit >= 0")
+
+
+LOOPBACK = {"localhost", "127.0.0.1", "::1", "[::1]"}
+
+
+def check_not_overlapping(cfg: ShipConfig) -> None:
+    """A destination on this host that holds the samples directory, or lies in it, is refused: its
+    DEST/samples/ may be the samples directory itself (then the verified "copy" is the local file the
+    shipper deletes next) and DEST/manifest.jsonl the local manifest (rewritten by the verify step)."""
+    host = (cfg.dest.host or "").rpartition("@")[2].lower()
+    if cfg.dest.host and not (host in LOOPBACK or host.startswith("127.")):
+        return
+    dest, samples = Path(cfg.dest.path).expanduser().resolve(), cfg.samples_dir.resolve()
+    if dest == samples or dest in samples.parents or samples in dest.parents:
+        raise ConfigError(f"--dest {cfg.dest} and --samples-dir {cfg.samples_dir} overlap ({dest} and {samples}): "
+                          "the destination keeps its samples in DEST/samples/ and its own DEST/manifest.jsonl, so "
+                          "shipping there would delete the only copy; give a directory of its own (training storage)")
 
 
 # ---------------------------------------------------------------------------- CLI
@@ -149,8 +172,9 @@ ssh:
 
 exit codes:
   0  everything listed is shipped and verified (or stopped by a signal after its batch)
-  1  error that waiting cannot cure (host key, authentication, unknown host, a listed file
-     gone): fix and run again (an unreachable destination is waited for, not an error)
+  1  error that waiting cannot cure (host key, authentication, unknown host, a refusal by
+     the storage host's forced command, a listed file gone), or another shipper holds
+     STATE_DIR/shipper.lock: fix and run again (an unreachable destination is waited for, not an error)
   2  bad arguments or configuration: the message says what to fix
   3  some files still fail verification after --retries transfers: they are kept here
      and named in the status file; run again to retry them
@@ -225,6 +249,15 @@ def run_args(args: argparse.Namespace) -> int:
         print("hs-ship: stopped mid-batch; run the same command again to resume", file=sys.stderr)
         return EXIT_ERROR
     status = f"{cfg.state_dir / STATUS_FILE}"
+    try:
+        st = json.loads((cfg.state_dir / STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        st = {}
+    left = (st.get("pending") or {}).get("count") or 0
+    if code == EXIT_OK and st.get("state") == "stopped" and left:
+        print(f"hs-ship: stopped by a signal with {left} samples still to ship (kept here); run the same "
+              "command again to ship them", file=sys.stderr)
+        return code
     messages = {EXIT_OK: "done", EXIT_UNVERIFIED: f"some files failed verification and are kept; see {status}",
                 EXIT_ERROR: f"see {status}"}
     print(f"hs-ship: {messages[code]}", file=sys.stderr)

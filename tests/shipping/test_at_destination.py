@@ -1,0 +1,113 @@
+"""The verify-and-commit step run on the destination, called in-process: what it commits is
+exactly the file it hashed, whatever other shippers' rsyncs do in ``.incoming/`` meanwhile."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from hs_patch.host.shipping import at_destination
+
+
+def _request(name: str, data: bytes) -> dict:
+    digest = hashlib.sha256(data).hexdigest()
+    entry = {"op": "add", "key": name.split(".")[0], "file": name, "bytes": len(data), "sha256": digest}
+    return {"file": name, "bytes": len(data), "sha256": digest, "entry": entry}
+
+
+def test_a_file_another_rsync_lands_while_one_is_hashed_is_not_committed_under_the_hashed_ones_sha(
+        tmp_path, monkeypatch):
+    """Two shippers on one destination (a dead host back after its shard was given to another):
+    one rsync renames its NAME into .incoming/ while the other's verify step hashes the NAME there.
+    Before: the step hashed the path, then moved whatever was at the path by then into samples/,
+    listed under the sha256 of the file it had hashed (a torn pair counted as shipped)."""
+    root = tmp_path / "dest"
+    (root / at_destination.INCOMING).mkdir(parents=True)
+    (root / at_destination.SAMPLES).mkdir()
+    name = "k.safetensors"
+    ours, theirs = b"A" * 4096, b"B" * 4096
+    staged = root / at_destination.INCOMING / name
+    staged.write_bytes(ours)
+    real = at_destination.sha256_and_sync
+
+    def hashed_then_another_rsync_lands(path: str):
+        result = real(path)
+        if not staged.exists() or staged.read_bytes() != theirs:  # rsync: temp file, then rename
+            landing = staged.with_name(f".{name}.Xy12Ab")
+            landing.write_bytes(theirs)
+            os.replace(landing, staged)
+        return result
+    monkeypatch.setattr(at_destination, "sha256_and_sync", hashed_then_another_rsync_lands)
+    answer = at_destination.commit(str(root), [_request(name, ours)])
+    assert answer["results"][0]["status"] == "ok"
+    listed = json.loads((root / at_destination.MANIFEST).read_text())
+    in_place = (root / at_destination.SAMPLES / name).read_bytes()
+    assert hashlib.sha256(in_place).hexdigest() == listed["sha256"] == hashlib.sha256(ours).hexdigest()
+    # the other shipper's arrival is left for its own verify step
+    assert staged.read_bytes() == theirs
+
+
+def test_a_file_taken_by_a_killed_verify_step_is_removed_and_sent_again(tmp_path):
+    root = tmp_path / "dest"
+    (root / at_destination.INCOMING).mkdir(parents=True)
+    (root / at_destination.SAMPLES).mkdir()
+    data = b"C" * 100
+    taken = root / at_destination.INCOMING / (at_destination.VERIFYING + "k.safetensors")
+    taken.write_bytes(data)
+    answer = at_destination.commit(str(root), [_request("k.safetensors", data)])
+    assert answer["results"][0]["status"] == "missing" and not taken.exists()
+    assert not (root / at_destination.SAMPLES / "k.safetensors").exists()
+
+
+def test_a_full_destination_leaves_no_partial_manifest_and_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    """ENOSPC while the manifest is rewritten. Before: the partial temp manifest stayed (one more per
+    retry, each holding space the next try needed) and the shipper showed a Python traceback."""
+    root = tmp_path / "dest"
+    (root / at_destination.INCOMING).mkdir(parents=True)
+    data = b"D" * 100
+    (root / at_destination.INCOMING / "k.safetensors").write_bytes(data)
+    real_fsync = os.fsync
+
+    def full(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".tmp"):
+            raise OSError(28, "No space left on device")
+        real_fsync(fd)
+    monkeypatch.setattr(at_destination.os, "fsync", full)
+    monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps({"root": str(root), "files": [_request("k.safetensors", data)]})))
+    with pytest.raises(SystemExit) as e:
+        at_destination.main()
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "No space left on device" in err and "the destination is full" in err
+    assert not [p for p in root.iterdir() if p.name.endswith(".tmp")], "a partial manifest was left behind"
+    # once there is space again, the next step commits it (it was moved into samples/ already)
+    monkeypatch.setattr(at_destination.os, "fsync", real_fsync)
+    (root / ".manifest.jsonl.99999.tmp").write_bytes(b"left by a killed step")
+    answer = at_destination.commit(str(root), [_request("k.safetensors", data)])
+    assert answer["results"][0]["status"] == "ok" and answer["manifest"] == 1
+    assert not [p for p in root.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_file_sent_again_for_a_line_the_manifest_already_has_is_made_durable(tmp_path, monkeypatch):
+    """The destination's copy lost, the manifest line intact: the copy sent again is renamed into
+    samples/ and the shipper then deletes its own. Before: samples/ was fsynced only when the
+    manifest changed, so that rename could be lost with power while the manifest listed it."""
+    root = tmp_path / "dest"
+    (root / at_destination.INCOMING).mkdir(parents=True)
+    (root / at_destination.SAMPLES).mkdir()
+    data = b"E" * 100
+    req = _request("k.safetensors", data)
+    (root / at_destination.INCOMING / "k.safetensors").write_bytes(data)
+    at_destination.commit(str(root), [req])
+    (root / at_destination.SAMPLES / "k.safetensors").unlink()
+    (root / at_destination.INCOMING / "k.safetensors").write_bytes(data)
+    synced: list[str] = []
+    real = at_destination.fsync_dir
+    monkeypatch.setattr(at_destination, "fsync_dir", lambda path: (synced.append(path), real(path)))
+    assert at_destination.commit(str(root), [req])["results"][0]["status"] == "ok"
+    assert str(root / at_destination.SAMPLES) in synced
