@@ -97,6 +97,11 @@ def test_verify_runs_the_installed_step_for_a_root_under_root(tmp_path):
     p = subprocess.run([sys.executable, str(GATE), env_root], input=request, capture_output=True,
                        env={**env, "SSH_ORIGINAL_COMMAND": tampered}, timeout=60)
     assert p.returncode == 1 and b"not the one installed" in p.stderr
+    from hs_patch.host.shipping.gate import MAX_REQUEST
+
+    huge = json.dumps({"root": str(root / "run1"), "files": [{"file": "x" * 1000}] * (MAX_REQUEST // 1000)}).encode()
+    p = subprocess.run([sys.executable, str(GATE), env_root], input=huge, capture_output=True, env=env, timeout=60)
+    assert p.returncode == 1 and b"smaller --batch-files" in p.stderr, "what to do about it, not only the limit"
 
 
 @pytest.fixture(scope="module")

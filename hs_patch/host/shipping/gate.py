@@ -96,7 +96,8 @@ def check_verify(root, source):
                           "(ansible-playbook playbooks/shipping.yml) so both ends run the same hs-patch" % HERE)
     data = sys.stdin.buffer.read(MAX_REQUEST + 1)
     if len(data) > MAX_REQUEST:
-        raise Refused("verify request larger than %d bytes" % MAX_REQUEST)
+        raise Refused("verify request larger than %d bytes (give hs-extract ship a smaller --batch-files)"
+                      % MAX_REQUEST)
     try:
         req = json.loads(data)
         under(root, os.path.expanduser(req["root"]))
