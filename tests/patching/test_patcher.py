@@ -254,3 +254,24 @@ def test_a_file_patched_by_an_earlier_hs_patch_is_upgraded_by_apply(site: Path, 
     target.write_text(earlier)
     code, res = run_cli("revert", "--site", str(site), capsys=capsys)
     assert code == 0 and target.read_bytes() == pristine
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not UTF-8"])
+@pytest.mark.parametrize("site", ["0.5.9"], indirect=True)
+def test_a_damaged_file_is_reported_by_status_and_refused_by_the_rest(site: Path, damage: str, capsys):
+    """A patched file cut short (a full disk, a copy killed midway) or with bytes that are not UTF-8
+    (a hand edit in another encoding) is no release's: status still reports it (the Ansible role runs
+    status first) and says it is not Python; apply and revert refuse it untouched, verify fails."""
+    target = site / TARGET
+    assert run_cli("apply", "--site", str(site), capsys=capsys)[0] == 0
+    data = target.read_bytes()
+    damaged = data[: len(data) // 2] if damage == "truncated" else data + b"# caf\xe9\n"
+    target.write_bytes(damaged)
+    code, res = run_cli("status", "--site", str(site), capsys=capsys)
+    assert code == 0 and res["state"] == "unknown" and res["nearest"]["parse_error"]
+    assert cli.main(["status", "--site", str(site)]) == 0
+    assert "this file is not valid Python" in capsys.readouterr().out
+    for command, want in (("apply", cli.EXIT_REFUSED), ("verify", cli.EXIT_VERIFY), ("revert", cli.EXIT_REFUSED)):
+        code, res = run_cli(command, "--site", str(site), capsys=capsys)
+        assert code == want and "neither the pristine nor the patched" in res["error"], (command, res)
+    assert target.read_bytes() == damaged

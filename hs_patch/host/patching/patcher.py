@@ -86,7 +86,9 @@ def inspect_target(site: str | os.PathLike | None) -> Target:
     release, state = by_pristine_sha(sha, installed), "pristine"  # a shared file: the installed release
     if release is None:
         release, state = by_patched_sha(sha), "patched"
-    text = data.decode("utf-8")
+    # every release's file is UTF-8; one that is not (a hand edit, a damaged copy) is no release's: unknown,
+    # so status reports it and apply/verify/revert refuse it like any other unknown file
+    text = data.decode("utf-8", errors="replace")
     if release is None:
         current = from_earlier_layout(text)
         release, state = by_patched_sha(_sha(current)), "outdated"
