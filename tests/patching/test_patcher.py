@@ -275,3 +275,30 @@ def test_a_damaged_file_is_reported_by_status_and_refused_by_the_rest(site: Path
         code, res = run_cli(command, "--site", str(site), capsys=capsys)
         assert code == want and "neither the pristine nor the patched" in res["error"], (command, res)
     assert target.read_bytes() == damaged
+
+
+@pytest.mark.parametrize("site", ["0.5.23"], indirect=True)
+def test_two_applies_at_once_both_succeed(site: Path, capsys, monkeypatch):
+    """A second hs-patch apply started while one is writing (two Ansible runs, an operator beside one)
+    waits for it and finds the patch applied; it used to share the temp file and fail with
+    FileNotFoundError (exit 1)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    second: list[subprocess.Popen] = []
+    write_all = patcher.write_all
+
+    def slow_write(fd: int, data: bytes) -> None:
+        if not second:  # the first write of the first apply: start the other one now
+            second.append(subprocess.Popen([sys.executable, "-m", "hs_patch.host.patch_cli", "apply", "--json",
+                                            "--site", str(site)], env=env, stdout=subprocess.PIPE, text=True))
+            with pytest.raises(subprocess.TimeoutExpired):
+                second[0].wait(timeout=3)  # it must wait for this one
+        write_all(fd, data)
+
+    monkeypatch.setattr(patcher, "write_all", slow_write)
+    code, res = run_cli("apply", "--site", str(site), capsys=capsys)
+    assert code == 0 and res["changed"]
+    out, _ = second[0].communicate(timeout=60)
+    assert second[0].returncode == 0 and json.loads(out)["changed"] is False
+    assert sha(site / TARGET) == RELEASES["0.5.23"].patched_sha256
+    assert sorted(p.name for p in (site / TARGET).parent.iterdir()) == [
+        "deepseek_v2.py", "deepseek_v2.py.hs_patch.orig", "kimi_k25.py"]

@@ -7,12 +7,15 @@ needs a GPU, and in Ansible before anything else is installed.
 from __future__ import annotations
 
 import ast
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 from hs_patch.files import write_all
 from hs_patch.host.patching.earlier import from_earlier_layout, from_earlier_patch
@@ -20,6 +23,7 @@ from hs_patch.releases import (LAYER_POINT, RELEASES, TARGET, PatchError, Releas
                                by_pristine_sha)
 
 BACKUP_SUFFIX = ".hs_patch.orig"
+TARGET_DIR = os.path.dirname(TARGET)
 SUPPORTED = f"every release from {next(iter(RELEASES))} to {list(RELEASES)[-1]}"
 
 
@@ -173,7 +177,31 @@ def result(action: str, t: Target, changed: bool, message: str, **extra) -> dict
             "state": t.state, "site": str(t.site), "files": [t.describe()], "message": message, **extra}
 
 
+@contextlib.contextmanager
+def _one_at_a_time(site: str | os.PathLike | None) -> Iterator[Path]:
+    """Hold an exclusive lock on the directory of ``deepseek_v2.py`` (flock; released when the process ends,
+    however it ends) while one apply or revert reads, decides and writes: two at once (two Ansible runs,
+    an operator beside one) would share the temp file and one fail midway. Yields the site."""
+    site = Path(site) if site else default_site()
+    try:
+        fd = os.open(site / TARGET_DIR, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:  # no such directory: inspect_target says what --site must be
+        fd = -1
+    try:
+        if fd >= 0:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield site
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
 def apply(site: str | os.PathLike | None = None) -> dict:
+    with _one_at_a_time(site) as where:
+        return _apply(where)
+
+
+def _apply(site: Path) -> dict:
     t = inspect_target(site)
     if t.state == "unknown":
         raise _refuse_unknown(t)
@@ -228,6 +256,11 @@ def verify(site: str | os.PathLike | None = None) -> dict:
 
 
 def revert(site: str | os.PathLike | None = None) -> dict:
+    with _one_at_a_time(site) as where:
+        return _revert(where)
+
+
+def _revert(site: Path) -> dict:
     t = inspect_target(site)
     if t.state == "unknown":
         raise _refuse_unknown(t)
