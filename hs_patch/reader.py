@@ -291,7 +291,10 @@ def check_dir(directory: str | os.PathLike, *, deep: bool = True, workers: int =
             if not path.is_file():
                 return key, "missing", 0
             if deep:
-                return key, "ok", int(read_sample(path, entry=entry).metadata["num_tokens"])
+                sample = read_sample(path, entry=entry)
+                if sample.key != key:  # the entry's file, size and sha256 are another sample's
+                    raise SampleError(f"{path}: holds sample {sample.key}; the manifest lists it as {key}")
+                return key, "ok", int(sample.metadata["num_tokens"])
             check_header(path, entry)
             return key, "ok", 0
         except (SampleError, OSError, ValueError, KeyError, TypeError, IndexError) as e:

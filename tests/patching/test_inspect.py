@@ -105,3 +105,17 @@ def test_progress_goes_to_stderr_and_workers_must_be_positive(shipped, capsys):
     assert "6 ok" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         patch_cli.main(["inspect", "--workers", "0", str(shipped)])
+
+
+def test_deep_finds_an_entry_that_points_at_another_samples_file(shipped, capsys):
+    """A manifest line whose key names one sample and whose file, size and sha256 are another's (a
+    hand-merged or hand-edited manifest): a reader by key gets the wrong tokens. --quick reported it
+    (the header's key) but --deep, the default and the stronger check, called the run clean."""
+    lines = (shipped / store.MANIFEST).read_text().splitlines()
+    first, second = json.loads(lines[0]), json.loads(lines[1])
+    lines[0] = json.dumps(dict(second, key=first["key"]))
+    (shipped / store.MANIFEST).write_text("\n".join(lines) + "\n")
+    for mode in ("--deep", "--quick"):
+        code, res = inspect(capsys, mode, str(shipped))
+        assert code == patch_cli.EXIT_VERIFY and list(res["bad"]) == [first["key"]], (mode, res)
+        assert second["key"] in res["bad"][first["key"]]
