@@ -119,3 +119,25 @@ def test_deep_finds_an_entry_that_points_at_another_samples_file(shipped, capsys
         code, res = inspect(capsys, mode, str(shipped))
         assert code == patch_cli.EXIT_VERIFY and list(res["bad"]) == [first["key"]], (mode, res)
         assert second["key"] in res["bad"][first["key"]]
+
+
+def test_one_file_is_checked_against_the_manifest_that_lists_it(shipped, tmp_path, capsys):
+    """``inspect FILE`` finds the entry of a shipped sample (the manifest sits above samples/), and a
+    manifest line without a key beside the file is passed over (inspecting the directory reports it)
+    instead of ending the command with 'KeyError: key' (exit 1)."""
+    victim = sorted((shipped / "samples").iterdir())[0]
+    code, res = inspect(capsys, str(victim))
+    assert code == patch_cli.EXIT_OK and res["manifest_checked"] is True
+    flip_a_tensor_byte(victim)
+    code, res = inspect(capsys, str(victim))
+    assert code == patch_cli.EXIT_VERIFY and "differ from the manifest" in res["error"]
+    (shipped / store.MANIFEST).unlink()
+    code, res = inspect(capsys, str(victim))  # nothing to check the bytes against: it says so
+    assert code == patch_cli.EXIT_OK and res["manifest_checked"] is False and "were not checked" in res["message"]
+
+    local = tmp_path / "local"
+    make_samples(local, 2)
+    with open(local / store.MANIFEST, "a") as f:
+        f.write(json.dumps({"op": "add", "file": "x.safetensors", "bytes": 1, "sha256": "0"}) + "\n")
+    code, res = inspect(capsys, str(sorted(local.glob("*.safetensors"))[0]))
+    assert code == patch_cli.EXIT_OK and res["manifest_checked"] is True
