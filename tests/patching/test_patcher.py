@@ -212,6 +212,12 @@ def test_mixed_install_is_refused(release_sources, tmp_path, capsys):
     (site / TARGET).write_bytes((release_sources["0.5.16"] / TARGET).read_bytes())
     code, res = run_cli("apply", "--site", str(site), capsys=capsys)
     assert code == cli.EXIT_REFUSED and "mixed install" in res["error"]
+    # where the version was read (the dist-info; SGLang's version.py holds no version) and what to run
+    assert "dist-info" in res["error"] and "sglang/version.py" not in res["error"]
+    assert "pip install --force-reinstall --no-deps sglang==0.5.9" in res["error"]
+    (site / TARGET).write_text(apply_edits(RELEASES["0.5.16"], (site / TARGET).read_text()))
+    code, res = run_cli("verify", "--site", str(site), capsys=capsys)  # a patched 0.5.16 file in it
+    assert code == cli.EXIT_VERIFY and "mixed install" in res["error"] and "Nothing was written" not in res["error"]
 
 
 def test_missing_target_explains_site(tmp_path, capsys):

@@ -119,8 +119,10 @@ def _refuse_unknown(t: Target) -> Refused:
 
 def _check_version(t: Target) -> None:
     if t.release and t.installed_version and t.installed_version != t.release.version:
-        raise Refused(f"{t.path} is the file of SGLang {t.release.version} but sglang/version.py says "
-                      f"{t.installed_version}: a mixed install; reinstall SGLang. Nothing was written.")
+        raise Refused(f"{t.path} is the file of SGLang {t.release.version} but the installed SGLang's metadata "
+                      f"(its dist-info, else sglang/_version.py, in "
+                      f"{t.site}) says {t.installed_version}: a mixed install; reinstall with pip "
+                      f"install --force-reinstall --no-deps sglang=={t.installed_version}. Nothing was written.")
 
 
 def _atomic_write(path: Path, data: bytes, like: Path) -> None:
@@ -246,7 +248,10 @@ def verify(site: str | os.PathLike | None = None) -> dict:
     if t.state == "outdated":
         raise VerifyFailed(f"{t.path} was patched by an earlier hs-patch (its hook calls no longer match this "
                            "hs_patch: the hook refuses its passes): run hs-patch apply to upgrade the patch")
-    _check_version(t)
+    try:
+        _check_version(t)
+    except Refused as e:  # verify writes nothing: it failed (exit 3), like any other wrong install
+        raise VerifyFailed(str(e).replace(" Nothing was written.", "")) from None
     try:
         compile(t.text, str(t.path), "exec")
     except SyntaxError as e:
