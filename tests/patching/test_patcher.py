@@ -308,3 +308,18 @@ def test_two_applies_at_once_both_succeed(site: Path, capsys, monkeypatch):
     assert sha(site / TARGET) == RELEASES["0.5.23"].patched_sha256
     assert sorted(p.name for p in (site / TARGET).parent.iterdir()) == [
         "deepseek_v2.py", "deepseek_v2.py.hs_patch.orig", "kimi_k25.py"]
+
+
+@pytest.mark.parametrize("site", ["0.5.9"], indirect=True)
+def test_status_says_a_patched_file_was_changed_and_how(site: Path, capsys):
+    """A patched file then converted to CRLF (a copy through Windows): verify said it was patched and then
+    changed, status only named the nearest release (0.5.23, 0 of 6 anchors, every region differing),
+    which sends the operator to add a release. Status now says what verify says, and names the CRLF."""
+    target = site / TARGET
+    assert run_cli("apply", "--site", str(site), capsys=capsys)[0] == 0
+    target.write_bytes(target.read_bytes().replace(b"\n", b"\r\n"))
+    code, res = run_cli("status", "--site", str(site), capsys=capsys)
+    assert code == 0 and res["state"] == "unknown" and len(res["hints"]) == 2
+    assert "patched and then changed" in res["hints"][0] and "CRLF" in res["hints"][1]
+    assert cli.main(["status", "--site", str(site)]) == 0
+    assert "it was patched and then changed" in capsys.readouterr().out

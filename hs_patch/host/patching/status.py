@@ -26,10 +26,22 @@ def status(site: str | None, model: str | None = None) -> dict[str, Any]:
            "message": f"SGLang {release or t.installed_version or '?'}: {t.state}"}
     if t.state == "unknown":  # a release published after this hs-patch, or an edited file: what is nearest
         near = nearest(t.text)
-        res["nearest"] = near.summary()
+        res["nearest"], res["hints"] = near.summary(), _unknown_hints(t)
         res["message"] += (f" (no supported release has this deepseek_v2.py: {patcher.SUPPORTED}; patching it is "
-                           "refused)\n  " + "\n  ".join(near.lines()))
+                           "refused)\n  " + "\n  ".join(res["hints"] + near.lines()))
     return res
+
+
+def _unknown_hints(t: patcher.Target) -> list[str]:
+    """What an unknown file most likely is, before the nearest release (which compares it as pristine)."""
+    out = []
+    if t.backup.exists():
+        out.append(f"it was patched and then changed (the original is kept at {t.backup}): reinstall SGLang, then "
+                   "run hs-patch apply")
+    if "\r\n" in t.text:
+        out.append("its lines end in CRLF (copied through Windows or an editor that converts?); every release's "
+                   "file ends them in LF")
+    return out
 
 
 def check_args(site: str | None, release: str | None, args: list[str]) -> dict[str, Any]:
