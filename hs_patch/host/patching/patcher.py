@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import errno
 import fcntl
 import hashlib
 import importlib.util
 import os
+import pwd
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -200,7 +202,10 @@ def _one_at_a_time(site: str | os.PathLike | None) -> Iterator[Path]:
 
 def apply(site: str | os.PathLike | None = None) -> dict:
     with _one_at_a_time(site) as where:
-        return _apply(where)
+        try:
+            return _apply(where)
+        except OSError as e:
+            raise _cannot_write(where, e) from None
 
 
 def _apply(site: Path) -> dict:
@@ -262,7 +267,26 @@ def verify(site: str | os.PathLike | None = None) -> dict:
 
 def revert(site: str | os.PathLike | None = None) -> dict:
     with _one_at_a_time(site) as where:
-        return _revert(where)
+        try:
+            return _revert(where)
+        except OSError as e:
+            raise _cannot_write(where, e) from None
+
+
+def _cannot_write(site: Path, e: OSError) -> OSError:
+    """A write refused by permissions or a read-only mount, said with the directory and what to do next
+    (otherwise: the error as it is). The temp file is gone and ``deepseek_v2.py`` is whole, old or new."""
+    if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return e
+    d = site / TARGET_DIR
+    try:
+        owner = pwd.getpwuid(d.stat().st_uid).pw_name
+    except (OSError, KeyError):
+        owner = "the owner of the venv"
+    how = ("it is on a read-only mount: remount it read-write, or patch the venv where it is built"
+           if e.errno == errno.EROFS else f"run hs-patch as {owner}, who owns it" + ("" if owner == "root" else
+                                                                                     " (or as root)"))
+    return type(e)(e.errno, f"cannot write in {d} ({e.strerror}): {how}; hs-patch status shows what was left")
 
 
 def _revert(site: Path) -> dict:
