@@ -8,6 +8,7 @@ from typing import Any
 from hs_patch.flags import REQUIRED_FLAGS, args_violations
 from hs_patch.host.patching import patcher
 from hs_patch.host.patching.nearest import nearest
+from hs_patch.releases import RELEASES
 from hs_patch.server import config
 
 
@@ -48,7 +49,13 @@ def check_args(site: str | None, release: str | None, args: list[str]) -> dict[s
     """Check a server command line against the capture hook's rules (hs_patch.flags)."""
     if release is None:
         t = patcher.inspect_target(site)
-        release = t.release.version if t.release else None
+        if t.release is None:
+            raise patcher.Refused(f"{t.path} is no supported release's file (hs-patch status says what it is), so "
+                                  "the flags capture needs are not known: give --release, one of " + ", ".join(RELEASES))
+        release = t.release.version
+    elif release not in RELEASES:  # the flags each release needs are known for these only: no silent pass
+        raise patcher.Refused(f"SGLang {release} is not a supported release ({patcher.SUPPORTED}): the flags capture "
+                              "needs on it are not known")
     problems = args_violations(args, release)
     return {"action": "check-args", "release": release, "problems": problems, "clean": not problems,
             "message": "server arguments compatible with capture" if not problems else
