@@ -164,6 +164,10 @@ def manifest_entries(directory: Path) -> tuple[Optional[dict[str, dict[str, Any]
             if bad:
                 problems.append(f"{MANIFEST}:{n}: an add line without a valid {', '.join(repr(b) for b in bad)}")
                 continue
+            if os.path.isabs(rec["file"]) or ".." in Path(rec["file"]).parts:  # writers list their own files
+                problems.append(f"{MANIFEST}:{n}: file {rec['file']!r} is outside this directory (a manifest lists "
+                                "the files beside or below it, by relative path)")
+                continue
             entries[rec["key"]] = rec
         elif op == "remove":
             if not isinstance(rec.get("key"), str):

@@ -141,3 +141,21 @@ def test_one_file_is_checked_against_the_manifest_that_lists_it(shipped, tmp_pat
         f.write(json.dumps({"op": "add", "file": "x.safetensors", "bytes": 1, "sha256": "0"}) + "\n")
     code, res = inspect(capsys, str(sorted(local.glob("*.safetensors"))[0]))
     assert code == patch_cli.EXIT_OK and res["manifest_checked"] is True
+
+
+def test_an_entry_whose_file_is_outside_the_run_is_reported(shipped, tmp_path, capsys):
+    """An add line naming a file by absolute path or with '..' (a hand-merged manifest) read a file
+    outside the run and called the run clean: moved or shipped, that sample is gone."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    lines = (shipped / store.MANIFEST).read_text().splitlines()
+    first, second = json.loads(lines[0]), json.loads(lines[1])
+    for f, entry in ((elsewhere / "a.safetensors", first), (tmp_path / "b.safetensors", second)):
+        (shipped / entry["file"]).rename(f)
+    lines[0] = json.dumps(dict(first, file=str(elsewhere / "a.safetensors")))
+    lines[1] = json.dumps(dict(second, file="../b.safetensors"))
+    (shipped / store.MANIFEST).write_text("\n".join(lines) + "\n")
+    code, res = inspect(capsys, str(shipped))
+    assert code == patch_cli.EXIT_VERIFY and res["ok"] == 4
+    assert [p.split(": ")[0] for p in res["manifest_problems"]] == ["manifest.jsonl:1", "manifest.jsonl:2"]
+    assert all("outside this directory" in p for p in res["manifest_problems"])
