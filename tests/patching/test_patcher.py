@@ -350,3 +350,16 @@ def test_a_directory_it_may_not_write_is_named_with_what_to_do(site: Path, capsy
             assert want in res["error"] and "hs_patch.tmp" not in res["error"]
         monkeypatch.undo()
         assert run_cli("revert", "--site", str(site), capsys=capsys)[0] == 0 and target.read_bytes() == pristine
+
+
+def test_status_names_a_mixed_install(release_sources, tmp_path, capsys):
+    """A patched 0.5.16 file in a site whose dist-info says 0.5.9: status said 'SGLang 0.5.16: patched'
+    (exit 0, the 0.5.16 server flags) while apply and verify refuse it; it now says it is mixed."""
+    site = extract_site("0.5.9", tmp_path / "site")
+    (site / TARGET).write_text(apply_edits(RELEASES["0.5.16"], (release_sources["0.5.16"] / TARGET).read_text()))
+    code, res = run_cli("status", "--site", str(site), capsys=capsys)
+    assert code == 0 and res["state"] == "patched" and res["mixed_install"] is True
+    assert "mixed install" in res["message"] and "0.5.9" in res["message"]
+    site = extract_site("0.5.16", tmp_path / "clean")
+    code, res = run_cli("status", "--site", str(site), capsys=capsys)
+    assert "mixed_install" not in res and res["message"] == "SGLang 0.5.16: pristine"

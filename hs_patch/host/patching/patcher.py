@@ -119,7 +119,7 @@ def _refuse_unknown(t: Target) -> Refused:
                    "nearest known release and what differs. Nothing was written.")
 
 
-def _check_version(t: Target) -> None:
+def check_version(t: Target) -> None:
     if t.release and t.installed_version and t.installed_version != t.release.version:
         raise Refused(f"{t.path} is the file of SGLang {t.release.version} but the installed SGLang's metadata "
                       f"(its dist-info, else sglang/_version.py, in "
@@ -212,7 +212,7 @@ def _apply(site: Path) -> dict:
     t = inspect_target(site)
     if t.state == "unknown":
         raise _refuse_unknown(t)
-    _check_version(t)
+    check_version(t)
     release = t.release
     if t.state == "patched":
         if not t.backup.exists():  # restore the keepsake for revert
@@ -254,7 +254,7 @@ def verify(site: str | os.PathLike | None = None) -> dict:
         raise VerifyFailed(f"{t.path} was patched by an earlier hs-patch (its hook calls no longer match this "
                            "hs_patch: the hook refuses its passes): run hs-patch apply to upgrade the patch")
     try:
-        _check_version(t)
+        check_version(t)
     except Refused as e:  # verify writes nothing: it failed (exit 3), like any other wrong install
         raise VerifyFailed(str(e).replace(" Nothing was written.", "")) from None
     try:

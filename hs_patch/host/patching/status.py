@@ -25,6 +25,11 @@ def status(site: str | None, model: str | None = None) -> dict[str, Any]:
            "required_server_flags": REQUIRED_FLAGS.get(release or "", []),
            "serving": serving_ids(capture.get("layers"), release or t.installed_version, model),
            "message": f"SGLang {release or t.installed_version or '?'}: {t.state}"}
+    try:
+        patcher.check_version(t)
+    except patcher.Refused as e:  # apply and verify refuse it: status must not read as fine
+        res["mixed_install"] = True
+        res["message"] += " -- " + str(e).replace(" Nothing was written.", "") + " (apply and verify refuse it)"
     if t.state == "unknown":  # a release published after this hs-patch, or an edited file: what is nearest
         near = nearest(t.text)
         res["nearest"], res["hints"] = near.summary(), _unknown_hints(t)
