@@ -278,7 +278,7 @@ def _cannot_write(site: Path, e: OSError) -> OSError:
     (otherwise: the error as it is). The temp file is gone and ``deepseek_v2.py`` is whole, old or new."""
     if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
         return e
-    d = site / TARGET_DIR
+    d = Path(e.filename).parent if e.filename else site / TARGET_DIR  # models/, or its __pycache__/
     try:
         owner = pwd.getpwuid(d.stat().st_uid).pw_name
     except (OSError, KeyError):
