@@ -253,6 +253,7 @@ def test_a_file_patched_by_an_earlier_hs_patch_is_upgraded_by_apply(site: Path, 
     target.write_text(earlier)
     code, res = run_cli("status", "--site", str(site), capsys=capsys)
     assert res["state"] == "outdated" and res["release"] == release.version
+    assert "run hs-patch apply to upgrade" in res["message"]  # what to do, where the operator looks first
     code, res = run_cli("verify", "--site", str(site), capsys=capsys)
     assert code == cli.EXIT_VERIFY and "hs-patch apply" in res["error"]
     code, res = run_cli("apply", "--site", str(site), capsys=capsys)

@@ -25,6 +25,9 @@ def status(site: str | None, model: str | None = None) -> dict[str, Any]:
            "required_server_flags": REQUIRED_FLAGS.get(release or "", []),
            "serving": serving_ids(capture.get("layers"), release or t.installed_version, model),
            "message": f"SGLang {release or t.installed_version or '?'}: {t.state}"}
+    if t.state == "outdated":
+        res["message"] += (" (patched by an earlier hs-patch: its hook calls no longer match, the hook refuses every "
+                           "pass; run hs-patch apply to upgrade the patch)")
     try:
         patcher.check_version(t)
     except patcher.Refused as e:  # apply and verify refuse it: status must not read as fine
