@@ -123,11 +123,17 @@ def check_header(path: Path, entry: Mapping[str, Any]) -> None:
             header = json.loads(f.read(n))
         except ValueError:
             raise SampleError(f"{path}: the safetensors header is damaged") from None
-    meta = header.get("__metadata__") or {} if isinstance(header, dict) else {}
+    if not isinstance(header, dict):  # valid JSON, not a safetensors header: a damaged or foreign file
+        raise SampleError(f"{path}: the safetensors header is not a JSON object")
+    meta = header.get("__metadata__")
+    meta = meta if isinstance(meta, dict) else {}
     if meta.get("format") not in FORMATS_READ or meta.get("key") != entry.get("key"):
         raise SampleError(f"{path}: header says format {meta.get('format')!r}, key {meta.get('key')!r}; the "
                           f"manifest lists key {entry.get('key')}")
-    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+    try:
+        ends = [int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"]
+    except (TypeError, KeyError, IndexError, ValueError):
+        raise SampleError(f"{path}: the safetensors header's tensor table is damaged") from None
     if 8 + n + max(ends, default=0) != size:
         raise SampleError(f"{path}: its tensors end at byte {8 + n + max(ends, default=0)}, the file has {size}")
 

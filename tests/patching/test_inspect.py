@@ -3,6 +3,7 @@ broken manifests, empty or missing paths; each outcome has its own exit code."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -159,3 +160,19 @@ def test_an_entry_whose_file_is_outside_the_run_is_reported(shipped, tmp_path, c
     assert code == patch_cli.EXIT_VERIFY and res["ok"] == 4
     assert [p.split(": ")[0] for p in res["manifest_problems"]] == ["manifest.jsonl:1", "manifest.jsonl:2"]
     assert all("outside this directory" in p for p in res["manifest_problems"])
+
+
+@pytest.mark.parametrize("header", [{"__metadata__": ["x"]}, ["x"], {"__metadata__": "x"}])
+def test_quick_reports_a_header_that_is_not_an_object_and_goes_on(shipped, capsys, header):
+    """A listed file whose safetensors header is valid JSON of the wrong shape ended --quick with
+    'AttributeError: ... has no attribute get' (exit 1) and no word of the other files."""
+    lines = (shipped / store.MANIFEST).read_text().splitlines()
+    first = json.loads(lines[0])
+    raw = json.dumps(header).encode()
+    data = len(raw).to_bytes(8, "little") + raw
+    (shipped / first["file"]).write_bytes(data)
+    lines[0] = json.dumps(dict(first, bytes=len(data), sha256=hashlib.sha256(data).hexdigest()))
+    (shipped / store.MANIFEST).write_text("\n".join(lines) + "\n")
+    for mode in ("--quick", "--deep"):
+        code, res = inspect(capsys, mode, str(shipped))
+        assert code == patch_cli.EXIT_VERIFY and list(res["bad"]) == [first["key"]] and res["ok"] == 5, (mode, res)
