@@ -88,17 +88,21 @@ def check_sample(path: Path, metadata: Mapping[str, str], tensors: Mapping[str, 
     if ids is None or ids.dim() != 1 or str(ids.dtype) != "torch.int64":
         raise SampleError(f"{path}: input_ids must be int64 [L]")
     n = ids.shape[0]
-    if int(metadata.get("num_tokens", -1)) != n:
+    try:  # the metadata a sample's readers rely on: missing or garbled is a damaged sample, not a crash
+        num_tokens, hidden = int(metadata.get("num_tokens", -1)), int(metadata["hidden_size"])
+        planes, dtype = metadata["planes"].split(","), metadata["dtype"]
+    except (KeyError, ValueError) as e:
+        raise SampleError(f"{path}: its metadata lacks or garbles {e}") from None
+    if num_tokens != n:
         raise SampleError(f"{path}: num_tokens {metadata.get('num_tokens')} but {n} input ids")
-    hidden = int(metadata["hidden_size"])
-    for name in metadata["planes"].split(","):
+    for name in planes:
         t = tensors.get(name)
         if t is None:
             raise SampleError(f"{path}: plane {name!r} is missing")
         if tuple(t.shape) != (n, hidden):
             raise SampleError(f"{path}: plane {name!r} has shape {tuple(t.shape)}, expected ({n}, {hidden})")
-        if str(t.dtype) != "torch." + metadata["dtype"]:
-            raise SampleError(f"{path}: plane {name!r} is {t.dtype}, expected {metadata['dtype']}")
+        if str(t.dtype) != "torch." + dtype:
+            raise SampleError(f"{path}: plane {name!r} is {t.dtype}, expected {dtype}")
     if "loss_mask" in tensors and tuple(tensors["loss_mask"].shape) != (n,):
         raise SampleError(f"{path}: loss_mask must have shape ({n},)")
     want, got = fingerprint_shape(path, metadata, n), tensors.get(fingerprint.TENSOR)

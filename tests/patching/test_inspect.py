@@ -176,3 +176,24 @@ def test_quick_reports_a_header_that_is_not_an_object_and_goes_on(shipped, capsy
     for mode in ("--quick", "--deep"):
         code, res = inspect(capsys, mode, str(shipped))
         assert code == patch_cli.EXIT_VERIFY and list(res["bad"]) == [first["key"]] and res["ok"] == 5, (mode, res)
+
+
+@pytest.mark.parametrize("damage", [{"hidden_size": None}, {"planes": None}, {"num_tokens": "five"}])
+def test_one_file_with_damaged_metadata_is_a_bad_sample(tmp_path, capsys, damage):
+    """A sample whose metadata lacks hidden_size or planes, or garbles num_tokens: 'inspect FILE' ended
+    with a bare KeyError/ValueError (exit 1) and read_sample broke its promise of a SampleError."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    make_samples(tmp_path / "s", 1)
+    (src,) = (tmp_path / "s").glob("*.safetensors")
+    with safe_open(str(src), "pt") as f:
+        meta = dict(f.metadata())
+    for k, v in damage.items():
+        meta.pop(k) if v is None else meta.update({k: v})
+    bad = tmp_path / "bad.safetensors"
+    save_file(load_file(str(src)), str(bad), metadata=meta)
+    code, res = inspect(capsys, str(bad))
+    assert code == patch_cli.EXIT_VERIFY and "metadata lacks or garbles" in res["error"], res
+    with pytest.raises(store.SampleError):
+        reader.read_sample(bad)
