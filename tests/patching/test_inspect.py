@@ -197,3 +197,17 @@ def test_one_file_with_damaged_metadata_is_a_bad_sample(tmp_path, capsys, damage
     assert code == patch_cli.EXIT_VERIFY and "metadata lacks or garbles" in res["error"], res
     with pytest.raises(store.SampleError):
         reader.read_sample(bad)
+
+
+def test_a_bad_last_manifest_line_that_ends_in_a_newline_is_reported(shipped, capsys):
+    """Only a line without its newline is torn (a writer killed mid-line; the next append cuts it). A
+    last line that is not JSON but ends in a newline was written whole (a hand edit, a damaged block)
+    and was passed over as torn: inspect said clean, exit 0."""
+    with open(shipped / store.MANIFEST, "a") as f:
+        f.write("garbage\n")
+    code, res = inspect(capsys, str(shipped))
+    assert code == patch_cli.EXIT_VERIFY and res["manifest_problems"] == ["manifest.jsonl:7: not JSON"]
+    with open(shipped / store.MANIFEST, "a") as f:
+        f.write('{"op": "add", "key": "x')  # torn: no newline after it
+    code, res = inspect(capsys, str(shipped))
+    assert res["manifest_problems"] == ["manifest.jsonl:7: not JSON"]
