@@ -193,7 +193,10 @@ def _one_at_a_time(site: str | os.PathLike | None) -> Iterator[Path]:
         fd = -1
     try:
         if fd >= 0:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError:  # a file system without locks (NFS without lockd): go on unlocked, as before
+                pass
         yield site
     finally:
         if fd >= 0:
