@@ -364,3 +364,15 @@ def test_status_names_a_mixed_install(release_sources, tmp_path, capsys):
     site = extract_site("0.5.16", tmp_path / "clean")
     code, res = run_cli("status", "--site", str(site), capsys=capsys)
     assert "mixed_install" not in res and res["message"] == "SGLang 0.5.16: pristine"
+
+
+def test_two_sglang_dist_infos_are_refused(tmp_path, capsys):
+    """A site with the dist-info of 0.5.12 and of 0.5.12.post1 (an interrupted pip, a copy over a copy)
+    was patched as whichever the directory listing gave first, silently; which release it is, is a guess."""
+    site = extract_site("0.5.12", tmp_path / "site")
+    extract_site("0.5.12.post1", site)
+    before = (site / TARGET).read_bytes()
+    for command in ("apply", "status", "verify"):
+        code, res = run_cli(command, "--site", str(site), capsys=capsys)
+        assert code == cli.EXIT_REFUSED and "0.5.12, 0.5.12.post1" in res["error"], (command, res)
+    assert (site / TARGET).read_bytes() == before

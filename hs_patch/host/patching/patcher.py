@@ -69,9 +69,14 @@ def _installed_version(site: Path) -> str | None:
     """The installed SGLang version from its dist-info (or ``sglang/_version.py``), without importing it."""
     import importlib.metadata
 
-    for dist in importlib.metadata.distributions(path=[str(site)]):
-        if (dist.metadata["Name"] or "").lower() == "sglang":
-            return dist.version
+    found = sorted({d.version for d in importlib.metadata.distributions(path=[str(site)])
+                    if (d.metadata["Name"] or "").lower() == "sglang"})
+    if len(found) > 1:  # which one the file belongs to would be a guess (0.5.12 and 0.5.12.post1 share it)
+        raise Refused(f"{site} holds the metadata of {len(found)} SGLang installs ({', '.join(found)}): a broken "
+                      "install; pip uninstall -y sglang until none is left, then install one release. Nothing was "
+                      "written.")
+    if found:
+        return found[0]
     try:
         text = (site / "sglang" / "_version.py").read_text()
     except OSError:
