@@ -159,7 +159,7 @@ def test_an_entry_whose_file_is_outside_the_run_is_reported(shipped, tmp_path, c
     code, res = inspect(capsys, str(shipped))
     assert code == patch_cli.EXIT_VERIFY and res["ok"] == 4
     assert [p.split(": ")[0] for p in res["manifest_problems"]] == ["manifest.jsonl:1", "manifest.jsonl:2"]
-    assert all("outside this directory" in p for p in res["manifest_problems"])
+    assert all("without a valid 'file'" in p for p in res["manifest_problems"])
 
 
 @pytest.mark.parametrize("header", [{"__metadata__": ["x"]}, ["x"], {"__metadata__": "x"}])

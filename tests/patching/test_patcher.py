@@ -330,13 +330,13 @@ def test_status_says_a_patched_file_was_changed_and_how(site: Path, capsys):
 @pytest.mark.parametrize("site", ["0.5.9"], indirect=True)
 def test_a_directory_it_may_not_write_is_named_with_what_to_do(site: Path, capsys, monkeypatch):
     """A venv owned by another user, or on a read-only mount: the error named only a temp file
-    ('.deepseek_v2.py.hs_patch.orig.hs_patch.tmp') and said nothing of what to do; it now names the
+    (the backup's, ending in .tmp) and said nothing of what to do; it now names the
     directory and who may write it (or the mount), and the file is left whole."""
     target = site / TARGET
     pristine = target.read_bytes()
     for err, want in ((errno.EACCES, "run hs-patch as "), (errno.EROFS, "read-only mount")):
         def refuse(path, *a, _err=err, _open=os.open, **kw):
-            if str(path).endswith(".hs_patch.tmp"):
+            if str(path).endswith(".tmp"):
                 raise OSError(_err, os.strerror(_err), str(path))
             return _open(path, *a, **kw)
 
@@ -348,7 +348,7 @@ def test_a_directory_it_may_not_write_is_named_with_what_to_do(site: Path, capsy
                 monkeypatch.setattr(patcher.os, "open", refuse)
             code, res = run_cli(command, "--site", str(site), capsys=capsys)
             assert code == cli.EXIT_ERROR and f"cannot write in {target.parent}" in res["error"], res
-            assert want in res["error"] and "hs_patch.tmp" not in res["error"]
+            assert want in res["error"] and ".tmp" not in res["error"]
         monkeypatch.undo()
         assert run_cli("revert", "--site", str(site), capsys=capsys)[0] == 0 and target.read_bytes() == pristine
 

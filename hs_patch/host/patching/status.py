@@ -59,7 +59,7 @@ def check_args(site: str | None, release: str | None, args: list[str]) -> dict[s
         t = patcher.inspect_target(site)
         if t.release is None:
             raise patcher.Refused(f"{t.path} is no supported release's file (hs-patch status says what it is), so "
-                                  "the flags capture needs are not known: give --release, one of " + ", ".join(RELEASES))
+                                  f"the flags capture needs are not known: give --release, one of {', '.join(RELEASES)}")
         release = t.release.version
     elif release not in RELEASES:  # the flags each release needs are known for these only: no silent pass
         raise patcher.Refused(f"SGLang {release} is not a supported release ({patcher.SUPPORTED}): the flags capture "
