@@ -208,7 +208,7 @@ def json_lines(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
         try:
             value = json.loads(raw)
         except (ValueError, RecursionError):
-            if n >= len(lines) - 1:
+            if n == len(lines):  # no newline after it: torn; a bad line that ends in one was written whole
                 continue
             value = UNREADABLE
         yield n, value

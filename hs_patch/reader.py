@@ -59,9 +59,8 @@ def check_entry(path: Path, entry: Mapping[str, Any]) -> None:
 def read_sample(path: str | os.PathLike, *, entry: Mapping[str, Any] | None = None) -> Sample:
     """Load and validate one sample; raise :class:`SampleError` saying what is wrong.
 
-    Checks the format tag, that every declared plane is present with shape [L, H] and
-    the declared dtype, that the token ids hash to the sample's key, and, given its
-    manifest ``entry``, the byte size and sha256.
+    Checks the format tag, that every declared plane is present with shape [L, H] and the declared dtype,
+    that the token ids hash to the sample's key, and, given its manifest ``entry``, size, sha256 and key.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -78,6 +77,8 @@ def read_sample(path: str | os.PathLike, *, entry: Mapping[str, Any] | None = No
     except (SafetensorError, OSError, ValueError) as e:
         raise SampleError(f"{path}: not a readable safetensors file ({e})") from None
     check_sample(path, metadata, tensors)
+    if entry is not None and metadata["key"] != entry["key"]:  # the entry's size and sha256 are another sample's
+        raise SampleError(f"{path}: holds sample {metadata['key']}; the manifest lists it as {entry['key']}")
     return Sample(path, metadata, tensors)
 
 
@@ -88,17 +89,21 @@ def check_sample(path: Path, metadata: Mapping[str, str], tensors: Mapping[str, 
     if ids is None or ids.dim() != 1 or str(ids.dtype) != "torch.int64":
         raise SampleError(f"{path}: input_ids must be int64 [L]")
     n = ids.shape[0]
-    if int(metadata.get("num_tokens", -1)) != n:
+    try:  # the metadata a sample's readers rely on: missing or garbled is a damaged sample, not a crash
+        num_tokens, hidden = int(metadata.get("num_tokens", -1)), int(metadata["hidden_size"])
+        planes, dtype = metadata["planes"].split(","), metadata["dtype"]
+    except (KeyError, ValueError) as e:
+        raise SampleError(f"{path}: its metadata lacks or garbles {e}") from None
+    if num_tokens != n:
         raise SampleError(f"{path}: num_tokens {metadata.get('num_tokens')} but {n} input ids")
-    hidden = int(metadata["hidden_size"])
-    for name in metadata["planes"].split(","):
+    for name in planes:
         t = tensors.get(name)
         if t is None:
             raise SampleError(f"{path}: plane {name!r} is missing")
         if tuple(t.shape) != (n, hidden):
             raise SampleError(f"{path}: plane {name!r} has shape {tuple(t.shape)}, expected ({n}, {hidden})")
-        if str(t.dtype) != "torch." + metadata["dtype"]:
-            raise SampleError(f"{path}: plane {name!r} is {t.dtype}, expected {metadata['dtype']}")
+        if str(t.dtype) != "torch." + dtype:
+            raise SampleError(f"{path}: plane {name!r} is {t.dtype}, expected {dtype}")
     if "loss_mask" in tensors and tuple(tensors["loss_mask"].shape) != (n,):
         raise SampleError(f"{path}: loss_mask must have shape ({n},)")
     want, got = fingerprint_shape(path, metadata, n), tensors.get(fingerprint.TENSOR)
@@ -123,11 +128,11 @@ def check_header(path: Path, entry: Mapping[str, Any]) -> None:
             header = json.loads(f.read(n))
         except ValueError:
             raise SampleError(f"{path}: the safetensors header is damaged") from None
-    meta = header.get("__metadata__") or {} if isinstance(header, dict) else {}
+    meta = m if isinstance(header, dict) and isinstance(m := header.get("__metadata__"), dict) else {}  # or damaged
     if meta.get("format") not in FORMATS_READ or meta.get("key") != entry.get("key"):
         raise SampleError(f"{path}: header says format {meta.get('format')!r}, key {meta.get('key')!r}; the "
                           f"manifest lists key {entry.get('key')}")
-    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+    ends = [int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"]  # check_dir: bad if not
     if 8 + n + max(ends, default=0) != size:
         raise SampleError(f"{path}: its tensors end at byte {8 + n + max(ends, default=0)}, the file has {size}")
 
@@ -145,10 +150,10 @@ ADD_FIELDS = {"key": str, "file": str, "bytes": int, "sha256": str}
 
 
 def manifest_entries(directory: Path) -> tuple[Optional[dict[str, dict[str, Any]]], list[str]]:
-    """Live entries of ``directory``'s manifest (None if there is none), and each unusable line as
-    ``manifest.jsonl:N: why`` (a torn last line, from a crash mid-append, is not a problem).
-    A fleet run's directory (no manifest of its own, one subdirectory with its manifest a
-    host) gives the merged view of its parts: :func:`run_entries`."""
+    """Live entries of ``directory``'s manifest (None if there is none), and each unusable line as ``manifest.jsonl:N:
+    why`` (a torn last line, from a crash mid-append, is not a problem; a file outside ``directory`` is). A fleet
+    run's directory (no manifest of its own, one subdirectory with its manifest a host) gives the merged view of its
+    parts: :func:`run_entries`."""
     path = directory / MANIFEST
     if not path.is_file():
         return run_entries(directory)
@@ -160,7 +165,8 @@ def manifest_entries(directory: Path) -> tuple[Optional[dict[str, dict[str, Any]
             continue
         op = rec.get("op") if isinstance(rec, dict) else None
         if op == "add":
-            bad = [k for k, t in ADD_FIELDS.items() if not isinstance(rec.get(k), t) or isinstance(rec.get(k), bool)]
+            bad = [k for k, t in ADD_FIELDS.items() if not isinstance(rec.get(k), t) or isinstance(rec.get(k), bool)
+                   or k == "file" and (os.path.isabs(rec[k]) or ".." in Path(rec[k]).parts)]  # outside: not valid
             if bad:
                 problems.append(f"{MANIFEST}:{n}: an add line without a valid {', '.join(repr(b) for b in bad)}")
                 continue
@@ -176,10 +182,9 @@ def manifest_entries(directory: Path) -> tuple[Optional[dict[str, dict[str, Any]
 
 
 def run_entries(directory: Path) -> tuple[Optional[dict[str, dict[str, Any]]], list[str]]:
-    """The merged view of a fleet run at storage, ``RUN/HOST/{manifest.jsonl,samples/}``: every
-    part's entries (``file`` relative to RUN), None if no subdirectory has a manifest. A sample id
-    in two parts (extracted twice) is a problem; the same tokens under two ids are one sample
-    (the first part's), as the driver keeps one of duplicate samples."""
+    """The merged view of a fleet run at storage, ``RUN/HOST/{manifest.jsonl,samples/}``: every part's entries
+    (``file`` relative to RUN), None if no subdirectory has a manifest. A sample id in two parts (extracted twice) is
+    a problem; the same tokens under two ids are one sample (the first part's), as the driver keeps one of them."""
     parts = sorted(d for d in directory.iterdir() if (d / MANIFEST).is_file()) if directory.is_dir() else []
     if not parts:
         return None, []
@@ -268,11 +273,10 @@ def check_dir(directory: str | os.PathLike, *, deep: bool = True, workers: int =
               progress: Optional[Callable[[int], None]] = None) -> DirReport:
     """Check every sample of a directory against its manifest, ``workers`` files at a time.
 
-    An entry's ``file`` is relative to the manifest's directory: a bare name where the
-    capture writes, ``samples/<key>.safetensors`` at a shipping destination.
-    ``deep`` re-reads each file (sha256 and tensor checks); otherwise :func:`check_header`.
-    ``progress`` is called with each checked file's byte size. A directory without a
-    manifest is not clean (``no_manifest``).
+    An entry's ``file`` is relative to the manifest's directory (never outside it): a bare name where the capture
+    writes, ``samples/<key>.safetensors`` at a shipping destination. ``deep`` re-reads each file (sha256 and
+    tensor checks, the sample's key the entry's); otherwise :func:`check_header`. ``progress`` is called with
+    each checked file's byte size. A directory without a manifest is not clean (``no_manifest``).
     """
     directory = Path(directory)
     rep = DirReport()

@@ -3,6 +3,7 @@ broken manifests, empty or missing paths; each outcome has its own exit code."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -105,3 +106,108 @@ def test_progress_goes_to_stderr_and_workers_must_be_positive(shipped, capsys):
     assert "6 ok" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         patch_cli.main(["inspect", "--workers", "0", str(shipped)])
+
+
+def test_deep_finds_an_entry_that_points_at_another_samples_file(shipped, capsys):
+    """A manifest line whose key names one sample and whose file, size and sha256 are another's (a
+    hand-merged or hand-edited manifest): a reader by key gets the wrong tokens. --quick reported it
+    (the header's key) but --deep, the default and the stronger check, called the run clean."""
+    lines = (shipped / store.MANIFEST).read_text().splitlines()
+    first, second = json.loads(lines[0]), json.loads(lines[1])
+    lines[0] = json.dumps(dict(second, key=first["key"]))
+    (shipped / store.MANIFEST).write_text("\n".join(lines) + "\n")
+    for mode in ("--deep", "--quick"):
+        code, res = inspect(capsys, mode, str(shipped))
+        assert code == patch_cli.EXIT_VERIFY and list(res["bad"]) == [first["key"]], (mode, res)
+        assert second["key"] in res["bad"][first["key"]]
+
+
+def test_one_file_is_checked_against_the_manifest_that_lists_it(shipped, tmp_path, capsys):
+    """``inspect FILE`` finds the entry of a shipped sample (the manifest sits above samples/), and a
+    manifest line without a key beside the file is passed over (inspecting the directory reports it)
+    instead of ending the command with 'KeyError: key' (exit 1)."""
+    victim = sorted((shipped / "samples").iterdir())[0]
+    code, res = inspect(capsys, str(victim))
+    assert code == patch_cli.EXIT_OK and res["manifest_checked"] is True
+    flip_a_tensor_byte(victim)
+    code, res = inspect(capsys, str(victim))
+    assert code == patch_cli.EXIT_VERIFY and "differ from the manifest" in res["error"]
+    (shipped / store.MANIFEST).unlink()
+    code, res = inspect(capsys, str(victim))  # nothing to check the bytes against: it says so
+    assert code == patch_cli.EXIT_OK and res["manifest_checked"] is False and "were not checked" in res["message"]
+
+    local = tmp_path / "local"
+    make_samples(local, 2)
+    with open(local / store.MANIFEST, "a") as f:
+        f.write(json.dumps({"op": "add", "file": "x.safetensors", "bytes": 1, "sha256": "0"}) + "\n")
+    code, res = inspect(capsys, str(sorted(local.glob("*.safetensors"))[0]))
+    assert code == patch_cli.EXIT_OK and res["manifest_checked"] is True
+
+
+def test_an_entry_whose_file_is_outside_the_run_is_reported(shipped, tmp_path, capsys):
+    """An add line naming a file by absolute path or with '..' (a hand-merged manifest) read a file
+    outside the run and called the run clean: moved or shipped, that sample is gone."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    lines = (shipped / store.MANIFEST).read_text().splitlines()
+    first, second = json.loads(lines[0]), json.loads(lines[1])
+    for f, entry in ((elsewhere / "a.safetensors", first), (tmp_path / "b.safetensors", second)):
+        (shipped / entry["file"]).rename(f)
+    lines[0] = json.dumps(dict(first, file=str(elsewhere / "a.safetensors")))
+    lines[1] = json.dumps(dict(second, file="../b.safetensors"))
+    (shipped / store.MANIFEST).write_text("\n".join(lines) + "\n")
+    code, res = inspect(capsys, str(shipped))
+    assert code == patch_cli.EXIT_VERIFY and res["ok"] == 4
+    assert [p.split(": ")[0] for p in res["manifest_problems"]] == ["manifest.jsonl:1", "manifest.jsonl:2"]
+    assert all("without a valid 'file'" in p for p in res["manifest_problems"])
+
+
+@pytest.mark.parametrize("header", [{"__metadata__": ["x"]}, ["x"], {"__metadata__": "x"}])
+def test_quick_reports_a_header_that_is_not_an_object_and_goes_on(shipped, capsys, header):
+    """A listed file whose safetensors header is valid JSON of the wrong shape ended --quick with
+    'AttributeError: ... has no attribute get' (exit 1) and no word of the other files."""
+    lines = (shipped / store.MANIFEST).read_text().splitlines()
+    first = json.loads(lines[0])
+    raw = json.dumps(header).encode()
+    data = len(raw).to_bytes(8, "little") + raw
+    (shipped / first["file"]).write_bytes(data)
+    lines[0] = json.dumps(dict(first, bytes=len(data), sha256=hashlib.sha256(data).hexdigest()))
+    (shipped / store.MANIFEST).write_text("\n".join(lines) + "\n")
+    for mode in ("--quick", "--deep"):
+        code, res = inspect(capsys, mode, str(shipped))
+        assert code == patch_cli.EXIT_VERIFY and list(res["bad"]) == [first["key"]] and res["ok"] == 5, (mode, res)
+
+
+@pytest.mark.parametrize("damage", [{"hidden_size": None}, {"planes": None}, {"num_tokens": "five"}])
+def test_one_file_with_damaged_metadata_is_a_bad_sample(tmp_path, capsys, damage):
+    """A sample whose metadata lacks hidden_size or planes, or garbles num_tokens: 'inspect FILE' ended
+    with a bare KeyError/ValueError (exit 1) and read_sample broke its promise of a SampleError."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    make_samples(tmp_path / "s", 1)
+    (src,) = (tmp_path / "s").glob("*.safetensors")
+    with safe_open(str(src), "pt") as f:
+        meta = dict(f.metadata())
+    for k, v in damage.items():
+        meta.pop(k) if v is None else meta.update({k: v})
+    bad = tmp_path / "bad.safetensors"
+    save_file(load_file(str(src)), str(bad), metadata=meta)
+    code, res = inspect(capsys, str(bad))
+    assert code == patch_cli.EXIT_VERIFY and "metadata lacks or garbles" in res["error"], res
+    with pytest.raises(store.SampleError):
+        reader.read_sample(bad)
+
+
+def test_a_bad_last_manifest_line_that_ends_in_a_newline_is_reported(shipped, capsys):
+    """Only a line without its newline is torn (a writer killed mid-line; the next append cuts it). A
+    last line that is not JSON but ends in a newline was written whole (a hand edit, a damaged block)
+    and was passed over as torn: inspect said clean, exit 0."""
+    with open(shipped / store.MANIFEST, "a") as f:
+        f.write("garbage\n")
+    code, res = inspect(capsys, str(shipped))
+    assert code == patch_cli.EXIT_VERIFY and res["manifest_problems"] == ["manifest.jsonl:7: not JSON"]
+    with open(shipped / store.MANIFEST, "a") as f:
+        f.write('{"op": "add", "key": "x')  # torn: no newline after it
+    code, res = inspect(capsys, str(shipped))
+    assert res["manifest_problems"] == ["manifest.jsonl:7: not JSON"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -212,6 +213,12 @@ def test_mixed_install_is_refused(release_sources, tmp_path, capsys):
     (site / TARGET).write_bytes((release_sources["0.5.16"] / TARGET).read_bytes())
     code, res = run_cli("apply", "--site", str(site), capsys=capsys)
     assert code == cli.EXIT_REFUSED and "mixed install" in res["error"]
+    # where the version was read (the dist-info; SGLang's version.py holds no version) and what to run
+    assert "dist-info" in res["error"] and "sglang/version.py" not in res["error"]
+    assert "pip install --force-reinstall --no-deps sglang==0.5.9" in res["error"]
+    (site / TARGET).write_text(apply_edits(RELEASES["0.5.16"], (site / TARGET).read_text()))
+    code, res = run_cli("verify", "--site", str(site), capsys=capsys)  # a patched 0.5.16 file in it
+    assert code == cli.EXIT_VERIFY and "mixed install" in res["error"] and "Nothing was written" not in res["error"]
 
 
 def test_missing_target_explains_site(tmp_path, capsys):
@@ -246,6 +253,7 @@ def test_a_file_patched_by_an_earlier_hs_patch_is_upgraded_by_apply(site: Path, 
     target.write_text(earlier)
     code, res = run_cli("status", "--site", str(site), capsys=capsys)
     assert res["state"] == "outdated" and res["release"] == release.version
+    assert "run hs-patch apply to upgrade" in res["message"]  # what to do, where the operator looks first
     code, res = run_cli("verify", "--site", str(site), capsys=capsys)
     assert code == cli.EXIT_VERIFY and "hs-patch apply" in res["error"]
     code, res = run_cli("apply", "--site", str(site), capsys=capsys)
@@ -254,3 +262,117 @@ def test_a_file_patched_by_an_earlier_hs_patch_is_upgraded_by_apply(site: Path, 
     target.write_text(earlier)
     code, res = run_cli("revert", "--site", str(site), capsys=capsys)
     assert code == 0 and target.read_bytes() == pristine
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not UTF-8"])
+@pytest.mark.parametrize("site", ["0.5.9"], indirect=True)
+def test_a_damaged_file_is_reported_by_status_and_refused_by_the_rest(site: Path, damage: str, capsys):
+    """A patched file cut short (a full disk, a copy killed midway) or with bytes that are not UTF-8
+    (a hand edit in another encoding) is no release's: status still reports it (the Ansible role runs
+    status first) and says it is not Python; apply and revert refuse it untouched, verify fails."""
+    target = site / TARGET
+    assert run_cli("apply", "--site", str(site), capsys=capsys)[0] == 0
+    data = target.read_bytes()
+    damaged = data[: len(data) // 2] if damage == "truncated" else data + b"# caf\xe9\n"
+    target.write_bytes(damaged)
+    code, res = run_cli("status", "--site", str(site), capsys=capsys)
+    assert code == 0 and res["state"] == "unknown" and res["nearest"]["parse_error"]
+    assert cli.main(["status", "--site", str(site)]) == 0
+    assert "this file is not valid Python" in capsys.readouterr().out
+    for command, want in (("apply", cli.EXIT_REFUSED), ("verify", cli.EXIT_VERIFY), ("revert", cli.EXIT_REFUSED)):
+        code, res = run_cli(command, "--site", str(site), capsys=capsys)
+        assert code == want and "neither the pristine nor the patched" in res["error"], (command, res)
+    assert target.read_bytes() == damaged
+
+
+@pytest.mark.parametrize("site", ["0.5.23"], indirect=True)
+def test_two_applies_at_once_both_succeed(site: Path, capsys, monkeypatch):
+    """A second hs-patch apply started while one is writing (two Ansible runs, an operator beside one)
+    waits for it and finds the patch applied; it used to share the temp file and fail with
+    FileNotFoundError (exit 1)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    second: list[subprocess.Popen] = []
+    write_all = patcher.write_all
+
+    def slow_write(fd: int, data: bytes) -> None:
+        if not second:  # the first write of the first apply: start the other one now
+            second.append(subprocess.Popen([sys.executable, "-m", "hs_patch.host.patch_cli", "apply", "--json",
+                                            "--site", str(site)], env=env, stdout=subprocess.PIPE, text=True))
+            with pytest.raises(subprocess.TimeoutExpired):
+                second[0].wait(timeout=3)  # it must wait for this one
+        write_all(fd, data)
+
+    monkeypatch.setattr(patcher, "write_all", slow_write)
+    code, res = run_cli("apply", "--site", str(site), capsys=capsys)
+    assert code == 0 and res["changed"]
+    out, _ = second[0].communicate(timeout=60)
+    assert second[0].returncode == 0 and json.loads(out)["changed"] is False
+    assert sha(site / TARGET) == RELEASES["0.5.23"].patched_sha256
+    assert sorted(p.name for p in (site / TARGET).parent.iterdir()) == [
+        "deepseek_v2.py", "deepseek_v2.py.hs_patch.orig", "kimi_k25.py"]
+
+
+@pytest.mark.parametrize("site", ["0.5.9"], indirect=True)
+def test_status_says_a_patched_file_was_changed_and_how(site: Path, capsys):
+    """A patched file then converted to CRLF (a copy through Windows): verify said it was patched and then
+    changed, status only named the nearest release (0.5.23, 0 of 6 anchors, every region differing),
+    which sends the operator to add a release. Status now says what verify says, and names the CRLF."""
+    target = site / TARGET
+    assert run_cli("apply", "--site", str(site), capsys=capsys)[0] == 0
+    target.write_bytes(target.read_bytes().replace(b"\n", b"\r\n"))
+    code, res = run_cli("status", "--site", str(site), capsys=capsys)
+    assert code == 0 and res["state"] == "unknown" and len(res["hints"]) == 2
+    assert "patched and then changed" in res["hints"][0] and "CRLF" in res["hints"][1]
+    assert cli.main(["status", "--site", str(site)]) == 0
+    assert "it was patched and then changed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("site", ["0.5.9"], indirect=True)
+def test_a_directory_it_may_not_write_is_named_with_what_to_do(site: Path, capsys, monkeypatch):
+    """A venv owned by another user, or on a read-only mount: the error named only a temp file
+    (the backup's, ending in .tmp) and said nothing of what to do; it now names the
+    directory and who may write it (or the mount), and the file is left whole."""
+    target = site / TARGET
+    pristine = target.read_bytes()
+    for err, want in ((errno.EACCES, "run hs-patch as "), (errno.EROFS, "read-only mount")):
+        def refuse(path, *a, _err=err, _open=os.open, **kw):
+            if str(path).endswith(".tmp"):
+                raise OSError(_err, os.strerror(_err), str(path))
+            return _open(path, *a, **kw)
+
+        monkeypatch.setattr(patcher.os, "open", refuse)
+        for command in ("apply", "revert"):
+            if command == "revert":  # a patched file to revert
+                monkeypatch.undo()
+                assert run_cli("apply", "--site", str(site), capsys=capsys)[0] == 0
+                monkeypatch.setattr(patcher.os, "open", refuse)
+            code, res = run_cli(command, "--site", str(site), capsys=capsys)
+            assert code == cli.EXIT_ERROR and f"cannot write in {target.parent}" in res["error"], res
+            assert want in res["error"] and ".tmp" not in res["error"]
+        monkeypatch.undo()
+        assert run_cli("revert", "--site", str(site), capsys=capsys)[0] == 0 and target.read_bytes() == pristine
+
+
+def test_status_names_a_mixed_install(release_sources, tmp_path, capsys):
+    """A patched 0.5.16 file in a site whose dist-info says 0.5.9: status said 'SGLang 0.5.16: patched'
+    (exit 0, the 0.5.16 server flags) while apply and verify refuse it; it now says it is mixed."""
+    site = extract_site("0.5.9", tmp_path / "site")
+    (site / TARGET).write_text(apply_edits(RELEASES["0.5.16"], (release_sources["0.5.16"] / TARGET).read_text()))
+    code, res = run_cli("status", "--site", str(site), capsys=capsys)
+    assert code == 0 and res["state"] == "patched" and res["mixed_install"] is True
+    assert "mixed install" in res["message"] and "0.5.9" in res["message"]
+    site = extract_site("0.5.16", tmp_path / "clean")
+    code, res = run_cli("status", "--site", str(site), capsys=capsys)
+    assert "mixed_install" not in res and res["message"] == "SGLang 0.5.16: pristine"
+
+
+def test_two_sglang_dist_infos_are_refused(tmp_path, capsys):
+    """A site with the dist-info of 0.5.12 and of 0.5.12.post1 (an interrupted pip, a copy over a copy)
+    was patched as whichever the directory listing gave first, silently; which release it is, is a guess."""
+    site = extract_site("0.5.12", tmp_path / "site")
+    extract_site("0.5.12.post1", site)
+    before = (site / TARGET).read_bytes()
+    for command in ("apply", "status", "verify"):
+        code, res = run_cli(command, "--site", str(site), capsys=capsys)
+        assert code == cli.EXIT_REFUSED and "0.5.12, 0.5.12.post1" in res["error"], (command, res)
+    assert (site / TARGET).read_bytes() == before

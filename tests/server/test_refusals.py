@@ -163,3 +163,17 @@ def test_every_table_of_releases_names_the_same_releases():
     from hs_patch.releases import RELEASES
 
     assert list(flags.REQUIRED_FLAGS) == list(RELEASES) == list(serving.SERVING_RULES)
+
+
+def test_hs_patch_check_args_refuses_a_release_it_has_no_rules_for(capsys, tmp_path):
+    """--release 0.5.24 (a later release) or 0.5.1 (a typo) said 'server arguments compatible with
+    capture' (exit 0) without even asking for --disable-radix-cache, as did an installed file that
+    is no release's: the flags each release needs are known only for the supported ones."""
+    for release in ("0.5.24", "0.5.1"):
+        code = patch_cli.main(["check-args", "--release", release, "--", "--model-path", "/m"])
+        assert code == patch_cli.EXIT_REFUSED and "not a supported release" in capsys.readouterr().err
+    models = tmp_path / "sglang" / "srt" / "models"
+    models.mkdir(parents=True)
+    (models / "deepseek_v2.py").write_text("# not SGLang's\n")
+    code = patch_cli.main(["check-args", "--site", str(tmp_path), "--", "--model-path", "/m"])
+    assert code == patch_cli.EXIT_REFUSED and "give --release" in capsys.readouterr().err

@@ -3,6 +3,7 @@ manifest (the checks themselves: :mod:`hs_patch.reader`)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,21 @@ def _progress_bar(total_bytes: int, files: int) -> Any:
                     console=Console(stderr=True), transient=True)
 
 
+def _listed(p: Path) -> dict[str, Any] | None:
+    """The manifest entry that lists sample file ``p``: in its own directory (the capture dir, the driver's
+    samples) or the one above (a shipped run's samples/). Unusable manifest lines are passed over here
+    (inspecting the directory reports them); None if no manifest lists ``p``."""
+    from hs_patch import reader, store
+
+    for d in (p.parent, p.parent.parent):
+        if (d / store.MANIFEST).is_file():
+            entries, _ = reader.manifest_entries(d)
+            for e in (entries or {}).values():
+                if os.path.normpath(d / e["file"]) == os.path.normpath(p):
+                    return e
+    return None
+
+
 def inspect(path: str, deep: bool, workers: int = 1, show_progress: bool = False) -> dict[str, Any]:
     try:
         from hs_patch import reader, store
@@ -67,9 +83,11 @@ def inspect(path: str, deep: bool, workers: int = 1, show_progress: bool = False
                 "message": f"{len(rep.ok)} ok, {len(rep.bad)} bad, {len(rep.missing)} missing, "
                            f"{len(rep.unlisted)} not in the manifest, {len(rep.problems)} unusable manifest lines "
                            f"({'sha256 + tensors' if deep else 'sizes + headers only'})"}
-    entry = store.read_manifest(p.parent).get(p.name[: -len(store.SUFFIX)])
+    entry = _listed(p)
     s = reader.read_sample(p, entry=entry)
     shapes = {k: [list(v.shape), str(v.dtype).replace("torch.", "")] for k, v in s.tensors.items()}
     return {"action": "inspect", "file": str(p), "key": s.key, "metadata": s.metadata, "tensors": shapes,
             "manifest_checked": entry is not None, "clean": True,
-            "message": f"{s.key}: {s.metadata['num_tokens']} tokens, planes {s.metadata['planes']}"}
+            "message": f"{s.key}: {s.metadata['num_tokens']} tokens, planes {s.metadata['planes']}"
+                       + ("" if entry is not None else " (no manifest beside it lists it: its size and sha256 "
+                          "were not checked, so a flipped byte in the tensor data is not found)")}

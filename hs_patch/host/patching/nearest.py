@@ -23,8 +23,12 @@ MAX_DIFF_LINES = 12  # per anchor
 def region_sources(text: str) -> dict[str, str]:
     """The source of each of REGIONS in ``text`` ("Class.method" -> its lines; absent ones left out)."""
     lines = text.splitlines(keepends=True)
-    out = {}
-    for node in ast.parse(text).body:
+    out: dict[str, str] = {}
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):  # a truncated or damaged file: no region can be told apart
+        return out
+    for node in tree.body:
         if isinstance(node, ast.ClassDef):
             for fn in node.body:
                 if isinstance(fn, ast.FunctionDef) and (node.name, fn.name) in REGIONS:
@@ -45,16 +49,21 @@ class Nearest:
     anchors_found: int
     regions: dict[str, str]         # "Class.method" -> same | differs | absent
     missing: list[tuple[int, str]]  # (edit number, unified diff of the anchor against the closest lines)
+    parse_error: str = ""           # why the file is not Python ("" if it parses): truncated, damaged
 
     def summary(self) -> dict:
         return {"release": self.release.version, "family": self.release.family.name,
                 "anchors_found": self.anchors_found, "anchors": len(self.release.edits),
-                "regions": self.regions, "anchor_diffs": [{"edit": n, "diff": d} for n, d in self.missing]}
+                "regions": self.regions, "anchor_diffs": [{"edit": n, "diff": d} for n, d in self.missing],
+                "parse_error": self.parse_error or None}
 
     def lines(self) -> list[str]:
         r = self.release
         out = [f"nearest known release: SGLang {r.version} ({r.family.name} family): {self.anchors_found} of "
                f"{len(r.edits)} patch anchors found once"]
+        if self.parse_error:
+            out.insert(0, f"this file is not valid Python ({self.parse_error}): truncated or damaged? reinstall SGLang "
+                          "(pip install --force-reinstall --no-deps sglang==<release>), then run hs-patch apply")
         changed = [k for k, v in self.regions.items() if v != "same"]
         out.append("regions the patch depends on that differ from it: " + (", ".join(
             f"{k} ({self.regions[k]})" for k in changed) or "none"))
@@ -109,4 +118,14 @@ def nearest(text: str) -> Nearest:
             body = body[:MAX_DIFF_LINES] + [f"... {len(body) - MAX_DIFF_LINES} more diff lines"]
         missing.append((n, "\n".join(body)))
     found = sum(text.count(e.anchor) == 1 for e in best.edits)
-    return Nearest(best, found, regions, missing)
+    return Nearest(best, found, regions, missing, _parse_error(text))
+
+
+def _parse_error(text: str) -> str:
+    if "\ufffd" in text:
+        return "bytes that are not UTF-8"
+    try:
+        ast.parse(text)
+    except (SyntaxError, ValueError) as e:
+        return f"line {getattr(e, 'lineno', '?')}: {getattr(e, 'msg', e)}"
+    return ""

@@ -7,12 +7,17 @@ needs a GPU, and in Ansible before anything else is installed.
 from __future__ import annotations
 
 import ast
+import contextlib
+import errno
+import fcntl
 import hashlib
 import importlib.util
 import os
+import pwd
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 from hs_patch.files import write_all
 from hs_patch.host.patching.earlier import from_earlier_layout, from_earlier_patch
@@ -20,6 +25,7 @@ from hs_patch.releases import (LAYER_POINT, RELEASES, TARGET, PatchError, Releas
                                by_pristine_sha)
 
 BACKUP_SUFFIX = ".hs_patch.orig"
+TARGET_DIR = os.path.dirname(TARGET)
 SUPPORTED = f"every release from {next(iter(RELEASES))} to {list(RELEASES)[-1]}"
 
 
@@ -63,9 +69,14 @@ def _installed_version(site: Path) -> str | None:
     """The installed SGLang version from its dist-info (or ``sglang/_version.py``), without importing it."""
     import importlib.metadata
 
-    for dist in importlib.metadata.distributions(path=[str(site)]):
-        if (dist.metadata["Name"] or "").lower() == "sglang":
-            return dist.version
+    found = sorted({d.version for d in importlib.metadata.distributions(path=[str(site)])
+                    if (d.metadata["Name"] or "").lower() == "sglang"})
+    if len(found) > 1:  # which one the file belongs to would be a guess (0.5.12 and 0.5.12.post1 share it)
+        raise Refused(f"{site} holds the metadata of {len(found)} SGLang installs ({', '.join(found)}): a broken "
+                      "install; pip uninstall -y sglang until none is left, then install one release. Nothing was "
+                      "written.")
+    if found:
+        return found[0]
     try:
         text = (site / "sglang" / "_version.py").read_text()
     except OSError:
@@ -86,7 +97,9 @@ def inspect_target(site: str | os.PathLike | None) -> Target:
     release, state = by_pristine_sha(sha, installed), "pristine"  # a shared file: the installed release
     if release is None:
         release, state = by_patched_sha(sha), "patched"
-    text = data.decode("utf-8")
+    # every release's file is UTF-8; one that is not (a hand edit, a damaged copy) is no release's: unknown,
+    # so status reports it and apply/verify/revert refuse it like any other unknown file
+    text = data.decode("utf-8", errors="replace")
     if release is None:
         current = from_earlier_layout(text)
         release, state = by_patched_sha(_sha(current)), "outdated"
@@ -111,10 +124,12 @@ def _refuse_unknown(t: Target) -> Refused:
                    "nearest known release and what differs. Nothing was written.")
 
 
-def _check_version(t: Target) -> None:
+def check_version(t: Target) -> None:
     if t.release and t.installed_version and t.installed_version != t.release.version:
-        raise Refused(f"{t.path} is the file of SGLang {t.release.version} but sglang/version.py says "
-                      f"{t.installed_version}: a mixed install; reinstall SGLang. Nothing was written.")
+        raise Refused(f"{t.path} is the file of SGLang {t.release.version} but the installed SGLang's metadata "
+                      f"(its dist-info, else sglang/_version.py, in "
+                      f"{t.site}) says {t.installed_version}: a mixed install; reinstall with pip "
+                      f"install --force-reinstall --no-deps sglang=={t.installed_version}. Nothing was written.")
 
 
 def _atomic_write(path: Path, data: bytes, like: Path) -> None:
@@ -171,11 +186,41 @@ def result(action: str, t: Target, changed: bool, message: str, **extra) -> dict
             "state": t.state, "site": str(t.site), "files": [t.describe()], "message": message, **extra}
 
 
+@contextlib.contextmanager
+def _one_at_a_time(site: str | os.PathLike | None) -> Iterator[Path]:
+    """Hold an exclusive lock on the directory of ``deepseek_v2.py`` (flock; released when the process ends,
+    however it ends) while one apply or revert reads, decides and writes: two at once (two Ansible runs,
+    an operator beside one) would share the temp file and one fail midway. Yields the site."""
+    site = Path(site) if site else default_site()
+    try:
+        fd = os.open(site / TARGET_DIR, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:  # no such directory: inspect_target says what --site must be
+        fd = -1
+    try:
+        if fd >= 0:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError:  # a file system without locks (NFS without lockd): go on unlocked, as before
+                pass
+        yield site
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
 def apply(site: str | os.PathLike | None = None) -> dict:
+    with _one_at_a_time(site) as where:
+        try:
+            return _apply(where)
+        except OSError as e:
+            raise _cannot_write(where, e) from None
+
+
+def _apply(site: Path) -> dict:
     t = inspect_target(site)
     if t.state == "unknown":
         raise _refuse_unknown(t)
-    _check_version(t)
+    check_version(t)
     release = t.release
     if t.state == "patched":
         if not t.backup.exists():  # restore the keepsake for revert
@@ -216,7 +261,10 @@ def verify(site: str | os.PathLike | None = None) -> dict:
     if t.state == "outdated":
         raise VerifyFailed(f"{t.path} was patched by an earlier hs-patch (its hook calls no longer match this "
                            "hs_patch: the hook refuses its passes): run hs-patch apply to upgrade the patch")
-    _check_version(t)
+    try:
+        check_version(t)
+    except Refused as e:  # verify writes nothing: it failed (exit 3), like any other wrong install
+        raise VerifyFailed(str(e).replace(" Nothing was written.", "")) from None
     try:
         compile(t.text, str(t.path), "exec")
     except SyntaxError as e:
@@ -226,6 +274,30 @@ def verify(site: str | os.PathLike | None = None) -> dict:
 
 
 def revert(site: str | os.PathLike | None = None) -> dict:
+    with _one_at_a_time(site) as where:
+        try:
+            return _revert(where)
+        except OSError as e:
+            raise _cannot_write(where, e) from None
+
+
+def _cannot_write(site: Path, e: OSError) -> OSError:
+    """A write refused by permissions or a read-only mount, said with the directory and what to do next
+    (otherwise: the error as it is). The temp file is gone and ``deepseek_v2.py`` is whole, old or new."""
+    if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return e
+    d = Path(e.filename).parent if e.filename else site / TARGET_DIR  # models/, or its __pycache__/
+    try:
+        owner = pwd.getpwuid(d.stat().st_uid).pw_name
+    except (OSError, KeyError):
+        owner = "the owner of the venv"
+    how = ("it is on a read-only mount: remount it read-write, or patch the venv where it is built"
+           if e.errno == errno.EROFS else f"run hs-patch as {owner}, who owns it" + ("" if owner == "root" else
+                                                                                     " (or as root)"))
+    return type(e)(e.errno, f"cannot write in {d} ({e.strerror}): {how}; hs-patch status shows what was left")
+
+
+def _revert(site: Path) -> dict:
     t = inspect_target(site)
     if t.state == "unknown":
         raise _refuse_unknown(t)

@@ -8,6 +8,7 @@ from typing import Any
 from hs_patch.flags import REQUIRED_FLAGS, args_violations
 from hs_patch.host.patching import patcher
 from hs_patch.host.patching.nearest import nearest
+from hs_patch.releases import RELEASES
 from hs_patch.server import config
 
 
@@ -24,19 +25,45 @@ def status(site: str | None, model: str | None = None) -> dict[str, Any]:
            "required_server_flags": REQUIRED_FLAGS.get(release or "", []),
            "serving": serving_ids(capture.get("layers"), release or t.installed_version, model),
            "message": f"SGLang {release or t.installed_version or '?'}: {t.state}"}
+    if t.state == "outdated":
+        res["message"] += (" (patched by an earlier hs-patch: its hook calls no longer match, the hook refuses every "
+                           "pass; run hs-patch apply to upgrade the patch)")
+    try:
+        patcher.check_version(t)
+    except patcher.Refused as e:  # apply and verify refuse it: status must not read as fine
+        res["mixed_install"] = True
+        res["message"] += " -- " + str(e).replace(" Nothing was written.", "") + " (apply and verify refuse it)"
     if t.state == "unknown":  # a release published after this hs-patch, or an edited file: what is nearest
         near = nearest(t.text)
-        res["nearest"] = near.summary()
+        res["nearest"], res["hints"] = near.summary(), _unknown_hints(t)
         res["message"] += (f" (no supported release has this deepseek_v2.py: {patcher.SUPPORTED}; patching it is "
-                           "refused)\n  " + "\n  ".join(near.lines()))
+                           "refused)\n  " + "\n  ".join(res["hints"] + near.lines()))
     return res
+
+
+def _unknown_hints(t: patcher.Target) -> list[str]:
+    """What an unknown file most likely is, before the nearest release (which compares it as pristine)."""
+    out = []
+    if t.backup.exists():
+        out.append(f"it was patched and then changed (the original is kept at {t.backup}): reinstall SGLang, then "
+                   "run hs-patch apply")
+    if "\r\n" in t.text:
+        out.append("its lines end in CRLF (copied through Windows or an editor that converts?); every release's "
+                   "file ends them in LF")
+    return out
 
 
 def check_args(site: str | None, release: str | None, args: list[str]) -> dict[str, Any]:
     """Check a server command line against the capture hook's rules (hs_patch.flags)."""
     if release is None:
         t = patcher.inspect_target(site)
-        release = t.release.version if t.release else None
+        if t.release is None:
+            raise patcher.Refused(f"{t.path} is no supported release's file (hs-patch status says what it is), so "
+                                  f"the flags capture needs are not known: give --release, one of {', '.join(RELEASES)}")
+        release = t.release.version
+    elif release not in RELEASES:  # the flags each release needs are known for these only: no silent pass
+        raise patcher.Refused(f"SGLang {release} is not a supported release ({patcher.SUPPORTED}): the flags capture "
+                              "needs on it are not known")
     problems = args_violations(args, release)
     return {"action": "check-args", "release": release, "problems": problems, "clean": not problems,
             "message": "server arguments compatible with capture" if not problems else
