@@ -24,6 +24,7 @@ root with sudo. SSH host keys are checked strictly against ``~/.ssh/known_hosts`
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import time
 from pathlib import Path
@@ -98,6 +99,17 @@ def _group(hosts: Any) -> str:
     return fleet.DEFAULT_GROUP if hosts is True else str(hosts)
 
 
+def _check_numbers(task_name: str, **values: Any) -> None:
+    """Refuse a dashboard period or a dead-after that is not a positive finite number of seconds, and a
+    negative --limit, before anything connects or starts (time.sleep(-1) failed after the units started)."""
+    for name, value in values.items():
+        v = float(value)
+        ok = v >= 0 if name == "limit" else 0 < v < math.inf
+        if not ok:
+            what = "a whole number >= 0 (0: all lines)" if name == "limit" else "a number of seconds > 0"
+            sys.exit(f"fab {task_name}: --{name.replace('_', '-')} {value!r} must be {what}")
+
+
 def _connect(t: Target) -> Shell:
     c = fleet.connection(t, Connection)
     fleet.open_connection(c, t)  # a failure is a RemoteError saying what to check
@@ -135,6 +147,7 @@ def extract(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vau
             server_timeout=1800, interval=2, detach=False, hosts=None, reassign=None,
             dead_after=dashboard.DEAD_AFTER_S):
     """Preflight, start the server, run the driver and the shipper as systemd units, watch them live."""
+    _check_numbers("extract", interval=interval, dead_after=dead_after, limit=limit)
     if not dataset:
         sys.exit("fab extract: give --dataset FILE (a JSONL file here, or on the host with --remote-dataset)")
     local = Path(dataset)
@@ -188,6 +201,9 @@ def _watch(t: Target, run: str, interval: float, dead_after: float, once: bool =
 def status(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_password_file=None,
            ask_vault_pass=False, run=None, once=False, interval=2, hosts=None, dead_after=dashboard.DEAD_AFTER_S):
     """Reattach to a run's live dashboard (or print it once); --hosts GROUP: the fleet's."""
+    _check_numbers("status", interval=interval, dead_after=dead_after)
+    if run:
+        check_run_name(run)  # before connecting: a name no host can have is refused here
     if hosts:
         inv, plan = _fleet(hosts, run, "status", inventory, extra_vars, vault_password_file, ask_vault_pass,
                            known_hosts)
@@ -211,6 +227,8 @@ def stop(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_
     if hosts:
         inv, plan = _fleet(hosts, run, "stop", inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
         sys.exit(fleet_run.stop_all(inv, plan, _group(hosts), bool(server), _say))
+    if run:
+        check_run_name(run)  # before connecting: a name no host can have is refused here
     t = _target(host, inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
     conn = _connect(t)
     run = _pick_run(conn, t, run)
@@ -227,6 +245,8 @@ def ship(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_
     if hosts:
         inv, plan = _fleet(hosts, run, "ship", inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
         sys.exit(fleet_run.ship_all(inv, plan, _group(hosts), _say))
+    if run:
+        check_run_name(run)  # before connecting: a name no host can have is refused here
     t = _target(host, inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
     conn = _connect(t)
     run = _pick_run(conn, t, run)

@@ -31,7 +31,7 @@ class _CheckedArgument(Argument):
             super().set_value(value, cast)
         except ValueError:
             kind = "a whole number" if self.kind is int else f"a {getattr(self.kind, '__name__', 'value')}"
-            raise ParseError(f"--{self.name} takes {kind}, not {value!r}") from None
+            raise ParseError(f"--{self.name.replace('_', '-')} takes {kind}, not {value!r}") from None
 
 
 class FabTask(Task):

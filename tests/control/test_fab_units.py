@@ -52,6 +52,34 @@ def test_a_missing_local_dataset_is_found_before_connecting(tmp_path, monkeypatc
         fabfile.extract(Context(), host="gpu1", dataset="data/x.jsonl", remote_dataset=True)
 
 
+def test_bad_numbers_and_run_names_are_refused_before_connecting(tmp_path, monkeypatch):
+    """--interval -1 reached time.sleep only once the units were started (a traceback after the job began);
+    --limit -5 reached the driver on the host; a run name no host can have was checked after connecting."""
+    import fabfile
+    from invoke import Context
+
+    def no(*a, **k):
+        raise AssertionError("fab read the inventory or connected before checking its options")
+
+    monkeypatch.setattr(fabfile, "_target", no)
+    monkeypatch.setattr(fabfile, "_connect", no)
+    data = tmp_path / "d.jsonl"
+    data.write_text("{}\n")
+    for kw, said in (({"interval": -1}, "--interval -1 must be a number of seconds > 0"),
+                     ({"interval": 0}, "--interval 0 must be"), ({"dead_after": float("nan")}, "--dead-after nan"),
+                     ({"limit": -5}, "--limit -5 must be a whole number >= 0")):
+        with pytest.raises(SystemExit, match=said):
+            fabfile.extract(Context(), host="gpu1", dataset=str(data), **kw)
+    with pytest.raises(SystemExit, match="--interval -1"):
+        fabfile.status(Context(), host="gpu1", interval=-1)
+    for task in (fabfile.status, fabfile.stop, fabfile.ship):
+        with pytest.raises(SystemExit) as e:
+            task(Context(), host="gpu1", run="bad name")
+        assert "run name 'bad name'" in str(e.value.code)  # sys.exit(message): exit 1
+    out = _fab("status", "--host", "gpu1", "--dead-after", "x")
+    assert out.returncode == 1 and out.stderr.strip() == "--dead-after takes a float, not 'x'", out.stderr
+
+
 def test_inventory_option_takes_a_file(tmp_path):
     inv = tmp_path / "hosts.yml"
     inv.write_text("all:\n  hosts:\n    gpu1:\n      ansible_host: 127.0.0.1\n      ansible_port: 1\n")

@@ -35,6 +35,9 @@ def test_drive_options_map_to_the_config(tmp_path):
     a.chat_template_kwargs = "{nope"
     with pytest.raises(SystemExit, match="not JSON"):
         drive_cli.drive_config(a)
+    a.chat_template_kwargs, a.limit = "{}", -5  # itertools.islice refused it once the run had started
+    with pytest.raises(SystemExit, match="--limit must be >= 0"):
+        drive_cli.drive_config(a)
 
 
 def test_refused_run_exits_1_with_the_reason(tmp_path, tiny_model_dir, capsys):

@@ -190,6 +190,8 @@ def drive_config(a: argparse.Namespace) -> Any:
         raise SystemExit("--fidelity-positions must be >= 1")
     if a.awaiting < 0:
         raise SystemExit("--awaiting must be >= 0")
+    if a.limit < 0:  # itertools.islice refused it with a ValueError once the run had started
+        raise SystemExit("--limit must be >= 0 (0: every line)")
     if a.max_line_chars < 0:
         raise SystemExit("--max-line-chars must be >= 0 (0: the default bound)")
     from hs_patch.names import RunNameError, check_run_name
