@@ -105,6 +105,9 @@ def plan_for(run: str, hosts: Sequence[str]) -> tuple[Plan, list[str]]:
     hosts of the group that are not in the plan, planned hosts missing from the group."""
     plan = load_plan(run)
     if plan is None:
+        if not hosts:  # a plan of no shards would hold the run's name for ever, every later host "joined after"
+            raise ConfigError(f"the group has no hosts: run {run} is not planned; give --hosts a group of the "
+                              "inventory with GPU hosts in it (ansible-inventory --graph lists them)")
         for h in hosts:
             check_host_name(h)
         plan = Plan(run=run, shards={h: i for i, h in enumerate(sorted(hosts))}, created=time.time())

@@ -56,6 +56,16 @@ def test_a_host_name_that_cannot_name_a_directory_is_refused():
         fleet.plan_for("r3", ["ok", "../evil"])
 
 
+def test_a_group_without_hosts_plans_nothing_and_keeps_the_run_name_free():
+    """An empty group used to save a plan of no shards: every later host of that run then "joined after
+    it started" and was refused, for ever."""
+    with pytest.raises(ConfigError, match="the group has no hosts"):
+        fleet.plan_for("r4", [])
+    assert fleet.load_plan("r4") is None
+    plan, notes = fleet.plan_for("r4", ["gpu1", "gpu2"])
+    assert plan.shards == {"gpu1": 0, "gpu2": 1} and notes == []
+
+
 def test_an_unreadable_plan_says_what_to_do(tmp_path):
     fleet.plan_dir().mkdir(parents=True)
     fleet.plan_path("r4").write_text("{")
