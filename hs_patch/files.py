@@ -54,6 +54,11 @@ def private_dirs(path: str | os.PathLike) -> Path:
     return path
 
 
+def disk_full(e: BaseException) -> bool:
+    """A write refused for space (ENOSPC) or quota (EDQUOT): freeing space and running again helps."""
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
 def write_all(fd: int, data: Any) -> int:
     """Write all of ``data`` (any buffer) to ``fd``; return the byte count or raise OSError."""
     view = memoryview(data).cast("B")

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import os
 import sys
 from typing import Any
+
+from hs_patch.files import disk_full
 
 DESCRIPTION = """\
 Export finished samples (a driver's --samples-dir, or a shipped RUN directory with
@@ -77,7 +78,7 @@ def run_args(a: argparse.Namespace) -> int:
             s = export(a.src, a.dst, spec, workers=a.workers, quick=a.quick, fsync=not a.no_fsync,
                        progress=bar.update)
     except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        if disk_full(e):
             print(f"hs-extract export: {a.dst} is full ({e.strerror}): free space there and run the same command "
                   "again (what is written is kept)", file=sys.stderr)
         else:

@@ -10,7 +10,6 @@ size only) and redoes the rest.
 
 from __future__ import annotations
 
-import errno
 import multiprocessing
 import os
 import threading
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 from hs_patch import __version__, reader, serving, store
+from hs_patch.files import disk_full
 from hs_patch.host.export import arrow, layout
 from hs_patch.host.export.spec import ExportRefused, ExportSpec, check_sample, resolve
 
@@ -116,7 +116,7 @@ def work(t: Task) -> dict[str, Any]:
                 "src_bytes": t.src_entry["bytes"], "out_bytes": out.nbytes}
     except (store.SampleError, ExportRefused, OSError, RuntimeError, ValueError) as e:
         return {"key": t.key, "status": "failed", "error": f"{type(e).__name__}: {e}",
-                "full": isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)}
+                "full": disk_full(e)}
 
 
 def source_entries(src: Path) -> dict[str, dict[str, Any]]:
