@@ -1,6 +1,6 @@
 """Run and watch hidden-state extractions on a GPU host provisioned by ``ansible-playbook site.yml``.
 
-    fab extract --host 10.1.230.174 --dataset data/chat.jsonl [--run NAME] [--limit N] [--regenerate]
+    fab extract --host 10.1.230.174 --dataset data/chat.jsonl [--run NAME] [--limit N] [--max-tokens N] [--regenerate]
     fab extract --hosts [GROUP] --dataset data/chat.jsonl --run NAME      # a fleet: one shard a host
     fab extract --reassign DEAD_HOST --host OTHER --dataset data/chat.jsonl --run NAME
     fab status  --host 10.1.230.174 [--run NAME] [--once]
@@ -100,13 +100,15 @@ def _group(hosts: Any) -> str:
 
 
 def _check_numbers(task_name: str, **values: Any) -> None:
-    """Refuse a dashboard period or a dead-after that is not a positive finite number of seconds, and a
-    negative --limit, before anything connects or starts (time.sleep(-1) failed after the units started)."""
+    """Refuse a dashboard period or a dead-after that is not a positive finite number of seconds, a negative
+    --limit and a --max-tokens below 1, before anything connects or starts (time.sleep(-1) failed after the
+    units started)."""
+    wholes = {"limit": (0, "a whole number >= 0 (0: all lines)"), "max_tokens": (1, "a whole number >= 1")}
     for name, value in values.items():
         v = float(value)
-        ok = v >= 0 if name == "limit" else 0 < v < math.inf
+        ok = v >= wholes[name][0] if name in wholes else 0 < v < math.inf
         if not ok:
-            what = "a whole number >= 0 (0: all lines)" if name == "limit" else "a number of seconds > 0"
+            what = wholes[name][1] if name in wholes else "a number of seconds > 0"
             sys.exit(f"fab {task_name}: --{name.replace('_', '-')} {value!r} must be {what}")
 
 
@@ -137,6 +139,9 @@ def _say(msg: str) -> None:
     "reassign": "with --host OTHER: OTHER finishes the shard of this (dead or removed) host of a fleet run, shipping "
                 "into its directory at the destination; nothing there is redone",
     "remote-dataset": "--dataset is a path on the GPU host", "limit": "only the first N lines (0: all)",
+    "max-tokens": f"longest sample in tokens (default {remote.MAX_SAMPLE_TOKENS}); the server's KV cache must hold "
+                  "it (checked once the server runs); a run resumes only with the same value (the driver's "
+                  "--max-tokens)",
     "regenerate": "let the served model write the assistant turns first (not captured), then capture the whole "
                   "conversation",
     "server-timeout": "seconds to wait for the server to become healthy (default 1800)", **WATCH,
@@ -145,9 +150,9 @@ def _say(msg: str) -> None:
 def extract(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_password_file=None,
             ask_vault_pass=False, dataset=None, run=None, limit=0, regenerate=False, remote_dataset=False,
             server_timeout=1800, interval=2, detach=False, hosts=None, reassign=None,
-            dead_after=dashboard.DEAD_AFTER_S):
+            dead_after=dashboard.DEAD_AFTER_S, max_tokens=remote.MAX_SAMPLE_TOKENS):
     """Preflight, start the server, run the driver and the shipper as systemd units, watch them live."""
-    _check_numbers("extract", interval=interval, dead_after=dead_after, limit=limit)
+    _check_numbers("extract", interval=interval, dead_after=dead_after, limit=limit, max_tokens=max_tokens)
     if not dataset:
         sys.exit("fab extract: give --dataset FILE (a JSONL file here, or on the host with --remote-dataset)")
     local = Path(dataset)
@@ -162,7 +167,7 @@ def extract(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vau
     run = check_run_name(run or f"{local.stem}-{time.strftime('%Y%m%d-%H%M%S')}")
     opts = dict(run=run, dataset=dataset, remote_dataset=bool(remote_dataset), limit=int(limit),
                 regenerate=bool(regenerate), server_timeout=int(server_timeout), interval=float(interval),
-                detach=bool(detach), say=_say, dead_after=float(dead_after))
+                detach=bool(detach), say=_say, dead_after=float(dead_after), max_tokens=int(max_tokens))
     if reassign:
         if not host or hosts:
             sys.exit("fab extract: --reassign DEAD_HOST takes --host OTHER (the host that finishes its shard)")
@@ -174,7 +179,8 @@ def extract(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vau
                                    **opts))
     t = _target(host, inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
     conn = _connect(t)
-    job = extraction.Job(run, dataset, bool(remote_dataset), extraction.driver_args(limit, regenerate))
+    job = extraction.Job(run, dataset, bool(remote_dataset), extraction.driver_args(limit, regenerate),
+                         max_tokens=int(max_tokens))
     _say(f"preflight on {t.host} (run {run})")
     checks = extraction.preflight(conn, t, job)
     print(extraction.report(t.name or t.host, checks))

@@ -19,10 +19,12 @@ def _int(v: Any) -> Optional[int]:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
-def shortfall(info: Mapping[str, Any], max_tokens: int) -> Optional[str]:
+def shortfall(info: Mapping[str, Any], max_tokens: int,
+              shorter: str = "hs-extract drive --max-tokens") -> Optional[str]:
     """What to do when the KV pool cannot hold the longest sample sent (``max_tokens``, or the
     server's ``context_length`` when that is shorter) with its one new token; None when it can,
-    or when the server does not say."""
+    or when the server does not say. ``shorter``: the option the reader gives for shorter samples
+    (``fab extract --max-tokens`` on the control node)."""
     pool = _int(info.get("max_total_num_tokens"))
     if pool is None:
         return None
@@ -36,4 +38,4 @@ def shortfall(info: Mapping[str, Any], max_tokens: int) -> Optional[str]:
             "longer sample would be rejected as too long. Give the KV cache more of the GPUs' memory: raise "
             f"sglang_service_mem_fraction_static (now {fraction if fraction is not None else 'unknown'}) or lower "
             "sglang_service_cuda_graph_max_bs, run ansible-playbook site.yml --tags services and restart the server "
-            f"(systemctl restart sglang); or send shorter samples (hs-extract drive --max-tokens {max(pool - 1, 1)})")
+            f"(systemctl restart sglang); or send shorter samples ({shorter} {max(pool - 1, 1)})")

@@ -25,6 +25,7 @@ class Job:
     dataset: str                           # a file here, or on the host with remote_dataset
     remote_dataset: bool = False
     driver_args: list[str] = field(default_factory=list)   # --limit, --regenerate, --shard ...
+    max_tokens: int = remote.MAX_SAMPLE_TOKENS              # the driver's --max-tokens; the KV cache must hold it
     dest: str | None = None                # the shipper's destination (default remote.destination(t, run))
     share: int = 1                         # hosts sharing the dataset (scales the space estimate)
     sync_first: bool = False               # list what the destination holds before the driver starts
@@ -38,7 +39,7 @@ def preflight(c: Shell, t: Target, job: Job) -> list[Check]:
     """remote.preflight for the job's share of the dataset."""
     size = remote.remote_size(c, job.dataset) if job.remote_dataset else Path(job.dataset).stat().st_size
     estimated, per_token = remote.estimate_bytes(c, t, size // max(1, job.share))
-    return remote.preflight(c, t, estimated_bytes=estimated, bytes_per_token=per_token)
+    return remote.preflight(c, t, estimated_bytes=estimated, bytes_per_token=per_token, max_tokens=job.max_tokens)
 
 
 def report(host: str, checks: list[Check]) -> str:
@@ -53,8 +54,9 @@ def start(c: Shell, t: Target, job: Job, server_timeout: int, progress: Callable
     remote.prepare(c, t, job.run)
     data = job.dataset if job.remote_dataset else remote.upload(c, t, job.run, Path(job.dataset))
     remote.start_server(c, t, server_timeout, progress)
-    remote.check_kv_cache(c, t)  # before the driver: a KV cache smaller than a sample is a refusal, not skips
-    args = ["--data", data, "--model", t.model_path, "--host-name", t.name or t.host, *job.driver_args]
+    remote.check_kv_cache(c, t, job.max_tokens)  # before the driver: a KV cache smaller than a sample is a refusal
+    args = ["--data", data, "--model", t.model_path, "--host-name", t.name or t.host,
+            "--max-tokens", str(job.max_tokens), *job.driver_args]
     if t.trust_remote_code:
         args.append("--trust-remote-code")
     if job.sync_first and t.ship_enabled:

@@ -21,7 +21,7 @@ SHORT = {
     "host": "h", "hosts": "o", "inventory": "i", "extra_vars": "e", "vault_password_file": "v",
     "ask_vault_pass": "a", "known_hosts": "k", "run": "r", "dataset": "d", "limit": "l", "regenerate": "g",
     "remote_dataset": "m", "interval": "n", "detach": "t", "server_timeout": "w", "server": "s", "once": "p",
-    "dead_after": "u",
+    "dead_after": "u", "max_tokens": "x",
 }
 
 

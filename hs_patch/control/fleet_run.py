@@ -23,10 +23,10 @@ from hs_patch.control.shell import RemoteError, Shell
 
 
 def jobs_for(plan: Plan, targets: list[Target], dataset: str, remote_dataset: bool, limit: int,
-             regenerate: bool) -> dict[str, Job]:
+             regenerate: bool, max_tokens: int = remote.MAX_SAMPLE_TOKENS) -> dict[str, Job]:
     """Each planned host's job: the run under its own name, its shard, its own destination directory."""
     return {t.name: Job(plan.run, dataset, remote_dataset, extraction.driver_args(limit, regenerate, plan.shard(t.name)),
-                        dest=remote.destination(t, plan.run, t.name), share=plan.count)
+                        max_tokens=max_tokens, dest=remote.destination(t, plan.run, t.name), share=plan.count)
             for t in targets}
 
 
@@ -94,7 +94,8 @@ def watch(inv: Inventory, plan: Plan, rows: list[Row], reattach: str, *, interva
 
 def extract(inv: Inventory, group: str | None, host: str | None, run: str, dataset: str, remote_dataset: bool,
             limit: int, regenerate: bool, server_timeout: int, interval: float, detach: bool,
-            say: Callable[[str], None], dead_after: float = DEAD_AFTER_S) -> int:
+            say: Callable[[str], None], dead_after: float = DEAD_AFTER_S,
+            max_tokens: int = remote.MAX_SAMPLE_TOKENS) -> int:
     """``fab extract --hosts GROUP`` (or ``--host H`` of a run that has a fleet plan)."""
     if group:
         targets = inv.group(group)
@@ -111,7 +112,8 @@ def extract(inv: Inventory, group: str | None, host: str | None, run: str, datas
         raise ConfigError(f"no host of {group or host} has a shard of run {run} to run (fleet plan "
                           f"{fleet.plan_path(run)}: {', '.join(sorted(plan.shards))})")
     say(f"fleet run {run}: {plan.count} shard(s); plan {fleet.plan_path(run)}")
-    run_jobs(active, jobs_for(plan, active, dataset, remote_dataset, limit, regenerate), server_timeout, say)
+    run_jobs(active, jobs_for(plan, active, dataset, remote_dataset, limit, regenerate, max_tokens), server_timeout,
+             say)
     reattach = f"fab status --hosts {group} --run {run}" if group else f"fab status --host {host} --run {run}"
     if detach:
         say(f"watch with: {reattach}")
@@ -121,7 +123,7 @@ def extract(inv: Inventory, group: str | None, host: str | None, run: str, datas
 
 def reassign(inv: Inventory, dead: str, host: str, run: str, dataset: str, remote_dataset: bool, limit: int,
              regenerate: bool, server_timeout: int, interval: float, detach: bool, say: Callable[[str], None],
-             dead_after: float = DEAD_AFTER_S) -> int:
+             dead_after: float = DEAD_AFTER_S, max_tokens: int = remote.MAX_SAMPLE_TOKENS) -> int:
     """``fab extract --reassign DEAD --host TARGET``: TARGET finishes DEAD's shard, shipping into
     DEAD's directory at the destination (what is there already is never redone nor resent)."""
     plan = fleet.load_plan(run)
@@ -142,7 +144,7 @@ def reassign(inv: Inventory, dead: str, host: str, run: str, dataset: str, remot
     state = group.each(lambda c, tt: remote.unit_state(c, own))[t.name]
     group.close()
     job = Job(fleet.reassign_run(run, dead), dataset, remote_dataset,
-              extraction.driver_args(limit, regenerate, plan.shard(dead)),
+              extraction.driver_args(limit, regenerate, plan.shard(dead)), max_tokens=max_tokens,
               dest=remote.destination(t, run, dead), share=plan.count, sync_first=True)
     say(f"{t.name} takes the shard {plan.shard(dead)} of {dead} as run {job.run}, shipping into {job.dest}"
         + (f"; queued behind {own} ({state} there: one server, one capture dir, one driver at a time): it starts "

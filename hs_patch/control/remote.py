@@ -54,7 +54,7 @@ def units(run: str) -> tuple[str, str]:
 # --------------------------------------------------------------------------- preflight
 
 
-MAX_SAMPLE_TOKENS = 32768  # hs-extract drive --max-tokens default
+MAX_SAMPLE_TOKENS = 32768  # fab extract --max-tokens default, as hs-extract drive's
 
 
 def _as_service_user(t: Target, *argv: Any) -> list[Any]:
@@ -62,7 +62,7 @@ def _as_service_user(t: Target, *argv: Any) -> list[Any]:
 
 
 def preflight(c: Shell, t: Target, *, estimated_bytes: int | None, bytes_per_token: int,
-              need_gpus: bool = True) -> list[Check]:
+              need_gpus: bool = True, max_tokens: int = MAX_SAMPLE_TOKENS) -> list[Check]:
     """Check the host can run an extraction; each failed check says what to do."""
     checks: list[Check] = []
     r = c.run(["true"])
@@ -94,14 +94,14 @@ def preflight(c: Shell, t: Target, *, estimated_bytes: int | None, bytes_per_tok
                         f"put the model there and let {t.service_user} read it (chmod -R a+rX {t.model_path})"))
     # room for the run, or at least for its largest possible sample (the driver pauses
     # sending at 80% use and the shipper frees space as it goes)
-    need = max(64 << 20, min(estimated_bytes or 0, bytes_per_token * MAX_SAMPLE_TOKENS))
+    need = max(64 << 20, min(estimated_bytes or 0, bytes_per_token * max_tokens))
     shared = shared_dir(t)
     checks.append(Check("dirs", shared is not None, f"capture dir {t.dump_dir} and samples root {t.samples_root}"
                         + (f" both under {shared}" if shared else " apart"), APART_FIX))
     for label, path in (("dump space", t.dump_dir), ("samples space", t.samples_root)):
         free = _free_bytes(c, path)
         checks.append(Check(label, free is not None and free >= need, f"{_gb(free)} free for {path}",
-                            f"free at least {_gb(need)} there (one sample of {MAX_SAMPLE_TOKENS} tokens)"))
+                            f"free at least {_gb(need)} there (one sample of {max_tokens} tokens)"))
     if t.ship_enabled:
         # ssh joins its arguments into one line the far shell reads: hand it one quoted line
         r = c.run(_as_service_user(t, "ssh", "-o", "BatchMode=yes", "--", t.storage_alias,
@@ -267,7 +267,7 @@ def check_kv_cache(c: Shell, t: Target, max_tokens: int = MAX_SAMPLE_TOKENS) -> 
         said = ((r.stderr or r.stdout).strip().splitlines() or ["no answer"])[-1][-300:]  # the error, not the traceback
         raise RemoteError(f"on {t.host}: could not read {url}: {said}; the server unit {t.service} should answer it "
                           f"(journalctl -u {t.service})")
-    short = kv_cache.shortfall(info, max_tokens)
+    short = kv_cache.shortfall(info, max_tokens, shorter="fab extract --max-tokens")
     if short:
         raise RemoteError(f"on {t.host}: {short}")
 

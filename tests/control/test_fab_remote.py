@@ -206,8 +206,9 @@ def test_extract_refuses_a_server_whose_kv_cache_cannot_hold_a_sample(kv_server,
                server_port=int(kv_server.url.rsplit(":", 1)[1]))
     c = Shell(LocalShellConnection(tmp_path, "/usr/bin:/bin"), t)
     with pytest.raises(RemoteError, match=r"on stub: the server's KV cache holds 300 tokens \(max_total_num_tokens\), "
-                                          r"fewer than the 32769 .* sglang_service_mem_fraction_static"):
-        remote.check_kv_cache(c, t)
+                                          r"fewer than the 32769 .* sglang_service_mem_fraction_static.*"
+                                          r"send shorter samples \(fab extract --max-tokens 299\)$"):
+        remote.check_kv_cache(c, t)  # the option a fab user has, not hs-extract drive's
     remote.check_kv_cache(c, t, max_tokens=256)  # a driver sending 256-token samples at most: it fits
     (tmp_path / "api-key").write_text("wrong\n")
     with pytest.raises(RemoteError, match=r"could not read http://127\.0\.0\.1:\d+/server_info: .*401"):

@@ -67,7 +67,8 @@ def test_bad_numbers_and_run_names_are_refused_before_connecting(tmp_path, monke
     data.write_text("{}\n")
     for kw, said in (({"interval": -1}, "--interval -1 must be a number of seconds > 0"),
                      ({"interval": 0}, "--interval 0 must be"), ({"dead_after": float("nan")}, "--dead-after nan"),
-                     ({"limit": -5}, "--limit -5 must be a whole number >= 0")):
+                     ({"limit": -5}, "--limit -5 must be a whole number >= 0"),
+                     ({"max_tokens": 0}, "--max-tokens 0 must be a whole number >= 1")):
         with pytest.raises(SystemExit, match=said):
             fabfile.extract(Context(), host="gpu1", dataset=str(data), **kw)
     with pytest.raises(SystemExit, match="--interval -1"):
@@ -78,6 +79,46 @@ def test_bad_numbers_and_run_names_are_refused_before_connecting(tmp_path, monke
         assert "run name 'bad name'" in str(e.value.code)  # sys.exit(message): exit 1
     out = _fab("status", "--host", "gpu1", "--dead-after", "x")
     assert out.returncode == 1 and out.stderr.strip() == "--dead-after takes a float, not 'x'", out.stderr
+
+
+def test_max_tokens_reaches_the_kv_check_the_space_check_and_the_driver(tmp_path, monkeypatch):
+    """The KV cache refusal says to send shorter samples with --max-tokens: fab extract takes it, checks the
+    server's KV cache and the free space for it, and the driver on the host gets it (its own parser reads
+    what fab passes)."""
+    import argparse
+
+    import fabfile
+    from invoke import Context
+
+    from hs_patch.control import extraction, fleet, fleet_run, remote
+    from hs_patch.control.inventory import Target
+    from hs_patch.host.driver.cli import add_arguments, drive_config
+
+    seen: dict = {}
+    monkeypatch.setattr(fabfile, "_target", lambda *a: Target(host="gpu1", name="gpu1"))
+    monkeypatch.setattr(fabfile, "_connect", lambda t: "conn")
+    monkeypatch.setattr(remote, "remote_size", lambda c, path: 1 << 20)
+    monkeypatch.setattr(remote, "estimate_bytes", lambda c, t, size: (size, 100))
+    monkeypatch.setattr(remote, "preflight", lambda c, t, **kw: seen.setdefault("preflight", kw) and [])
+    for step in ("prepare", "start_server"):
+        monkeypatch.setattr(remote, step, lambda *a, **k: None)
+    monkeypatch.setattr(remote, "check_kv_cache", lambda c, t, max_tokens: seen.setdefault("kv", max_tokens))
+    monkeypatch.setattr(remote, "start_jobs", lambda c, t, run, args, dest=None: seen.setdefault("args", args) and [])
+    fabfile.extract(Context(), host="gpu1", dataset="/data/d.jsonl", remote_dataset=True, run="r1", limit=3,
+                    max_tokens=4096, detach=True)
+    assert seen["kv"] == 4096 and seen["preflight"]["max_tokens"] == 4096
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    cfg = drive_config(p.parse_args(["--run", "r1", *seen["args"]]))
+    assert (cfg.max_tokens, cfg.limit, cfg.data) == (4096, 3, ["/data/d.jsonl"])
+    # without --max-tokens the driver gets fab's default, which is the driver's own
+    seen.clear()
+    fabfile.extract(Context(), host="gpu1", dataset="/data/d.jsonl", remote_dataset=True, run="r1", detach=True)
+    assert drive_config(p.parse_args(["--run", "r1", *seen["args"]])).max_tokens == remote.MAX_SAMPLE_TOKENS == \
+        drive_config(p.parse_args(["--run", "r1", "--data", "x", "--model", "m"])).max_tokens
+    plan = fleet.Plan("r2", {"gpu1": 0, "gpu2": 1})
+    jobs = fleet_run.jobs_for(plan, [Target(host="a", name="gpu1")], "/d", True, 0, False, 2048)
+    assert jobs["gpu1"].max_tokens == 2048 and isinstance(jobs["gpu1"], extraction.Job)
 
 
 def test_inventory_option_takes_a_file(tmp_path):
