@@ -30,8 +30,10 @@ def jobs_for(plan: Plan, targets: list[Target], dataset: str, remote_dataset: bo
             for t in targets}
 
 
-def run_jobs(targets: list[Target], jobs: dict[str, Job], server_timeout: int, say: Callable[[str], None]) -> FleetGroup:
-    """Preflight every host, then (all passed) start every job; in parallel, host by host results."""
+def run_jobs(targets: list[Target], jobs: dict[str, Job], server_timeout: int, say: Callable[[str], None],
+             passed: Callable[[], None] | None = None) -> FleetGroup:
+    """Preflight every host, then (all passed) start every job; in parallel, host by host results.
+    ``passed``: called once every preflight passed, before anything starts."""
     group = FleetGroup.of(targets)
     say(f"preflight on {len(targets)} host(s): {', '.join(t.name for t in targets)}")
     checks = group.each(lambda c, t: extraction.preflight(c, t, jobs[t.name]))
@@ -41,6 +43,8 @@ def run_jobs(targets: list[Target], jobs: dict[str, Job], server_timeout: int, s
     if bad:
         sys.exit(f"fab: preflight failed on {', '.join(bad)}; nothing was started on any host. Fix what is "
                  "listed above, then run the same fab extract again")
+    if passed is not None:
+        passed()
     say("starting the server units (each waits for /health_generate), then the driver and shipper units")
     started = group.each(lambda c, t: extraction.start(c, t, jobs[t.name], server_timeout,
                                                         lambda msg: say(f"{t.name}: {msg}")))
@@ -149,9 +153,12 @@ def reassign(inv: Inventory, dead: str, host: str, run: str, dataset: str, remot
     say(f"{t.name} takes the shard {plan.shard(dead)} of {dead} as run {job.run}, shipping into {job.dest}"
         + (f"; queued behind {own} ({state} there: one server, one capture dir, one driver at a time): it starts "
            "when that one ends" if state in ("active", "activating", "reloading") else ""))
-    plan.reassigned[dead] = t.name
-    fleet.save_plan(plan)  # before the start: a half-started reassignment is still on record
-    run_jobs([t], {t.name: job}, server_timeout, say)
+
+    def record() -> None:  # after OTHER's preflight passed (a refused one moves nothing), before the start:
+        plan.reassigned[dead] = t.name  # a half-started reassignment is still on record
+        fleet.save_plan(plan)
+
+    run_jobs([t], {t.name: job}, server_timeout, say, passed=record)
     rows = [r for r in rows_for(plan, [t]) if r.host == t.name and r.run == job.run]
     reattach = f"fab status --host {t.name} --run {job.run}"
     if detach:

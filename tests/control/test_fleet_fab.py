@@ -84,3 +84,19 @@ def test_fleet_options_that_cannot_work_are_refused_with_what_to_give(hosts, tmp
         assert f"fab {task} --hosts: give --run NAME (the fleet run)" in r.stderr, r.stderr
     r = fab(tmp_path, inv, "extract", "--hosts", "nogroup", "--dataset", str(data), "--run", "f3")
     assert "group 'nogroup' is not in inventory" in r.stderr, r.stderr
+
+
+def test_a_reassignment_whose_host_fails_preflight_is_not_recorded(hosts, tmp_path):
+    """--reassign recorded the move before OTHER's preflight: a refused one stayed in the plan, and a
+    reassignment to a third host was then refused with 'stop it there first' (fab stop of a run never started)."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3]}\n')
+    fab(tmp_path, inventory(tmp_path, hosts, ["gpu-a", "gpu-b"]), "extract", "--hosts", "--dataset", str(data),
+        "--run", "f4")
+    later = inventory(tmp_path, hosts, ["gpu-b", "gpu-c"])  # gpu-a gone, gpu-c new
+    for other in ("gpu-b", "gpu-c"):
+        r = fab(tmp_path, later, "extract", "--reassign", "gpu-a", "--host", other, "--dataset", str(data),
+                "--run", "f4")
+        assert r.returncode == 1 and f"preflight failed on {other}; nothing was started" in r.stderr, r.stderr
+        assert f"{other:12} FAIL patch" in r.stdout and "already runs on" not in r.stderr, r.stdout + r.stderr
+        assert json.loads((tmp_path / "plans" / "f4.json").read_text())["reassigned"] == {}
