@@ -160,6 +160,15 @@ class Inventory:
             else:
                 current.secrets = secrets
             # Ansible's own -e parser reads the CLI context; it caches its result on the function.
+            # Each value alone first, so a bad one is named as what it is, not as the inventory
+            for value in extra_vars:
+                context.CLIARGS = ImmutableDict(extra_vars=(value,), inventory=(self.source,))
+                ansible_vars.load_extra_vars.__dict__.pop("extra_vars", None)
+                try:
+                    ansible_vars.load_extra_vars(self._loader)
+                except AnsibleError as e:
+                    raise ConfigError(f"--extra-vars {value!r}: {_first_line(e)} (give k=v, a JSON/YAML mapping or "
+                                      "@FILE, as ansible-playbook -e takes them)") from None
             context.CLIARGS = ImmutableDict(extra_vars=tuple(extra_vars), inventory=(self.source,))
             ansible_vars.load_extra_vars.__dict__.pop("extra_vars", None)
             self._inventory = InventoryManager(loader=self._loader, sources=[self.source])

@@ -83,6 +83,19 @@ def test_extra_vars_win_like_ansible_playbook_e(inv, tmp_path):
     assert load("gpu2", str(inv)).server_port == 31000
 
 
+def test_a_bad_extra_var_is_named_not_the_inventory(inv, tmp_path):
+    """-e '{bad json' was reported as 'inventory DIR: YAML parsing failed', after Ansible's warnings
+    that each inventory plugin failed."""
+    for value, said in (("{bad json", "YAML parsing failed"), ("[1, 2]", "could not be made into a dictionary"),
+                        (f"@{tmp_path}/none.yml", "Unable to retrieve file contents"),
+                        ("/x.yml", "prepend extra_vars filename")):
+        with pytest.raises(ConfigError) as e:
+            load("gpu2", str(inv), extra_vars=["hs_gpu_count=4", value])
+        assert str(e.value).startswith(f"--extra-vars {value!r}: ") and said in str(e.value), str(e.value)
+        assert str(inv) not in str(e.value) and "ansible-playbook -e" in str(e.value)
+    assert load("gpu2", str(inv), extra_vars=["hs_server_port=33000"]).server_port == 33000, "a good one after"
+
+
 def test_vault_without_password_says_how(inv):
     with pytest.raises(ConfigError, match="--vault-password-file"):
         load("gpu1", str(inv))
