@@ -27,6 +27,7 @@ re-reading the files.
 
 from __future__ import annotations
 
+import functools
 import getpass
 import os
 import re
@@ -35,12 +36,22 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
 
+import yaml
+
 from hs_patch import names
-REPO_INVENTORY = Path(__file__).resolve().parents[2] / "inventory"
+REPO = Path(__file__).resolve().parents[2]
+REPO_INVENTORY = REPO / "inventory"
 
 
 class ConfigError(ValueError):
     """The inventory or an option is unusable; the message says what to fix."""
+
+
+@functools.lru_cache(maxsize=None)
+def role_default(role: str, var: str) -> Any:
+    """``var``'s default in the role's ``defaults/main.yml``: what the role uses when the inventory
+    does not set it, so fab falls back to the same value, defined once."""
+    return yaml.safe_load((REPO / "roles" / role / "defaults" / "main.yml").read_text())[var]
 
 
 @dataclass
@@ -71,6 +82,8 @@ class Target:
     state_root: str = "/var/lib/hs-patch/runs"
     samples_root: str = "/dev/shm/hs-runs"
     trust_remote_code: bool = True
+    # where the services role installs the host checks (its gpu-ready wrapper)
+    check_dir: str = field(default_factory=lambda: str(role_default("sglang_service", "sglang_service_check_dir")))
 
     def state_dir(self, run: str) -> str:
         return f"{self.state_root}/{run}"
@@ -92,13 +105,13 @@ _KNOBS = {
     "hs_runs_state_root": "state_root", "hs_runs_samples_root": "samples_root",
     "ansible_port": "port", "ansible_ssh_port": "port",
     "ansible_ssh_private_key_file": "key_file", "ansible_private_key_file": "key_file",
-    "hs_known_hosts_file": "known_hosts",
+    "hs_known_hosts_file": "known_hosts", "sglang_service_check_dir": "check_dir",
 }
 # names that reach command lines on the host: refused unless plain (remote.py quotes them too)
 _NAMES = {"service": re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,100}$"),
           "service_user": re.compile(r"^[a-z_][a-z0-9_-]{0,31}$"),
           "storage_alias": re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,100}$")}
-_PATHS = ("venv", "dump_dir", "model_path", "storage_dir", "state_root", "samples_root", "api_key_file")
+_PATHS = ("venv", "dump_dir", "model_path", "storage_dir", "state_root", "samples_root", "api_key_file", "check_dir")
 
 
 def default_source() -> str:

@@ -31,11 +31,6 @@ __all__ = ["RemoteError", "Check", "preflight", "estimate_bytes", "prepare", "up
 from hs_patch import kv_cache
 from hs_patch.flags import args_violations
 
-# Installed by the services role (sglang_service_check_dir): hs_patch/host/readiness/gpu_ready.py with the
-# server unit's user and environment, the same check the role and the unit's ExecStartPre run.
-GPU_READY = "/usr/local/lib/hs-patch/gpu-ready"
-
-
 
 # A preflight finding. The readiness scripts on the host print the same fields as JSON and carry their
 # own Check: they run there alone, and the control node imports no host code.
@@ -115,13 +110,16 @@ def preflight(c: Shell, t: Target, *, estimated_bytes: int | None, bytes_per_tok
 
 
 def _gpu_ready(c: Shell, t: Target) -> Check:
-    """The JIT toolchain and the all-GPU NCCL all-reduce (skipped while the server holds the GPUs)."""
+    """The JIT toolchain and the all-GPU NCCL all-reduce (skipped while the server holds the GPUs), through the
+    services role's gpu-ready wrapper in ``sglang_service_check_dir`` (hs_patch/host/readiness/gpu_ready.py with
+    the server unit's user and environment: the same check the role and the unit's ExecStartPre run)."""
     if c.run(["systemctl", "is-active", "--quiet", f"{t.service}.service"]).ok:
         return Check("gpu ready", True, f"{t.service} is running (its own start checked the GPUs)")
-    r = c.run([GPU_READY, "caches", "jit", "nccl", "--json"], timeout=900)
+    gpu_ready = f"{t.check_dir}/gpu-ready"
+    r = c.run([gpu_ready, "caches", "jit", "nccl", "--json"], timeout=900)
     found = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     if not found:
-        return Check("gpu ready", False, (r.stderr or r.stdout).strip()[-300:] or f"{GPU_READY} gave nothing",
+        return Check("gpu ready", False, (r.stderr or r.stdout).strip()[-300:] or f"{gpu_ready} gave nothing",
                      "run ansible-playbook site.yml (the services role installs the check)")
     bad = [x for x in found if not x["ok"] and not x.get("warn")]
     return Check("gpu ready", not bad, "; ".join(f"{x['name']}: {x['detail']}" for x in (bad or found))[-900:],

@@ -20,6 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
 from hs_patch.control import remote
 from hs_patch.control.inventory import Target
@@ -213,3 +214,23 @@ def test_extract_refuses_a_server_whose_kv_cache_cannot_hold_a_sample(kv_server,
     (tmp_path / "api-key").write_text("wrong\n")
     with pytest.raises(RemoteError, match=r"could not read http://127\.0\.0\.1:\d+/server_info: .*401"):
         remote.check_kv_cache(c, t)
+
+
+def test_preflight_runs_gpu_ready_from_the_inventorys_check_dir(tmp_path):
+    """The services role installs gpu-ready in sglang_service_check_dir: preflight runs it from the host's
+    value (it ran /usr/local/lib/hs-patch/gpu-ready whatever the inventory said)."""
+    checks = tmp_path / "opt checks"
+    checks.mkdir()
+    (checks / "gpu-ready").write_text('#!/bin/sh\necho "{\\"name\\": \\"nccl\\", \\"ok\\": true, '
+                                      '\\"detail\\": \\"ran from the check dir: $*\\"}"\n')
+    (checks / "gpu-ready").chmod(0o755)
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "systemctl").write_text("#!/bin/sh\nexit 3\n")  # the server is not running: the check runs
+    (fake / "systemctl").chmod(0o755)
+    t = Target(host="stub", check_dir=str(checks))
+    got = remote._gpu_ready(Shell(LocalShellConnection(tmp_path, f"{fake}:/usr/bin:/bin"), t), t)
+    assert got.ok and got.detail == "nccl: ran from the check dir: caches jit nccl --json", got
+    assert Target(host="h").check_dir == yaml.safe_load(
+        (Path(__file__).resolve().parents[2] / "roles/sglang_service/defaults/main.yml").read_text()
+    )["sglang_service_check_dir"], "the role's default, defined once"
