@@ -261,7 +261,7 @@ class Inventory:
             t.port = int(C.DEFAULT_REMOTE_PORT)
         if "key_file" not in done and C.DEFAULT_PRIVATE_KEY_FILE:
             t.key_file = str(C.DEFAULT_PRIVATE_KEY_FILE)
-        if "known_hosts" not in done:
+        if t.known_hosts is None:  # hs_known_hosts_file unset or "" (its default)
             t.known_hosts = _known_hosts_from_args(" ".join(
                 str(self._render(h, v) or "") for v in ("ansible_ssh_common_args", "ansible_ssh_extra_args")))
         if t.user != "root":

@@ -96,6 +96,25 @@ def test_a_bad_extra_var_is_named_not_the_inventory(inv, tmp_path):
     assert load("gpu2", str(inv), extra_vars=["hs_server_port=33000"]).server_port == 33000, "a good one after"
 
 
+def test_fab_only_knobs_are_documented_with_fabs_defaults(inv):
+    """hs_runs_state_root, hs_runs_samples_root and hs_known_hosts_file are documented with the other knobs,
+    with the defaults fab uses; the documented "" keeps the inventory's UserKnownHostsFile."""
+    from hs_patch.control.inventory import Target
+
+    knobs = yaml.safe_load((ROOT / "inventory/group_vars/gpu_hosts.yml").read_text())
+    t = Target(host="h")
+    assert (knobs["hs_runs_state_root"], knobs["hs_runs_samples_root"]) == (t.state_root, t.samples_root)
+    assert knobs["hs_known_hosts_file"] == "" and t.known_hosts is None
+    shutil.copy(ROOT / "inventory/group_vars/gpu_hosts.yml", inv / "group_vars" / "gpu_hosts" / "0-bundle.yml")
+    (inv / "host_vars" / "gpu2.yml").write_text("hs_runs_state_root: /srv/state\nhs_known_hosts_file: /etc/kh\n"
+                                               "sglang_service_check_dir: /opt/checks\n")
+    pw = [str(inv.parent / "vault-pw")]
+    gpu1, gpu2 = load("gpu1", str(inv), vault_password_files=pw), load("gpu2", str(inv))
+    assert gpu1.known_hosts == "/etc/hs/known_hosts", "the documented default keeps UserKnownHostsFile"
+    assert (gpu1.state_root, gpu1.check_dir) == ("/var/lib/hs-patch/runs", "/usr/local/lib/hs-patch")
+    assert (gpu2.state_root, gpu2.known_hosts, gpu2.check_dir) == ("/srv/state", "/etc/kh", "/opt/checks")
+
+
 def test_vault_without_password_says_how(inv):
     with pytest.raises(ConfigError, match="--vault-password-file"):
         load("gpu1", str(inv))
