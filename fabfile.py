@@ -206,7 +206,7 @@ def _watch(t: Target, run: str, interval: float, dead_after: float, once: bool =
 @_errors
 def status(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_password_file=None,
            ask_vault_pass=False, run=None, once=False, interval=2, hosts=None, dead_after=dashboard.DEAD_AFTER_S):
-    """Reattach to a run's live dashboard (or print it once); --hosts GROUP: the fleet's."""
+    """Reattach to a run's live dashboard, or print it once (--hosts GROUP: the fleet's)."""
     _check_numbers("status", interval=interval, dead_after=dead_after)
     if run:
         check_run_name(run)  # before connecting: a name no host can have is refused here
@@ -228,8 +228,10 @@ def status(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vaul
 @_errors
 def stop(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_password_file=None,
          ask_vault_pass=False, run=None, server=False, hosts=None):
-    """Stop a run cleanly: the driver, then the shipper finish what is in flight (resume with fab extract);
-    --hosts GROUP: every job of the fleet run on the group's hosts."""
+    """Stop a run cleanly; the same fab extract resumes it.
+
+    The driver, then the shipper, finish what is in flight; --hosts GROUP: every job of the fleet run on the
+    group's hosts."""
     if hosts:
         inv, plan = _fleet(hosts, run, "stop", inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
         sys.exit(fleet_run.stop_all(inv, plan, _group(hosts), bool(server), _say))
@@ -246,8 +248,10 @@ def stop(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_
 @_errors
 def ship(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_password_file=None,
          ask_vault_pass=False, run=None, hosts=None):
-    """Ship every finished sample of a run now, verified at the destination, and wait for it; --hosts GROUP:
-    every job of the fleet run on the group's hosts, each into its part of the run at the destination."""
+    """Ship every finished sample of a run now and wait until the destination has verified it.
+
+    --hosts GROUP: every job of the fleet run on the group's hosts, each into its part of the run at the
+    destination."""
     if hosts:
         inv, plan = _fleet(hosts, run, "ship", inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
         sys.exit(fleet_run.ship_all(inv, plan, _group(hosts), _say))

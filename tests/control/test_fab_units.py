@@ -121,6 +121,19 @@ def test_max_tokens_reaches_the_kv_check_the_space_check_and_the_driver(tmp_path
     assert jobs["gpu1"].max_tokens == 2048 and isinstance(jobs["gpu1"], extraction.Job)
 
 
+def test_fab_list_shows_each_task_in_a_whole_sentence():
+    """fab --list shows a docstring's first line: it was cut mid-sentence ('...(resume with fab extract);')."""
+    import fabfile
+
+    out = _fab("--list")
+    assert out.returncode == 0, out.stderr
+    listed = re.findall(r"^  (\w+)\s+(.*(?:\n {12}.*)*)", out.stdout, re.M)
+    assert sorted(name for name, _ in listed) == ["extract", "ship", "status", "stop", "verify"], out.stdout
+    for name, text in listed:
+        first = getattr(fabfile, name).__doc__.strip().splitlines()[0]
+        assert first.endswith(".") and " ".join(text.split()) == first, (name, text)
+
+
 def test_inventory_option_takes_a_file(tmp_path):
     inv = tmp_path / "hosts.yml"
     inv.write_text("all:\n  hosts:\n    gpu1:\n      ansible_host: 127.0.0.1\n      ansible_port: 1\n")
