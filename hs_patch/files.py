@@ -11,6 +11,8 @@ only (imported inside the SGLang server).
 - :class:`JsonLog` appends whole JSON lines under ``flock``; a failed or short append is
   cut back to where it started (so a full disk leaves no torn line), and a torn last line
   left by a crash (a killed process) is cut off before the next append.
+- :func:`quiet_when_stdout_closes` ends a command quietly (exit 141) when the reader of its
+  stdout went away (``hs-patch status | head -1``): the one write that may fail silently.
 
 Everything is created owner-only (files 0600, directories 0700: :func:`private_dirs`),
 whatever the process's umask: hidden states are the served model's internals, and the
@@ -21,13 +23,18 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import mmap
 import os
+import select
+import sys
 import threading
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, ParamSpec
+
+P = ParamSpec("P")
 
 PRIVATE = 0o600      # files: owner read/write (a umask can only take bits away)
 PRIVATE_DIR = 0o700  # directories we create
@@ -57,6 +64,44 @@ def private_dirs(path: str | os.PathLike) -> Path:
 def disk_full(e: BaseException) -> bool:
     """A write refused for space (ENOSPC) or quota (EDQUOT): freeing space and running again helps."""
     return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+EXIT_STDOUT_CLOSED = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
+
+
+def stdout_closed() -> bool:
+    """stdout is a pipe (or socket, terminal) whose reader has gone: poll reports an error on it."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by an object without a descriptor
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+
+
+def quiet_when_stdout_closes(main: Callable[P, int]) -> Callable[P, int]:
+    """Wrap a command's ``main``: when the reader of stdout closes early (``| head -1``), end with
+    exit 141, as a shell reports such a writer, and no BrokenPipeError traceback. stdout is then
+    pointed at /dev/null, so Python's own flush at exit cannot fail again. A BrokenPipeError from
+    anything else (a socket, a subprocess's stdin) is raised as before."""
+
+    @functools.wraps(main)
+    def run(*args: P.args, **kwargs: P.kwargs) -> int:
+        try:
+            try:
+                return main(*args, **kwargs)
+            finally:  # what is still buffered goes now, where a closed reader can be caught
+                sys.stdout.flush()
+        except BrokenPipeError:
+            if not stdout_closed():
+                raise
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            return EXIT_STDOUT_CLOSED
+
+    return run
 
 
 def write_all(fd: int, data: Any) -> int:

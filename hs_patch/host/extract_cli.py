@@ -18,6 +18,7 @@ import sys
 from typing import Optional
 
 from hs_patch import __version__
+from hs_patch.files import quiet_when_stdout_closes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@quiet_when_stdout_closes
 def main(argv: Optional[list[str]] = None) -> int:
     os.umask(0o077)  # hidden states of a proprietary model: every file and dir we create is owner-only
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")

@@ -9,6 +9,7 @@ import sys
 from typing import Any, Callable
 
 from hs_patch import __version__
+from hs_patch.files import quiet_when_stdout_closes
 from hs_patch.server import config
 from hs_patch.host.patching import inspection, patcher, status
 from hs_patch.releases import DEFAULT_RELEASE, RELEASES
@@ -25,7 +26,8 @@ a file, status names the nearest known release and shows what differs where the 
 
 exit codes: 0 ok, 1 error, 2 refused (nothing written), 3 verify failed (a sample damaged,
 missing or unlisted, a manifest line unusable), 4 not found (inspect: no such path),
-5 nothing to check (inspect: a directory without manifest.jsonl)
+5 nothing to check (inspect: a directory without manifest.jsonl), 141 stdout closed early
+(a pipe into head: the rest of the output is dropped quietly)
 """
 
 CAPTURE_HELP = "capture is configured by environment variables of the SGLang server (read once at start):\n" + \
@@ -67,6 +69,7 @@ def _print(res: dict[str, Any], as_json: bool) -> None:
                 print(f"  {name}: {dtype} {shape}")
 
 
+@quiet_when_stdout_closes
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hs-patch", description=DESCRIPTION, epilog=CAPTURE_HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -181,3 +181,11 @@ def test_sandbox_score_and_what_the_process_gets(host):
     show = lambda prop: host.check_output(f"systemctl show --property={prop} --value sglang")  # noqa: E731
     assert show("ReadWritePaths") == "/var/lib/sglang /var/cache/sglang -/dev/shm/hs_capture"
     assert show("ProtectSystem") == "strict"
+
+
+def test_pip_extra_args_reach_every_install(host):
+    """sglang_pip_extra_args (here --log FILE, host_vars/gpu1.yml) goes to sglang's install and to the
+    overrides' install on top (0.5.9's cuDNN): both appear in the log pip kept as told."""
+    log = host.file("/var/log/hs-test-pip.log").content_string
+    assert "Successfully installed sglang-0.5.9" in log
+    assert "Successfully installed nvidia-cudnn-cu12-9.16.0.29" in log, "the overrides' install got no extra args"
