@@ -24,12 +24,16 @@ assert sorted(RELEASES[v].family.name for v in FAMILY_REPRESENTATIVES) == sorted
 
 
 # Importing Ansible replaces sys.intern, after which torch._dynamo (loaded by transformers with a
-# model) refuses to import; both load into this one test process, so the tests that load Ansible
-# in-process (fab's inventory reading) run after the others, whatever subset is run.
+# model) refuses to import; both load into this one test process. So when a session holds tests
+# that load Ansible in-process (fab's inventory reading), torch._dynamo is imported before any test
+# runs (a test of the same directory may build a model after one that read an inventory), and
+# those tests run after the others.
 ANSIBLE_IN_PROCESS = ("control", "ansible", "end_to_end")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if any(Path(str(item.path)).parent.name in ANSIBLE_IN_PROCESS for item in items):
+        import torch._dynamo  # noqa: F401
     items.sort(key=lambda item: Path(str(item.path)).parent.name in ANSIBLE_IN_PROCESS)
 
 
