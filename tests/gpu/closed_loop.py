@@ -320,6 +320,8 @@ class Loop:
             res["export"][n] = e
         head = features.lm_head_of(self.target)
         for v in ("specforge", "hf", "late", "prenorm"):
+            if not (self.work / "feat" / v).is_dir():  # a phase left out of --phases
+                continue
             res["agreement"][v] = features.agreement(self.work / "feat" / "ours", self.work / "feat" / v, head,
                                                      self.a.device)
         return res

@@ -183,3 +183,21 @@ def test_site514_replaces_the_kits_sglang_without_writing_through_its_hard_links
     subprocess.run(f"tar -C {stage} -cf - . | xz -1 > {other}", shell=True, check=True)
     with pytest.raises(RuntimeError, match="found it 0 times"):
         specforge.build_site514(kit, other, tmp_path / "site514b")
+
+
+def test_table_names_only_the_drafters_the_run_has():
+    """A run without the variants phase (--phases ...,specforge,...) describes no transformers or
+    mistake rows it does not have."""
+    import argparse
+
+    from loop.report import render
+
+    runs = {f"{n}@3,1,4": {"accept_length": x, "greedy": {"identical": 60, "compared": 64, "near_tie": 4}}
+            for n, x in (("ours-s0", 3.4), ("ours-s1", 3.39), ("specforge", 3.38), ("untrained", 1.006))}
+    state = {"done": {"serve": {"runs": runs}, "drafters": {"agreement": {"specforge": {
+        "teacher_argmax_agreement": 0.9982, "aux_cosine_mean": 0.99998}}}, "target": {"params": 1}}}
+    text = render(state, argparse.Namespace(settings="3,1,4"))
+    assert "| specforge | 3.380 | 60/64 (4) | 0.9982 | 1.0000 |" in text
+    assert "- specforge:" in text and "- untrained:" in text and "- ours:" in text
+    assert "- hf:" not in text and "- late:" not in text and "- prenorm:" not in text
+    assert "run-to-run spread of ours at 3,1,4: 3.390-3.400 (2 seeds)" in text

@@ -129,17 +129,18 @@ def test_sweep_phase_runs_every_depth_end_to_end_on_standins(standin_site, tmp_p
     a = argparse.Namespace(site=str(standin_site), work=str(tmp_path / "work"), dump_root=str(tmp_path / "dumps"),
                            prompts=4, tokens=40, long_prompts=1, long_tokens=150, concurrency=2, chunk=64, reps=1,
                            port=free_port_block(4) - 1, mem_fraction=0.3, tp_size=1, warmup_prompts=2,
-                           round_offset=0, sweep_layers="8,16", sweep_hidden=64, sweep_weights=False)
+                           round_offset=0, sweep_layers="4,16", sweep_hidden=64, sweep_weights=False)
     res = sweep.sweep(a, "cpu", model_for=lambda n: str(make_tiny_model_dir(tmp_path / f"model-l{n}", layers=n)))
     runs = res["runs"]
-    assert list(runs) == ["8", "16"]
+    assert list(runs) == ["4", "16"]  # 4: the shallow depth that measures the writer's ceiling
     assert [r["order"] for r in runs.values()] == [[["pristine", "capture", "driver"]],
                                                    [["capture", "driver", "pristine"]]]
-    assert [r["prompts"] for r in runs.values()] == [4, 2], "fewer prompts at the deeper model, at least concurrency"
+    assert [r["prompts"] for r in runs.values()] == [8, 2], "prompts x 8 / depth, at least concurrency"
+    assert [r["planes"] for r in runs.values()] == [4, 5], "4 layers: SGLang's ids 2, 2, 1 captured once each"
     for r in runs.values():
         assert all(len(r[row]["tok_s"]) == 1 for row in extract.ROWS)
         assert all(d["exit_code"] == 0 and d["samples_clean"] for d in r["driver"]["runs"])
-        assert r["hook_status"]["errors"] == 0 and r["planes"] == 5 and r["engine_GBps_of_states"] > 0
+        assert r["hook_status"]["errors"] == 0 and r["engine_GBps_of_states"] > 0
         cpu = {row: r[row]["server_cpu_s_per_GB"] for row in extract.ROWS}
         assert all(len(v) == 1 and v[0] > 0 for v in cpu.values()), cpu  # each row's server process group, /proc
     logs = sorted((tmp_path / "logs").glob("server-sw-*.log"))

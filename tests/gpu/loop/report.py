@@ -43,7 +43,8 @@ def render(state: dict, a: argparse.Namespace) -> str:
                      f"{_fmt(ag.get('teacher_argmax_agreement'), 4)} | {_fmt(ag.get('aux_cosine_mean'), 4)} |")
     ours = [runs.get(f"{n}@{settings[0]}", {}).get("accept_length") for n in names if n.startswith("ours")]
     ours = [x for x in ours if x is not None]
-    notes = ["", *(f"- {k}: {v}" for k, v in WHAT.items())]
+    kinds = {n.split("-s")[0] for n in names}
+    notes = ["", *(f"- {k}: {v}" for k, v in WHAT.items() if k in kinds)]  # the rows this run has
     if len(ours) > 1:
         notes.append(f"- run-to-run spread of ours at {settings[0]}: {min(ours):.3f}-{max(ours):.3f} "
                      f"({len(ours)} seeds)")
