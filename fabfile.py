@@ -137,7 +137,8 @@ def _say(msg: str) -> None:
     **COMMON, **FLEET, "dataset": "JSONL dataset on this machine (copied to the host), or an absolute path on the host "
                                   "with --remote-dataset (required)",
     "reassign": "with --host OTHER: OTHER finishes the shard of this (dead or removed) host of a fleet run, shipping "
-                "into its directory at the destination; nothing there is redone",
+                "into its directory at the destination; nothing there is redone (moved on again once the host that "
+                "took it is dead or its job there stopped)",
     "remote-dataset": "--dataset is a path on the GPU host", "limit": "only the first N lines (0: all)",
     "max-tokens": f"longest sample in tokens (default {remote.MAX_SAMPLE_TOKENS}); the server's KV cache must hold "
                   "it (checked once the server runs); a run resumes only with the same value (the driver's "

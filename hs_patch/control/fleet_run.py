@@ -125,6 +125,30 @@ def extract(inv: Inventory, group: str | None, host: str | None, run: str, datas
     return watch(inv, plan, rows_for(plan, targets), reattach, interval=interval, dead_after=dead_after)
 
 
+RUNNING = ("active", "activating", "reloading")  # a driver unit in these states is extracting (or queued to)
+
+
+def driver_state(t: Target, run: str) -> str:
+    """The state of ``run``'s driver unit on ``t`` (RemoteError when ``t`` does not answer)."""
+    drive, _ = remote.units(run)
+    group = FleetGroup.of([t])
+    try:
+        return str(group.each(lambda c, tt: remote.unit_state(c, drive))[t.name])
+    finally:
+        group.close()
+
+
+def holder_state(inv: Inventory, host: str, run: str) -> str:
+    """:func:`driver_state` on a host that may be gone: ``not in the inventory``, or
+    ``unreachable: WHY`` when it does not answer (a dead host's job extracts nothing)."""
+    try:
+        return driver_state(inv.target(host), run)
+    except ConfigError:
+        return "not in the inventory"
+    except RemoteError as e:
+        return f"unreachable: {e}"
+
+
 def reassign(inv: Inventory, dead: str, host: str, run: str, dataset: str, remote_dataset: bool, limit: int,
              regenerate: bool, server_timeout: int, interval: float, detach: bool, say: Callable[[str], None],
              dead_after: float = DEAD_AFTER_S, max_tokens: int = remote.MAX_SAMPLE_TOKENS) -> int:
@@ -140,19 +164,24 @@ def reassign(inv: Inventory, dead: str, host: str, run: str, dataset: str, remot
     if t.name == dead:
         raise ConfigError(f"--reassign {dead} --host {host}: give another host (to resume {dead} itself: "
                           f"fab extract --host {dead} --run {run})")
-    if plan.reassigned.get(dead, t.name) != t.name:
-        raise ConfigError(f"the shard of {dead} already runs on {plan.reassigned[dead]}; stop it there first "
-                          f"(fab stop --host {plan.reassigned[dead]} --run {fleet.reassign_run(run, dead)})")
+    was = plan.reassigned.get(dead, t.name)
+    if was != t.name:  # moved before: again only once its driver there has ended (or that host is gone)
+        moved = fleet.reassign_run(run, dead)
+        there = holder_state(inv, was, moved)
+        if there in RUNNING:
+            raise ConfigError(f"the shard of {dead} runs on {was} (run {moved}: {there}); stop it there first "
+                              f"(fab stop --host {was} --run {moved}), then run this again")
+        say(f"the shard of {dead} was given to {was}, whose driver of it is not running ({there}): it moves to "
+            f"{t.name}" + (f"; if {was} comes back, stop it there: fab stop --host {was} --run {moved}"
+                           if there.startswith(("unreachable", "not in")) else ""))
     own, _ = remote.units(run)
-    group = FleetGroup.of([t])
-    state = group.each(lambda c, tt: remote.unit_state(c, own))[t.name]
-    group.close()
+    state = driver_state(t, run)
     job = Job(fleet.reassign_run(run, dead), dataset, remote_dataset,
               extraction.driver_args(limit, regenerate, plan.shard(dead)), max_tokens=max_tokens,
               dest=remote.destination(t, run, dead), share=plan.count, sync_first=True)
     say(f"{t.name} takes the shard {plan.shard(dead)} of {dead} as run {job.run}, shipping into {job.dest}"
         + (f"; queued behind {own} ({state} there: one server, one capture dir, one driver at a time): it starts "
-           "when that one ends" if state in ("active", "activating", "reloading") else ""))
+           "when that one ends" if state in RUNNING else ""))
 
     def record() -> None:  # after OTHER's preflight passed (a refused one moves nothing), before the start:
         plan.reassigned[dead] = t.name  # a half-started reassignment is still on record

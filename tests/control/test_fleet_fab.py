@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 from pathlib import Path
 
@@ -100,3 +101,33 @@ def test_a_reassignment_whose_host_fails_preflight_is_not_recorded(hosts, tmp_pa
         assert r.returncode == 1 and f"preflight failed on {other}; nothing was started" in r.stderr, r.stderr
         assert f"{other:12} FAIL patch" in r.stdout and "already runs on" not in r.stderr, r.stdout + r.stderr
         assert json.loads((tmp_path / "plans" / "f4.json").read_text())["reassigned"] == {}
+
+
+def test_a_shard_whose_new_host_is_gone_or_idle_can_be_reassigned_again(hosts, tmp_path):
+    """A recorded --reassign whose host then died: a second --reassign of the shard was refused with 'stop it
+    there first (fab stop --host gpu-x ...)', which cannot reach a dead host and never clears the record."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3]}\n')
+    fab(tmp_path, inventory(tmp_path, hosts, ["gpu-a", "gpu-b"]), "extract", "--hosts", "--dataset", str(data),
+        "--run", "f5")
+    inv = inventory(tmp_path, hosts, ["gpu-b", "gpu-c"])  # gpu-a gone
+    doc = yaml.safe_load((inv / "hosts.yml").read_text())
+    with socket.socket() as s:  # a port nothing listens on: gpu-x, dead
+        s.bind(("127.0.0.1", 0))
+        dead = {**doc["all"]["children"]["gpu_hosts"]["hosts"]["gpu-b"], "ansible_port": s.getsockname()[1]}
+    doc["all"]["children"]["gpu_hosts"]["hosts"]["gpu-x"] = dead
+    (inv / "hosts.yml").write_text(yaml.safe_dump(doc))
+    plan = tmp_path / "plans" / "f5.json"
+    for holder, said in (("gpu-x", "unreachable: "), ("gpu-gone", "not in the inventory"), ("gpu-b", "unknown")):
+        # as a reassignment to HOLDER whose preflight passed records it
+        plan.write_text(json.dumps({**json.loads(plan.read_text()), "reassigned": {"gpu-a": holder}}))
+        r = fab(tmp_path, inv, "extract", "--reassign", "gpu-a", "--host", "gpu-c", "--dataset", str(data),
+                "--run", "f5")
+        assert "already runs on" not in r.stderr and "stop it there first" not in r.stderr, r.stderr
+        assert f"the shard of gpu-a was given to {holder}, whose driver of it is not running ({said}" in r.stdout, \
+            r.stdout
+        comes_back = f"if {holder} comes back, stop it there: fab stop --host {holder} --run f5.gpu-a"
+        assert (comes_back in r.stdout) == (holder != "gpu-b"), r.stdout
+        # then gpu-c's own preflight (not provisioned here): refused, so the record stays as it was
+        assert r.returncode == 1 and "preflight failed on gpu-c; nothing was started" in r.stderr, r.stderr
+        assert json.loads(plan.read_text())["reassigned"] == {"gpu-a": holder}
