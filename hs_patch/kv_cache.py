@@ -20,11 +20,12 @@ def _int(v: Any) -> Optional[int]:
 
 
 def shortfall(info: Mapping[str, Any], max_tokens: int,
-              shorter: str = "hs-extract drive --max-tokens") -> Optional[str]:
+              shorter: str = "hs-extract drive --max-tokens", service: Optional[str] = None) -> Optional[str]:
     """What to do when the KV pool cannot hold the longest sample sent (``max_tokens``, or the
     server's ``context_length`` when that is shorter) with its one new token; None when it can,
     or when the server does not say. ``shorter``: the option the reader gives for shorter samples
-    (``fab extract --max-tokens`` on the control node)."""
+    (``fab extract --max-tokens`` on the control node); ``service``: the server's systemd unit
+    (the host's ``sglang_service_name``) when the reader knows it."""
     pool = _int(info.get("max_total_num_tokens"))
     if pool is None:
         return None
@@ -33,9 +34,10 @@ def shortfall(info: Mapping[str, Any], max_tokens: int,
     if pool >= longest + 1:
         return None
     fraction = info.get("mem_fraction_static")
+    restart = f"systemctl restart {service}" if service else "systemctl restart UNIT, the host's sglang_service_name"
     return (f"the server's KV cache holds {pool} tokens (max_total_num_tokens), fewer than the {longest + 1} of the "
             f"longest sample the driver sends ({longest} tokens, --max-tokens {max_tokens}, and one new token): every "
             "longer sample would be rejected as too long. Give the KV cache more of the GPUs' memory: raise "
             f"sglang_service_mem_fraction_static (now {fraction if fraction is not None else 'unknown'}) or lower "
             "sglang_service_cuda_graph_max_bs, run ansible-playbook site.yml --tags services and restart the server "
-            f"(systemctl restart sglang); or send shorter samples ({shorter} {max(pool - 1, 1)})")
+            f"({restart}); or send shorter samples ({shorter} {max(pool - 1, 1)})")

@@ -66,7 +66,7 @@ class Target:
     become_password: str | None = field(default=None, repr=False)
     # hs_* knobs (inventory/group_vars/gpu_hosts.yml documents each)
     venv: str = "/opt/hs-patch/venv"
-    service: str = "sglang"
+    service: str = field(default_factory=lambda: str(role_default("sglang_service", "sglang_service_name")))
     service_user: str = "sglang"
     server_port: int = 30000
     api_key_file: str = "/var/lib/sglang/api-key"

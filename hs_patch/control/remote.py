@@ -265,7 +265,7 @@ def check_kv_cache(c: Shell, t: Target, max_tokens: int = MAX_SAMPLE_TOKENS) -> 
         said = ((r.stderr or r.stdout).strip().splitlines() or ["no answer"])[-1][-300:]  # the error, not the traceback
         raise RemoteError(f"on {t.host}: could not read {url}: {said}; the server unit {t.service} should answer it "
                           f"(journalctl -u {t.service})")
-    short = kv_cache.shortfall(info, max_tokens, shorter="fab extract --max-tokens")
+    short = kv_cache.shortfall(info, max_tokens, shorter="fab extract --max-tokens", service=t.service)
     if short:
         raise RemoteError(f"on {t.host}: {short}")
 

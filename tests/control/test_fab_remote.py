@@ -204,11 +204,12 @@ def test_extract_refuses_a_server_whose_kv_cache_cannot_hold_a_sample(kv_server,
     (venv / "bin" / "python").symlink_to(sys.executable)
     (tmp_path / "api-key").write_text("k3y\n")
     t = Target(host="stub", user="root", become=False, venv=str(venv), api_key_file=str(tmp_path / "api-key"),
-               server_port=int(kv_server.url.rsplit(":", 1)[1]))
+               server_port=int(kv_server.url.rsplit(":", 1)[1]), service="sglang-kimi")
     c = Shell(LocalShellConnection(tmp_path, "/usr/bin:/bin"), t)
     with pytest.raises(RemoteError, match=r"on stub: the server's KV cache holds 300 tokens \(max_total_num_tokens\), "
                                           r"fewer than the 32769 .* sglang_service_mem_fraction_static.*"
-                                          r"send shorter samples \(fab extract --max-tokens 299\)$"):
+                                          r"restart the server \(systemctl restart sglang-kimi\); "  # the host's unit
+                                          r"or send shorter samples \(fab extract --max-tokens 299\)$"):
         remote.check_kv_cache(c, t)  # the option a fab user has, not hs-extract drive's
     remote.check_kv_cache(c, t, max_tokens=256)  # a driver sending 256-token samples at most: it fits
     (tmp_path / "api-key").write_text("wrong\n")

@@ -107,12 +107,15 @@ def test_fab_only_knobs_are_documented_with_fabs_defaults(inv):
     assert knobs["hs_known_hosts_file"] == "" and t.known_hosts is None
     shutil.copy(ROOT / "inventory/group_vars/gpu_hosts.yml", inv / "group_vars" / "gpu_hosts" / "0-bundle.yml")
     (inv / "host_vars" / "gpu2.yml").write_text("hs_runs_state_root: /srv/state\nhs_known_hosts_file: /etc/kh\n"
-                                               "sglang_service_check_dir: /opt/checks\n")
+                                               "sglang_service_check_dir: /opt/checks\n"
+                                               "sglang_service_name: sglang-kimi\n")
     pw = [str(inv.parent / "vault-pw")]
     gpu1, gpu2 = load("gpu1", str(inv), vault_password_files=pw), load("gpu2", str(inv))
     assert gpu1.known_hosts == "/etc/hs/known_hosts", "the documented default keeps UserKnownHostsFile"
     assert (gpu1.state_root, gpu1.check_dir) == ("/var/lib/hs-patch/runs", "/usr/local/lib/hs-patch")
     assert (gpu2.state_root, gpu2.known_hosts, gpu2.check_dir) == ("/srv/state", "/etc/kh", "/opt/checks")
+    role = yaml.safe_load((ROOT / "roles/sglang_service/defaults/main.yml").read_text())
+    assert (gpu1.service, gpu2.service) == (role["sglang_service_name"], "sglang-kimi"), "the host's, else the role's"
 
 
 def test_vault_without_password_says_how(inv):

@@ -57,6 +57,8 @@ def test_a_kv_cache_smaller_than_the_longest_sample_is_named_with_what_to_change
     assert msg.startswith("the server's KV cache holds 17000 tokens (max_total_num_tokens), fewer than the 32769")
     assert "sglang_service_mem_fraction_static (now 0.772)" in msg and "sglang_service_cuda_graph_max_bs" in msg
     assert "--max-tokens 16999" in msg
+    assert "(systemctl restart UNIT, the host's sglang_service_name)" in msg  # the driver does not know the unit
+    assert "(systemctl restart sglang-kimi)" in kv_cache.shortfall(info, 32768, service="sglang-kimi")  # fab does
     assert kv_cache.shortfall({**info, "max_total_num_tokens": 32769}, 32768) is None
     assert kv_cache.shortfall({**info, "context_length": 16000}, 32768) is None  # no sample is longer than that
     assert kv_cache.shortfall({"context_length": 4096}, 32768) is None  # the server does not say: not refused
