@@ -21,7 +21,8 @@ from typing import Iterator
 
 from hs_patch.files import write_all
 from hs_patch.host.patching.earlier import from_earlier_layout, from_earlier_patch
-from hs_patch.releases import (LAYER_POINT, RELEASES, TARGET, PatchError, Release, apply_edits, by_patched_sha,
+from hs_patch.families import LAYER_POINT
+from hs_patch.releases import (RELEASES, TARGET, PatchError, Release, apply_edits, by_patched_sha,
                                by_pristine_sha)
 
 BACKUP_SUFFIX = ".hs_patch.orig"
