@@ -186,3 +186,12 @@ def apply_edits(release: Release, text: str) -> str:
     for edit in release.edits:
         text = text.replace(edit.anchor, edit.replacement)
     return text
+
+
+def pristine_text(release: Release, patched: str) -> str:
+    """Undo the edits (each replacement occurs exactly once in the patched text)."""
+    for edit in reversed(release.edits):
+        if patched.count(edit.replacement) != 1:
+            raise PatchError(f"cannot undo an edit of {release.version}: the patched text was changed")
+        patched = patched.replace(edit.replacement, edit.anchor)
+    return patched
