@@ -73,8 +73,8 @@ class Nearest:
         out.append(("every anchor is there once, so the family's edits would apply" if not self.missing else
                     "the family's edits do not apply as they are") + ": adding this release is a reviewed step: read "
                    "SGLang's code in the regions that differ (docs/capture.md lists what each family relies on), then "
-                   "write its entry and slots in hs_patch/releases.py (a new family's edits in hs_patch/families.py) and run the "
-                   "tests on its wheel")
+                   "write its entry and slots in hs_patch/releases.py (a new family's edits in hs_patch/families.py) "
+                   "and run the tests on its wheel")
         return out
 
 
