@@ -29,7 +29,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import torch  # noqa: E402
 
-from hs_patch import reader, store  # noqa: E402
+from hs_patch import lazy_sample, store  # noqa: E402
 from hs_patch.host.fidelity.rows import Norms, check_rows  # noqa: E402
 from hs_patch.host.model_files import rms_norm  # noqa: E402
 from hs_patch.server import config, hook  # noqa: E402
@@ -79,7 +79,7 @@ def main() -> int:
             for rows in (int(r) for r in a.rows.split(",")):
                 t0 = time.process_time()
                 for _ in range(a.reps):
-                    with reader.open_sample(path) as s:
+                    with lazy_sample.open_sample(path) as s:
                         r = check_rows(s, norms, per_chunk=rows)
                 cpu = (time.process_time() - t0) / a.reps
                 assert r.ok, r.problems

@@ -8,7 +8,7 @@ Each setting is described once, where it is defined:
   (what ``ansible-doc`` and the role's argument validation show); ``roles/<role>/defaults/main.yml``
   is written from them too (each default under its description)
 - capture environment variables: ``ENV_DOCS`` in ``hs_patch/server/config.py``
-- supported SGLang releases: ``hs_patch/releases.py`` (family, stack, anchors), ``hs_patch/flags.py``
+- supported SGLang releases: ``hs_patch/releases.py`` (family, stack, anchors; the families' edits in ``hs_patch/families.py``), ``hs_patch/flags.py``
   (server flags) and ``hs_patch/serving.py`` (EAGLE-3 ids)
 
 A docs file marks each generated table with ``<!-- generated: NAME -->`` ...

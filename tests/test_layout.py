@@ -7,8 +7,8 @@
 - ``hs_patch/control/`` (and ``fabfile.py``) runs on the control node: never torch,
   safetensors or transformers (a laptop with Ansible and Fabric only).
 - The shared modules at the top (``store``, ``files``, ``intent``, ``flags``, ``serving``,
-  ``releases``, ``kv_cache``) import only the standard library at module level (``reader`` is shared too:
-  safetensors).
+  ``releases``, ``families``, ``kv_cache``) import only the standard library at module level (``reader`` and
+  ``lazy_sample`` are shared too: safetensors).
 - The patch's injected import names a module and function that exist.
 
 ``hs_patch/host/`` is in rooms by job (``driver/``, ``fidelity/``, ``readiness/``, ``patching/``,
@@ -40,8 +40,8 @@ from hs_patch.releases import RELEASES
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "hs_patch"
 STDLIB = set(sys.stdlib_module_names)
-SHARED = ("hs_patch.files", "hs_patch.flags", "hs_patch.intent", "hs_patch.kv_cache", "hs_patch.names",
-          "hs_patch.releases", "hs_patch.serving", "hs_patch.shard", "hs_patch.store")
+SHARED = ("hs_patch.families", "hs_patch.files", "hs_patch.flags", "hs_patch.intent", "hs_patch.kv_cache",
+          "hs_patch.names", "hs_patch.releases", "hs_patch.serving", "hs_patch.shard", "hs_patch.store")
 SERVER_SHARED = {"hs_patch", "hs_patch.files", "hs_patch.flags", "hs_patch.intent", "hs_patch.serving",
                  "hs_patch.store"}
 
@@ -84,8 +84,8 @@ def test_subpackages_are_the_places_code_runs():
     for sub in ("server", "host", "control", *(f"host/{room}" for room in ROOMS)):
         assert (PKG / sub / "__init__.py").is_file(), sub
     top = sorted(p.stem for p in PKG.glob("*.py"))
-    assert top == ["__init__", "files", "flags", "intent", "kv_cache", "names", "reader", "releases", "serving",
-                   "shard", "store"], \
+    assert top == ["__init__", "families", "files", "flags", "intent", "kv_cache", "lazy_sample", "names", "reader",
+                   "releases", "serving", "shard", "store"], \
         f"only shared modules at the top: {top}"
     host = sorted(p.name for p in (PKG / "host").iterdir() if p.name != "__pycache__")
     assert host == sorted(["__init__.py", "extract_cli.py", "model_files.py", "patch_cli.py", *ROOMS]), \

@@ -11,7 +11,7 @@ from typing import Any, Callable
 from hs_patch import __version__
 from hs_patch.files import quiet_when_stdout_closes
 from hs_patch.server import config
-from hs_patch.host.patching import inspection, patcher, status
+from hs_patch.host.patching import hook_check, inspection, patcher, status
 from hs_patch.releases import DEFAULT_RELEASE, RELEASES
 
 EXIT_OK, EXIT_ERROR, EXIT_REFUSED, EXIT_VERIFY, EXIT_NOT_FOUND, EXIT_NOTHING = 0, 1, 2, 3, 4, 5
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         res = actions[args.command](args)
     except patcher.Refused as e:
         return _fail(args.command, str(e), EXIT_REFUSED, as_json)
-    except patcher.VerifyFailed as e:
+    except hook_check.VerifyFailed as e:
         return _fail(args.command, str(e), EXIT_VERIFY, as_json)
     except inspection.NotFound as e:
         return _fail(args.command, str(e), EXIT_NOT_FOUND, as_json)

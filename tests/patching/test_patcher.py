@@ -15,7 +15,7 @@ import pytest
 from conftest import REPRESENTATIVES, SUPPORTED, UNSUPPORTED, extract_site
 from hs_patch.flags import REQUIRED_FLAGS
 from hs_patch.host import patch_cli as cli
-from hs_patch.host.patching import patcher
+from hs_patch.host.patching import hook_check, patcher
 from hs_patch.host.patching.earlier import earlier_edits
 from hs_patch.host.patching.nearest import region_digests
 from hs_patch.releases import RELEASES, TARGET, anchor_lines, apply_edits
@@ -163,7 +163,7 @@ def test_ast_check_rejects_a_misplaced_hook(version, release_sources):
     """verify's syntax-tree checks catch a hook in the wrong place even if it compiles."""
     release = RELEASES[version]
     text = apply_edits(release, (release_sources[version] / TARGET).read_text())
-    patcher.check_patched(text, release)
+    hook_check.check_patched(text, release)
     mutations = {
         "finish after the return": text.replace(
             "        if _hs is not None:  # hs_patch: hand the pass to the writer\n"
@@ -188,8 +188,8 @@ def test_ast_check_rejects_a_misplaced_hook(version, release_sources):
     }
     for what, bad in mutations.items():
         assert bad != text, what
-        with pytest.raises(patcher.VerifyFailed):
-            patcher.check_patched(bad, release)
+        with pytest.raises(hook_check.VerifyFailed):
+            hook_check.check_patched(bad, release)
 
 
 @pytest.mark.parametrize("site", ["0.5.16"], indirect=True)

@@ -25,7 +25,8 @@ from hs_patch import reader, store
 from hs_patch.flags import REQUIRED_FLAGS
 from hs_patch.server.inplace import InPlaceSample
 from conftest import REPRESENTATIVES, SUPPORTED
-from hs_patch.releases import LAYER_POINT, RELEASES, TARGET, apply_edits
+from hs_patch.families import LAYER_POINT
+from hs_patch.releases import RELEASES, TARGET, apply_edits
 from lab.sglang_sim import Part, Reference, ReleaseCode, Sim, make_batch, reference
 
 RELEASE_IDS = REPRESENTATIVES

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import FAMILY_REPRESENTATIVES
-from hs_patch import reader, store
+from hs_patch import lazy_sample, store
 from hs_patch.host.fidelity.rows import Norms, allowance, check_rows, chi2_bound, sample_rows, ulp
 from hs_patch.host.model_files import rms_norm
 from hs_patch.releases import RELEASES, TARGET, apply_edits
@@ -73,7 +73,7 @@ def capture(release_sources, tiny_model, refs, tmp_path: Path, version: str, req
 def checked(d: Path, norms: Norms) -> dict[int, list[str]]:
     out = {}
     for key, e in store.read_manifest(d).items():
-        with reader.open_sample(d / e["file"], entry=e) as s:
+        with lazy_sample.open_sample(d / e["file"], entry=e) as s:
             r = check_rows(s, norms)
             assert r.chunks == int(s.metadata["parts"]) and r.rows >= 2 * r.chunks
             out[s.num_tokens if s.metadata["rid"] != "clean" else -1] = r.problems
@@ -207,7 +207,7 @@ def test_one_non_finite_element_anywhere_is_found_without_reading_the_planes(tmp
     finally:
         h.close()
     (e,) = store.read_manifest(tmp_path / "d").values()
-    with reader.open_sample(tmp_path / "d" / e["file"]) as s:
+    with lazy_sample.open_sample(tmp_path / "d" / e["file"]) as s:
         r = check_rows(s, norms)
         assert 101 not in sample_rows(s.key, [0], 200, 8)
     assert any(p.startswith("layer.1: NaN or Inf at rows [101]") for p in r.problems), r.problems

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from hs_patch import intent, reader, store
+from hs_patch import intent, lazy_sample, store
 from hs_patch.server import config, hook
 from hs_patch.server.inplace import InPlaceSample, header_room
 from lab.passes import Batch, play
@@ -43,6 +43,6 @@ def test_a_prompt_in_thousands_of_parts_with_the_drivers_largest_intent_is_writt
     finally:
         h.close()
     e = store.read_manifest(tmp_path)[key]
-    with reader.open_sample(tmp_path / e["file"], entry=e) as got:
+    with lazy_sample.open_sample(tmp_path / e["file"], entry=e) as got:
         assert got.metadata["parts"] == str(n) and got.metadata["chunks"].split(",")[-1] == str(n - 1)
         assert torch.equal(got.rows("layer.0", 0, n), x)

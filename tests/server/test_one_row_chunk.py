@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from hs_patch import reader, store
+from hs_patch import lazy_sample, store
 from hs_patch.host.fidelity.rows import Norms, check_rows
 from hs_patch.host.model_files import rms_norm
 from hs_patch.server import config, hook
@@ -49,5 +49,5 @@ def test_one_token_parts_keep_their_fingerprints_when_the_next_pass_reuses_the_s
         h.close()
     assert len(entries) == 2
     for e in entries.values():
-        with reader.open_sample(tmp_path / e["file"], entry=e) as s:
+        with lazy_sample.open_sample(tmp_path / e["file"], entry=e) as s:
             assert check_rows(s, _norms()).problems == [], s.metadata.get("rid")

@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
 
-from hs_patch import reader, store
+from hs_patch import lazy_sample, store
 
 STATE, INFO = "state.json", "dataset_info.json"
 WRITER_BATCH = 64   # rows per Arrow record batch: bounds memory for long samples
@@ -52,7 +52,7 @@ def _rows(src: Path, keys: list[str], src_entries: Mapping[str, Mapping[str, Any
     import torch
 
     for key in keys:
-        with reader.open_sample(src / src_entries[key]["file"]) as s:   # ids checked against the key
+        with lazy_sample.open_sample(src / src_entries[key]["file"]) as s:   # ids checked against the key
             ids, mask = s.tensor("input_ids"), s.tensor("loss_mask").to(torch.int64)
         if mask_sha256(mask) != records[key]["mask_sha256"]:
             raise store.SampleError(f"sample {key}: its loss mask changed since it was exported; run the export "

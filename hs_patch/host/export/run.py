@@ -1,6 +1,6 @@
 """The export run: plan, then every sample in a pool of worker processes, then the table.
 
-Workers read a sample through :func:`hs_patch.reader.open_sample` (checked against the
+Workers read a sample through :func:`hs_patch.lazy_sample.open_sample` (checked against the
 source manifest's sha256), write its export file and return a manifest record; only this
 process appends to ``export.jsonl``. At most ``2 x workers`` samples are in flight, so
 memory is bounded by the largest samples, not the dataset. A re-run keeps every file
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-from hs_patch import __version__, reader, serving, store
+from hs_patch import __version__, lazy_sample, reader, serving, store
 from hs_patch.files import disk_full
 from hs_patch.host.export import arrow, layout
 from hs_patch.host.export.spec import ExportRefused, ExportSpec, check_sample, resolve
@@ -97,7 +97,7 @@ def work(t: Task) -> dict[str, Any]:
     try:
         from hs_patch.host.export import writers
 
-        with reader.open_sample(Path(t.src) / t.src_entry["file"], entry=t.src_entry) as s:
+        with lazy_sample.open_sample(Path(t.src) / t.src_entry["file"], entry=t.src_entry) as s:
             check_sample(t.spec, s.metadata, s.has("loss_mask"))
             rec: dict[str, Any] = {"op": "add", "key": t.key, "src_sha256": t.src_entry["sha256"],
                                    "tokens": s.num_tokens, "t": round(time.time(), 3)}
@@ -142,7 +142,7 @@ def first_metadata(src: Path, entries: dict[str, dict[str, Any]]) -> dict[str, s
     first_error: Optional[Exception] = None
     for key in sorted(entries):
         try:
-            with reader.open_sample(src / entries[key]["file"]) as s:
+            with lazy_sample.open_sample(src / entries[key]["file"]) as s:
                 return dict(s.metadata)
         except (store.SampleError, OSError) as e:
             first_error = first_error or e

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Sequence
 
 from hs_patch import store
-from hs_patch.reader import LazySample
+from hs_patch.lazy_sample import LazySample
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from hs_patch import reader, store
+from hs_patch import lazy_sample, store
 from hs_patch.host.driver.client import generated_token, server_top1
 from hs_patch.host.fidelity.rows import DEFAULT_ROWS, Norms, check_rows
 
@@ -116,7 +116,7 @@ class LMHead:
         """fp32 logits [N, V] of post-norm states [N, H]."""
         return states.float() @ self.weight.T
 
-    def post_norm(self, sample: reader.LazySample, start: int, stop: int) -> tuple["torch.Tensor", str]:
+    def post_norm(self, sample: lazy_sample.LazySample, start: int, stop: int) -> tuple["torch.Tensor", str]:
         """Post-norm final states of rows [start, stop): the stored plane, or derived from the pre-norm one."""
         from hs_patch.host.model_files import rms_norm
 
@@ -228,7 +228,7 @@ class FidelityChecker:
 
     def prepare(self, job: _Job) -> None:
         """Run the row checks; read the final states to check and the server's tokens for them."""
-        with reader.open_sample(job.path) as s:
+        with lazy_sample.open_sample(job.path) as s:
             rows = check_rows(s, self.norms, per_chunk=self.rows).record()
             n = s.num_tokens
             if not (s.has("final.post_norm") or s.has("final.pre_norm")):

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from hs_patch import reader, store
+from hs_patch import lazy_sample, store
 from hs_patch.server import fingerprint
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -164,7 +164,7 @@ def chi2_bound(n: int) -> float:
     return n + 2 * math.sqrt(n * t) + 2 * t
 
 
-def _rows(sample: reader.LazySample, name: str, rows: Sequence[int]) -> "torch.Tensor":
+def _rows(sample: lazy_sample.LazySample, name: str, rows: Sequence[int]) -> "torch.Tensor":
     """The given rows of a plane, read in contiguous runs."""
     import torch
 
@@ -179,7 +179,7 @@ def _rows(sample: reader.LazySample, name: str, rows: Sequence[int]) -> "torch.T
 
 
 class _Checker:
-    def __init__(self, sample: reader.LazySample, fp: "torch.Tensor", streams: list[str], rows: list[int]):
+    def __init__(self, sample: lazy_sample.LazySample, fp: "torch.Tensor", streams: list[str], rows: list[int]):
         self.sample, self.fp, self.streams, self.rows = sample, fp, streams, rows
         self.result = RowCheck(rows=len(rows))
 
@@ -211,7 +211,7 @@ class _Checker:
                                         f"sample stays under {bound:.3g})")
 
 
-def check_rows(sample: reader.LazySample, norms: Optional[Norms], *, per_chunk: int = DEFAULT_ROWS) -> RowCheck:
+def check_rows(sample: lazy_sample.LazySample, norms: Optional[Norms], *, per_chunk: int = DEFAULT_ROWS) -> RowCheck:
     """Run the row checks on one opened sample (see the module's doc); ``norms`` None skips the relations."""
     from hs_patch.host.model_files import rms_norm
 

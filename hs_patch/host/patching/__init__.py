@@ -2,6 +2,8 @@
 
 - ``patcher``: apply, verify, revert, status of ``deepseek_v2.py`` (standard library only,
   never imports SGLang); the exact edits per release are in :mod:`hs_patch.releases`.
+- ``hook_check``: verify's check, on the syntax tree, that the hook sits where it must and
+  nothing else changed.
 - ``status``: ``hs-patch status`` and ``check-args`` (capture settings, server flags, the
   drafter's serving ids).
 - ``nearest``: for a ``deepseek_v2.py`` no release has, the nearest known release and what

@@ -4,8 +4,8 @@ Standard library only. A file no release has (a release published after this hs-
 hand-edited one) is refused; ``hs-patch status`` then names the known release whose patch
 anchors and regions the file matches best, and shows, for each anchor that is not there, a
 unified diff of the anchor against the closest lines of the file, so adding the release is a
-reviewed step: read the diff, read SGLang's code, write its family and slots in
-hs_patch/releases.py.
+reviewed step: read the diff, read SGLang's code, write its entry and slots in
+hs_patch/releases.py (a new family's edits in hs_patch/families.py).
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ class Nearest:
         out.append(("every anchor is there once, so the family's edits would apply" if not self.missing else
                     "the family's edits do not apply as they are") + ": adding this release is a reviewed step: read "
                    "SGLang's code in the regions that differ (docs/capture.md lists what each family relies on), then "
-                   "write its entry, family and slots in hs_patch/releases.py and run the tests on its wheel")
+                   "write its entry and slots in hs_patch/releases.py (a new family's edits in hs_patch/families.py) "
+                   "and run the tests on its wheel")
         return out
 
 

@@ -84,7 +84,7 @@ def hf_variants(model_dir: Path, ours: Path, out_hf: Path, out_late: Path, layer
 def prenorm_variant(samples_dir: Path, ours: Path, out: Path) -> dict:
     """``prenorm``: our export with ``hidden_state`` replaced by our sample's final.pre_norm (our export
     names each file by its sample's key)."""
-    from hs_patch import reader
+    from hs_patch import lazy_sample, reader
 
     entries, _ = reader.manifest_entries(samples_dir)
     n = 0
@@ -92,7 +92,7 @@ def prenorm_variant(samples_dir: Path, ours: Path, out: Path) -> dict:
         rel = f.relative_to(ours)
         if not (out / rel).exists():
             x = load(f)
-            with reader.open_sample(samples_dir / entries[f.stem]["file"], entry=entries[f.stem]) as s:
+            with lazy_sample.open_sample(samples_dir / entries[f.stem]["file"], entry=entries[f.stem]) as s:
                 assert torch.equal(s.tensor("input_ids"), x["input_ids"]), f
                 x["hidden_state"] = s.tensor("final.pre_norm").to(torch.bfloat16).unsqueeze(0)
             save(x, out / rel)
