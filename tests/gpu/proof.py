@@ -222,6 +222,10 @@ def main() -> int:
                          "about 9 minutes, issue #22's rates of states)")
     ap.add_argument("--sweep-layers", default="8,16,32", help="sweep phase: model depths (kimi-layer preset)")
     ap.add_argument("--sweep-hidden", type=int, default=7168, help="sweep phase: hidden size")
+    ap.add_argument("--sweep-env", default="", metavar="HS_CAPTURE_X=V,...",
+                    help="sweep phase: the capturing server's hook settings beyond the defaults, e.g. "
+                    "HS_CAPTURE_SLOTS=4,HS_CAPTURE_WRITERS=12 (not LAYERS or FINAL: the rates assume the default "
+                    "capture)")
     ap.add_argument("--sweep-weights", action="store_true", help="sweep phase: write real random checkpoints "
                     "(slower; the driver's fidelity check on) instead of SGLang's --load-format dummy")
     ap.add_argument("--hidden", default="1024", help="comma-separated hidden sizes to run, e.g. 1024,7168")

@@ -38,9 +38,17 @@ from typing import Any, Callable, Optional
 from common import REC, Server, hs_patch_cli, pristine_copy
 from extract import ROWS, end_round, medians, run_row
 
+from hs_patch.server import fingerprint
 from hs_patch.server.config import default_layers
 
-BYTES_PER_TOKEN = {7168: 71_945}  # the default capture at Kimi's width (hs_patch/server/config.py)
+
+def state_bytes_per_token(hidden: int, layers: int) -> int:
+    """Bytes a token of the default capture stores: its planes (the layers + both finals, bf16), the id
+    and loss mask (9), and a fingerprint row per stream (each plane and each captured layer's attention
+    input, BLOCKS fp32). 71,945 at Kimi's width and 8 or more layers; fewer at 4 (two layers)."""
+    n = len(default_layers(layers))
+    planes, streams = n + 2, 2 * n + 2
+    return planes * hidden * 2 + 9 + streams * fingerprint.BLOCKS * 4
 
 
 class GpuMemory:
@@ -157,6 +165,19 @@ def _prompts(a: argparse.Namespace, rng: random.Random, count: int, warmup: bool
     return [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
 
 
+def capture_env(spec: str) -> dict[str, str]:
+    """``--sweep-env``: HS_CAPTURE_X=V pairs for the capturing server (the default capture's planes kept)."""
+    env: dict[str, str] = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("HS_CAPTURE_") or key in ("HS_CAPTURE_DIR", "HS_CAPTURE_LAYERS",
+                                                                     "HS_CAPTURE_FINAL"):
+            raise SystemExit(f"--sweep-env: {item!r} is not HS_CAPTURE_X=V of a hook setting the sweep may "
+                             "change (not DIR, LAYERS or FINAL: the rates assume the default capture)")
+        env[key] = value
+    return env
+
+
 def _depth(a: argparse.Namespace, model_dir: str, layers: int, index: int, pristine: Path, tag: str,
            parent: dict) -> dict:
     count = max(a.concurrency, round(a.prompts * 8 / layers))
@@ -166,8 +187,8 @@ def _depth(a: argparse.Namespace, model_dir: str, layers: int, index: int, prist
     hidden = int(cfg["hidden_size"])
     planes = len(default_layers(layers)) + 2
     res: dict = {"model": model_dir, "layers": layers, "hidden": hidden, "capture_layers": list(default_layers(layers)),
-                 "planes": planes, "prompts": count, "order": [], "memory": {}, **{r: {"tok_s": []} for r in ROWS},
-                 "state_bytes_per_token": BYTES_PER_TOKEN.get(hidden, planes * hidden * 2)}
+                 "planes": planes, "prompts": count, "capture_env": capture_env(getattr(a, "sweep_env", "")), "order": [], "memory": {}, **{r: {"tok_s": []} for r in ROWS},
+                 "state_bytes_per_token": state_bytes_per_token(hidden, layers)}
     parent["runs"][str(layers)] = res
     dump = Path(a.dump_root) / f"dump-sweep-{tag}"
     shutil.rmtree(dump, ignore_errors=True)
@@ -183,7 +204,7 @@ def _depth(a: argparse.Namespace, model_dir: str, layers: int, index: int, prist
         servers["pristine"].wait_ready()
         after_pristine = GpuMemory.used()
         servers["capture"] = Server(f"sw-{tag}-capture", model_dir, a.port + 2, a.chunk,
-                                    {"HS_CAPTURE": "1", "HS_CAPTURE_DIR": str(dump)}, extra,
+                                    {"HS_CAPTURE": "1", "HS_CAPTURE_DIR": str(dump), **res["capture_env"]}, extra,
                                     mem_fraction=a.mem_fraction, tp_size=a.tp_size)
         servers["capture"].wait_ready()
         after_capture = GpuMemory.used()

@@ -129,7 +129,8 @@ def test_sweep_phase_runs_every_depth_end_to_end_on_standins(standin_site, tmp_p
     a = argparse.Namespace(site=str(standin_site), work=str(tmp_path / "work"), dump_root=str(tmp_path / "dumps"),
                            prompts=4, tokens=40, long_prompts=1, long_tokens=150, concurrency=2, chunk=64, reps=1,
                            port=free_port_block(4) - 1, mem_fraction=0.3, tp_size=1, warmup_prompts=2,
-                           round_offset=0, sweep_layers="4,16", sweep_hidden=64, sweep_weights=False)
+                           round_offset=0, sweep_layers="4,16", sweep_hidden=64, sweep_weights=False,
+                           sweep_env="HS_CAPTURE_SLOTS=4")
     res = sweep.sweep(a, "cpu", model_for=lambda n: str(make_tiny_model_dir(tmp_path / f"model-l{n}", layers=n)))
     runs = res["runs"]
     assert list(runs) == ["4", "16"]  # 4: the shallow depth that measures the writer's ceiling
@@ -141,8 +142,27 @@ def test_sweep_phase_runs_every_depth_end_to_end_on_standins(standin_site, tmp_p
         assert all(len(r[row]["tok_s"]) == 1 for row in extract.ROWS)
         assert all(d["exit_code"] == 0 and d["samples_clean"] for d in r["driver"]["runs"])
         assert r["hook_status"]["errors"] == 0 and r["engine_GBps_of_states"] > 0
+        assert r["capture_env"] == {"HS_CAPTURE_SLOTS": "4"}
         cpu = {row: r[row]["server_cpu_s_per_GB"] for row in extract.ROWS}
         assert all(len(v) == 1 and v[0] > 0 for v in cpu.values()), cpu  # each row's server process group, /proc
     logs = sorted((tmp_path / "logs").glob("server-sw-*.log"))
     assert len(logs) == 4 and all("--load-format dummy" in p.read_text() for p in logs), "dummy weights asked for"
+    assert all("host staging (4 x " in p.read_text() for p in logs if p.name.endswith("-capture.log")), "--sweep-env"
     sweep.summarize_sweep("sweep_cpu", res)
+
+
+def test_sweep_env_refuses_what_would_change_the_measured_rate():
+    import sweep
+
+    assert sweep.capture_env(" HS_CAPTURE_SLOTS=4, HS_CAPTURE_WRITERS=12 ") == {"HS_CAPTURE_SLOTS": "4",
+                                                                               "HS_CAPTURE_WRITERS": "12"}
+    for bad in ("HS_CAPTURE_LAYERS=1,2", "HS_CAPTURE_FINAL=none", "HS_CAPTURE_DIR=/x", "SLOTS=4", "HS_CAPTURE_SLOTS"):
+        with pytest.raises(SystemExit, match="--sweep-env"):
+            sweep.capture_env(bad)
+
+
+def test_state_bytes_per_token_counts_the_planes_the_depth_captures():
+    import sweep
+
+    assert sweep.state_bytes_per_token(7168, 8) == sweep.state_bytes_per_token(7168, 61) == 71_945
+    assert sweep.state_bytes_per_token(7168, 4) == 4 * 7168 * 2 + 9 + 6 * 32  # layers 1 and 2 (2, 2, 1 deduplicated)

@@ -77,8 +77,9 @@ class Engine:
         self.hook = capture_hook.CaptureHook(cap, hidden_size=int(cfg.hidden_size), metadata=meta) \
             if capture_dir else None  # no capture dir: a pristine-behaving server (the patched forward, no hook)
         if self.hook:  # the line hook.attach logs on the writing rank (tests/gpu/tp_compare.py counts them)
-            logging.getLogger("hs_patch").info("hs_patch: capturing layers %s + final=%s into %s (rank 0 of 1)",
-                                               list(cap.layers), cap.final, cap.directory)
+            logging.getLogger("hs_patch").info("hs_patch: capturing layers %s + final=%s into %s (rank 0 of 1); "
+                                               "made at start: host staging (%d x %d tokens)", list(cap.layers),
+                                               cap.final, cap.directory, cap.slots, cap.slot_tokens)
         self.capture = cap
         if self.hook and settle_delay:  # benches: a writer that settles a pass only this much later (a slow disk)
             real_settle = self.hook.writer._settle
