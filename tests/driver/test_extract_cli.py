@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -58,3 +59,17 @@ def test_a_refused_input_creates_no_directory(tmp_path, tiny_model_dir, capsys):
         assert extract_cli.main(["drive", "--run", "r", *refused, *where]) == 1
         assert why in capsys.readouterr().err
         assert not [d for d in dirs.values() if d.exists()], "nothing is created for a run refused at the start"
+
+
+def test_snapshot_reads_the_server_unit_it_is_given_never_a_guess(tmp_path):
+    """--service defaulted to "sglang", a second copy of the role's sglang_service_name: on a host whose
+    unit is named otherwise a snapshot without it read a unit that does not exist, and said nothing."""
+    argv = [sys.executable, "-m", "hs_patch.host.extract_cli", "snapshot", "--run", "r1", "--state-dir",
+            str(tmp_path / "state"), "--samples-dir", str(tmp_path / "s"), "--capture-dir", str(tmp_path / "cap")]
+    r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "the following arguments are required: --service" in r.stderr, r.stderr
+    out = subprocess.run([*argv[:4], "--help"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "sglang_service_name (fab passes it)" in " ".join(out.split()), out
+    r = subprocess.run([*argv, "--service", "sglang-kimi"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    snap = json.loads(r.stdout)
+    assert r.returncode == 0 and snap["run"] == "r1" and snap["driver"] is None

@@ -1,6 +1,6 @@
 """One JSON snapshot of an extraction run, taken on the GPU host for the dashboard.
 
-hs-extract snapshot --run NAME --state-dir D --samples-dir S --capture-dir C
+hs-extract snapshot --run NAME --state-dir D --samples-dir S --capture-dir C --service UNIT
 prints the driver's status.json, the shipper's shipper_status.json, the hook's
 hook_status.json, the state of the run's systemd units and of the server unit, the
 filesystem usage of the dump and samples directories, per-GPU utilisation and memory
@@ -122,7 +122,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--state-dir", required=True)
     ap.add_argument("--samples-dir", required=True)
     ap.add_argument("--capture-dir", required=True)
-    ap.add_argument("--service", default="sglang", help="the SGLang server's systemd unit")
+    ap.add_argument("--service", required=True, metavar="UNIT",
+                    help="the SGLang server's systemd unit: the host's sglang_service_name (fab passes it)")
 
 
 def run_args(a: argparse.Namespace) -> int:
