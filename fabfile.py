@@ -138,7 +138,8 @@ def _say(msg: str) -> None:
                                   "with --remote-dataset (required)",
     "reassign": "with --host OTHER: OTHER finishes the shard of this (dead or removed) host of a fleet run, shipping "
                 "into its directory at the destination; nothing there is redone (moved on again once the host that "
-                "took it is dead or its job there stopped)",
+                "took it is dead or its job there stopped; --reassign HOST --host HOST: HOST, back, takes its own "
+                "shard back)",
     "remote-dataset": "--dataset is a path on the GPU host", "limit": "only the first N lines (0: all)",
     "max-tokens": f"longest sample in tokens (default {remote.MAX_SAMPLE_TOKENS}); the server's KV cache must hold "
                   "it (checked once the server runs); a run resumes only with the same value (the driver's "

@@ -5,7 +5,8 @@
 sorted by inventory name, get shards ``0/N`` .. ``N-1/N`` (``hs_patch.shard``). Every later
 ``fab extract``/``fab status`` of the run reads it, so shards never move: a host added to
 the group later gets none (fab says so), a host removed or dead keeps its shard until
-``--reassign HOST --host TARGET`` gives it to another host, recorded in the plan.
+``--reassign HOST --host TARGET`` gives it to another host, recorded in the plan (and
+``--reassign HOST --host HOST``, the host back, takes it back).
 
 **Storage**: each host ships into its own directory of the run at the destination,
 ``STORAGE_DIR/RUN/HOST/`` (its own ``samples/`` and ``manifest.jsonl``); a reassigned shard

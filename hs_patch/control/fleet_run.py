@@ -104,11 +104,14 @@ def extract(inv: Inventory, group: str | None, host: str | None, run: str, datas
     if group:
         targets = inv.group(group)
         plan, notes = fleet.plan_for(run, [t.name for t in targets])
+        notes += [take_back(plan, t.name) for t in targets if t.name in plan.reassigned]
     else:
         plan, notes = fleet.load_plan(run), []
         targets = [inv.target(host or "")]
         if plan is None or targets[0].name not in plan.shards:
             raise ConfigError(f"{host} has no shard in fleet run {run} (fleet plan {fleet.plan_path(run)})")
+        if targets[0].name in plan.reassigned:
+            raise ConfigError(take_back(plan, targets[0].name))
     for note in notes:
         say(note)
     active = [t for t in targets if t.name in plan.shards and t.name not in plan.reassigned]
@@ -123,6 +126,13 @@ def extract(inv: Inventory, group: str | None, host: str | None, run: str, datas
         say(f"watch with: {reattach}")
         return 0
     return watch(inv, plan, rows_for(plan, targets), reattach, interval=interval, dead_after=dead_after)
+
+
+def take_back(plan: Plan, host: str) -> str:
+    """Where ``host``'s reassigned shard runs, and the command that gives it back to ``host``."""
+    return (f"{host}'s shard {plan.shard(host)} runs on {plan.reassigned[host]} (fleet plan "
+            f"{fleet.plan_path(plan.run)}); to take it back: fab extract --reassign {host} --host {host} --run "
+            f"{plan.run} --dataset DATASET")
 
 
 RUNNING = ("active", "activating", "reloading")  # a driver unit in these states is extracting (or queued to)
@@ -153,7 +163,8 @@ def reassign(inv: Inventory, dead: str, host: str, run: str, dataset: str, remot
              regenerate: bool, server_timeout: int, interval: float, detach: bool, say: Callable[[str], None],
              dead_after: float = DEAD_AFTER_S, max_tokens: int = remote.MAX_SAMPLE_TOKENS) -> int:
     """``fab extract --reassign DEAD --host TARGET``: TARGET finishes DEAD's shard, shipping into
-    DEAD's directory at the destination (what is there already is never redone nor resent)."""
+    DEAD's directory at the destination (what is there already is never redone nor resent).
+    TARGET = DEAD, a host back after its shard moved: it takes its own shard back (run RUN again)."""
     plan = fleet.load_plan(run)
     if plan is None:
         raise ConfigError(f"run {run} has no fleet plan ({fleet.plan_path(run)}): --reassign moves a shard of a "
@@ -161,7 +172,8 @@ def reassign(inv: Inventory, dead: str, host: str, run: str, dataset: str, remot
     if dead not in plan.shards:
         raise ConfigError(f"{dead} has no shard in run {run} (shards: {', '.join(sorted(plan.shards))})")
     t = inv.target(host)
-    if t.name == dead:
+    back = t.name == dead and dead in plan.reassigned
+    if t.name == dead and not back:
         raise ConfigError(f"--reassign {dead} --host {host}: give another host (to resume {dead} itself: "
                           f"fab extract --host {dead} --run {run})")
     was = plan.reassigned.get(dead, t.name)
@@ -175,16 +187,21 @@ def reassign(inv: Inventory, dead: str, host: str, run: str, dataset: str, remot
             f"{t.name}" + (f"; if {was} comes back, stop it there: fab stop --host {was} --run {moved}"
                            if there.startswith(("unreachable", "not in")) else ""))
     own, _ = remote.units(run)
-    state = driver_state(t, run)
-    job = Job(fleet.reassign_run(run, dead), dataset, remote_dataset,
+    state = "" if back else driver_state(t, run)
+    job = Job(run if back else fleet.reassign_run(run, dead), dataset, remote_dataset,
               extraction.driver_args(limit, regenerate, plan.shard(dead)), max_tokens=max_tokens,
               dest=remote.destination(t, run, dead), share=plan.count, sync_first=True)
-    say(f"{t.name} takes the shard {plan.shard(dead)} of {dead} as run {job.run}, shipping into {job.dest}"
+    say((f"{dead} takes its shard {plan.shard(dead)} back as run {run}, shipping into {job.dest} (what {was} "
+         "shipped there counts as done)" if back else
+         f"{t.name} takes the shard {plan.shard(dead)} of {dead} as run {job.run}, shipping into {job.dest}")
         + (f"; queued behind {own} ({state} there: one server, one capture dir, one driver at a time): it starts "
            "when that one ends" if state in RUNNING else ""))
 
     def record() -> None:  # after OTHER's preflight passed (a refused one moves nothing), before the start:
-        plan.reassigned[dead] = t.name  # a half-started reassignment is still on record
+        if back:  # a half-started reassignment is still on record
+            del plan.reassigned[dead]
+        else:
+            plan.reassigned[dead] = t.name
         fleet.save_plan(plan)
 
     run_jobs([t], {t.name: job}, server_timeout, say, passed=record)

@@ -131,3 +131,34 @@ def test_a_shard_whose_new_host_is_gone_or_idle_can_be_reassigned_again(hosts, t
         # then gpu-c's own preflight (not provisioned here): refused, so the record stays as it was
         assert r.returncode == 1 and "preflight failed on gpu-c; nothing was started" in r.stderr, r.stderr
         assert json.loads(plan.read_text())["reassigned"] == {"gpu-a": holder}
+
+
+def test_a_host_back_takes_its_reassigned_shard_back_with_the_commands_fab_names(hosts, tmp_path):
+    """After gpu-a's shard went to gpu-b, --reassign gpu-a --host gpu-a was refused with 'fab extract --host gpu-a
+    --run R', which failed with 'no host of gpu-a has a shard of run R to run': a host back could not take its
+    own shard back without editing the plan."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3]}\n')
+    inv = inventory(tmp_path, hosts, ["gpu-a", "gpu-b"])
+    fab(tmp_path, inv, "extract", "--hosts", "--dataset", str(data), "--run", "f6")
+    # not reassigned: --reassign gpu-a --host gpu-a names fab extract --host gpu-a, which runs gpu-a's shard
+    # (refused here by preflight only: these hosts are not provisioned)
+    r = fab(tmp_path, inv, "extract", "--reassign", "gpu-a", "--host", "gpu-a", "--dataset", str(data), "--run", "f6")
+    assert "(to resume gpu-a itself: fab extract --host gpu-a --run f6)" in r.stderr, r.stderr
+    r = fab(tmp_path, inv, "extract", "--host", "gpu-a", "--dataset", str(data), "--run", "f6")
+    assert "gpu-a (run f6, shard 0/2)" in r.stdout and "preflight failed on gpu-a;" in r.stderr, r.stdout + r.stderr
+
+    plan = tmp_path / "plans" / "f6.json"  # as a reassignment to gpu-b whose preflight passed records it
+    plan.write_text(json.dumps({**json.loads(plan.read_text()), "reassigned": {"gpu-a": "gpu-b"}}))
+    back = "to take it back: fab extract --reassign gpu-a --host gpu-a --run f6 --dataset DATASET"
+    r = fab(tmp_path, inv, "extract", "--host", "gpu-a", "--dataset", str(data), "--run", "f6")
+    assert r.returncode == 1 and "gpu-a's shard 0/2 runs on gpu-b" in r.stderr and back in r.stderr, r.stderr
+    r = fab(tmp_path, inv, "extract", "--hosts", "--dataset", str(data), "--run", "f6")
+    assert back in r.stdout and "gpu-b (run f6, shard 1/2)" in r.stdout and "gpu-a (run f6" not in r.stdout, r.stdout
+    # the way back: gpu-b's driver of the shard is not running, so gpu-a's own job (run f6) after its preflight
+    r = fab(tmp_path, inv, "extract", "--reassign", "gpu-a", "--host", "gpu-a", "--dataset", str(data), "--run", "f6")
+    assert "the shard of gpu-a was given to gpu-b, whose driver of it is not running (unknown)" in r.stdout, r.stdout
+    assert "gpu-a takes its shard 0/2 back as run f6, shipping into" in r.stdout, r.stdout
+    assert "gpu-a (run f6, shard 0/2)" in r.stdout and "give another host" not in r.stderr, r.stdout + r.stderr
+    assert r.returncode == 1 and "preflight failed on gpu-a; nothing was started" in r.stderr, r.stderr
+    assert json.loads(plan.read_text())["reassigned"] == {"gpu-a": "gpu-b"}  # a refused preflight moves nothing

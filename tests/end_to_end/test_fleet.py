@@ -10,7 +10,7 @@ behind it. At the end, at storage: every sample of the dataset exactly once over
 parts, each part holding only its shard, verified, with the host and shard of each; the
 reassigned driver redid nothing that had reached storage; the dead host, back, says that
 another host shipped its samples; ``fab stop --hosts`` and ``fab ship --hosts`` reach every
-job. Then a run with a line that can never be extracted, on one host and on the fleet:
+job; the host back takes its shard back (``--reassign gpu2 --host gpu2``), redoing nothing. Then a run with a line that can never be extracted, on one host and on the fleet:
 exit 1, its last line counting it, the line before naming it.
 """
 
@@ -81,6 +81,11 @@ def status(d: Demo, host: str, run: str) -> dict:
 
 def unit_state(d: Demo, host: str, unit: str) -> str:
     return d.ssh(host, f"systemctl show -p ActiveState --value {unit}.service").stdout.strip()
+
+
+def run_starts(d: Demo, host: str) -> list[dict]:
+    out = d.ssh(host, f"cat /var/lib/hs-patch/runs/{RUN}/ledger.jsonl").stdout
+    return [e for e in map(json.loads, out.splitlines()) if e["event"] == "run_start"]
 
 
 def wait(what: str, predicate, timeout: float = 300, every: float = 1.0):
@@ -247,6 +252,24 @@ def test_three_hosts_one_dataset_a_host_dies_its_shard_is_reassigned(lab, tmp_pa
     sent = {e["key"] for e in ledger if e["event"] == "sent"}
     assert start["done_shipped"] >= 10 and 0 < len(sent) == len(mine["gpu2"]) - start["done_shipped"], \
         (start["done_shipped"], len(sent), len(mine["gpu2"]))
+
+    # gpu2 takes its shard back (its driver of it on gpu1 has ended): the plan no longer moves it, gpu2 runs it
+    # as its own run again, and what storage holds counts as done; then the resume fab names works
+    # (--reassign gpu2 --host gpu2 was refused with 'fab extract --host gpu2', which refused gpu2 as reassigned)
+    starts = len(run_starts(lab, "gpu2"))
+    out = fab(lab, plans, "extract", "--reassign", "gpu2", "--host", "gpu2", "--dataset", str(data), "--run", RUN,
+              "--detach").stdout
+    assert "the shard of gpu2 was given to gpu1, whose driver of it is not running (inactive)" in out, out
+    assert f"gpu2 takes its shard 1/3 back as run {RUN}" in out, out
+    assert json.loads((plans / f"{RUN}.json").read_text())["reassigned"] == {}
+    wait("gpu2's driver to end", lambda: len(run_starts(lab, "gpu2")) > starts
+         and unit_state(lab, "gpu2", f"hs-drive-{RUN}") == "inactive", every=2)
+    assert status(lab, "gpu2", RUN)["state"] == "finished"
+    again = run_starts(lab, "gpu2")[-1]
+    assert again["done_shipped"] == len(mine["gpu2"]), (again, len(mine["gpu2"]))  # nothing to redo
+    fab(lab, plans, "extract", "--host", "gpu2", "--dataset", str(data), "--run", RUN, "--detach")
+    st = fab(lab, plans, "status", "--hosts", "--run", RUN, "--once", check=False).stdout
+    assert "gpu2" in st and "shard of gpu2" not in st, st
 
 
 def test_a_run_with_a_line_that_cannot_be_extracted_exits_1_naming_it(lab, tmp_path):
