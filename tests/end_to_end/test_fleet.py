@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from lab.demo import STORAGE, Demo
+from lab.demo import Demo
 from lab.pty_screen import Screen
 from lab.runcheck import write_chats
 
