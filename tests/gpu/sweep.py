@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional
 from common import REC, Server, hs_patch_cli, pristine_copy
 from extract import ROWS, end_round, medians, run_row
 
+from hs_patch import store
 from hs_patch.server import fingerprint
 from hs_patch.server.config import default_layers
 
@@ -46,8 +47,8 @@ def state_bytes_per_token(hidden: int, layers: int) -> int:
     """Bytes a token of the default capture stores: its planes (the layers + both finals, bf16), the id
     and loss mask (9), and a fingerprint row per stream (each plane and each captured layer's attention
     input, BLOCKS fp32). 71,945 at Kimi's width and 8 or more layers; fewer at 4 (two layers)."""
-    n = len(default_layers(layers))
-    planes, streams = n + 2, 2 * n + 2
+    ids = default_layers(layers)
+    planes, streams = len(store.plane_names(ids, "both")), len(fingerprint.streams(ids, "both"))
     return planes * hidden * 2 + 9 + streams * fingerprint.BLOCKS * 4
 
 
@@ -185,7 +186,7 @@ def _depth(a: argparse.Namespace, model_dir: str, layers: int, index: int, prist
     kv_tokens = a.concurrency * longest + a.chunk
     cfg = json.loads(Path(model_dir, "config.json").read_text())
     hidden = int(cfg["hidden_size"])
-    planes = len(default_layers(layers)) + 2
+    planes = len(store.plane_names(default_layers(layers), "both"))
     res: dict = {"model": model_dir, "layers": layers, "hidden": hidden, "capture_layers": list(default_layers(layers)),
                  "planes": planes, "prompts": count, "capture_env": capture_env(getattr(a, "sweep_env", "")), "order": [], "memory": {}, **{r: {"tok_s": []} for r in ROWS},
                  "state_bytes_per_token": state_bytes_per_token(hidden, layers)}
