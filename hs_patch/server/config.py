@@ -26,8 +26,11 @@ ENV_DOCS = (
     ("HS_CAPTURE_FINAL", "both", "The last layer's output to store: pre (before the final norm: speculators), "
      "post (after it, what the LM head reads: SpecForge), both, or none. both: a default run feeds both "
      "trainers exactly; 5 planes = 71,945 bytes per token at hidden 7168 (ids, mask and fingerprints included)."),
-    ("HS_CAPTURE_SLOTS", "3", "Pinned host staging buffers, one prefill pass each; when all are busy the forward "
-     "pass waits for the writer (back-pressure, counted in hook_status.json)."),
+    ("HS_CAPTURE_SLOTS", "6", "Pinned host staging buffers, one prefill pass each (587 MB each at 8,192 tokens x "
+     "hidden 7168 x 5 planes); when all are busy the forward pass waits for the writer (back-pressure, counted in "
+     "hook_status.json). A pass holds one from its launch, while the scheduler runs a pass ahead, until its last "
+     "file is written: about three passes' time where the engine makes 2 GB/s of states; 6 leave room for twice "
+     "that rate."),
     ("HS_CAPTURE_SLOT_TOKENS", "--chunked-prefill-size", "Tokens one staging buffer holds; every buffer is "
      "allocated (pinned) at startup and a larger pass fails loudly. Default: the server's chunked-prefill size, "
      "the most tokens SGLang puts in one prefill pass."),
@@ -63,7 +66,7 @@ class CaptureConfig:
     directory: str = DEFAULT_DIR
     layers: tuple[int, ...] = DEFAULT_LAYERS
     final: str = "both"
-    slots: int = 3
+    slots: int = 6
     slot_tokens: int = 0  # 0: the server's --chunked-prefill-size (hook.attach)
     device_buffers: int = 2
     writers: int = 8
@@ -150,7 +153,7 @@ def from_env(env: Mapping[str, str] | None = None) -> CaptureConfig:
         directory=directory,
         layers=parse_layers(layers_raw) if layers_raw else DEFAULT_LAYERS,
         final=final,
-        slots=_int(env, "HS_CAPTURE_SLOTS", 3, 1),
+        slots=_int(env, "HS_CAPTURE_SLOTS", 6, 1),
         slot_tokens=_int(env, "HS_CAPTURE_SLOT_TOKENS", 0, 1),
         device_buffers=_int(env, "HS_CAPTURE_DEVICE_BUFFERS", 2, 1),
         writers=_int(env, "HS_CAPTURE_WRITERS", 8, 1),

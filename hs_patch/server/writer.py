@@ -37,9 +37,7 @@ and the forward path raises it at once.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import queue
 import threading
 import time
@@ -51,12 +49,12 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 from hs_patch import files, store
 from hs_patch.server.contents import Contents
 from hs_patch.server.inplace import InPlaceSample, OpenPrompt
+from hs_patch.server.status import STATUS_FILE, StatusFile  # noqa: F401 - STATUS_FILE: where readers look
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 log = logging.getLogger("hs_patch")
-STATUS_FILE = "hook_status.json"
 HEALTH_CHECK_PREFIX = "HEALTH_CHECK"  # SGLang's /health_generate probes (sglang.srt.constants)
 _ENDED = object()  # queued by a pass's last ending job: the coordinator can settle it
 
@@ -131,7 +129,8 @@ class Writer:
         self._waiting = 0  # PassRecords in the queue
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hs_patch-write")
         self._finishing: list[Future] = []
-        self._status_at = 0.0
+        self._finishing_left = 0  # chunked prompts' finishing jobs submitted and not yet ended
+        self._status = StatusFile(self.directory, self._status_doc)
         self._closed = False
         self._stats_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="hs_patch-writer", daemon=True)
@@ -192,7 +191,7 @@ class Writer:
                 self._inflight.append(self._start(item))
             while self._inflight and self._inflight[0].ended:
                 self._settle(self._inflight.popleft())
-            self._write_status()
+            self._write_status(force=self._idle())
 
     def _start(self, rec: PassRecord) -> _InFlight:
         """Wait for the pass's copies, split it and submit its writes (nothing after a failure)."""
@@ -235,6 +234,8 @@ class Writer:
                 self._fail(e)
         if self.error is None:
             for part in p.finish:  # chunked prompts complete: small tensors, header, one hashing read
+                with self._stats_lock:
+                    self._finishing_left += 1
                 self._finishing.append(self._pool.submit(self._finish, part))
             self._finishing = [f for f in self._finishing if not f.done()]
             for part in p.lost:
@@ -336,6 +337,11 @@ class Writer:
         except BaseException as e:  # noqa: BLE001 - the next pass raises it on the forward path
             part.sample.abandon()
             self._fail(e)
+        finally:
+            with self._stats_lock:
+                self._finishing_left -= 1
+            if self._idle():
+                self._write_status(force=True)
 
     def _publish(self, w: store.Written, extra: dict[str, Any]) -> bool:
         """Move the sample into place and list it; False if the same tokens' sample was already there."""
@@ -383,19 +389,21 @@ class Writer:
         store.log_error(self.directory, {"error": "chunk_lost", "rid": opened.rid, "end": opened.end,
                                          "tokens": opened.sample.tokens, "why": why})
 
+    def _idle(self) -> bool:
+        """Nothing queued, in flight or finishing: every pass so far is settled and its samples published."""
+        with self._stats_lock:
+            return not self._waiting and not self._inflight and not self._finishing_left
+
     def _write_status(self, force: bool = False) -> None:
-        now = time.time()
-        if not force and now - self._status_at < 2.0:
-            return
-        self._status_at = now
+        """hook_status.json: at most every 2 s while passes come, and at once when the writer is idle
+        (its last pass settled, its last chunked prompt finished), so a reader between bursts (fab status,
+        the GPU sweep's per-row waits) never sees a count from the middle of the last one."""
+        self._status.write(force)
+
+    def _status_doc(self) -> dict[str, Any]:
         st = self.stats
-        doc = {"pid": os.getpid(), "time": now, "directory": str(self.directory), "passes": st.passes,
-               "samples": st.samples, "tokens": st.tokens, "bytes": st.bytes, "merged": st.merged,
-               "skipped": st.skipped, "errors": st.errors, "with_intent": st.with_intent,
-               "duplicates": st.duplicates,
-               "skip_rid_prefix": self.skip_rid_prefix, "queued": self.pending(),
-               "error": None if self.error is None else str(self.error), **self.extra_status()}
-        try:
-            store.write_text_atomic(self.directory / STATUS_FILE, json.dumps(doc, sort_keys=True))
-        except OSError as e:  # a status file must never stop capture
-            log.warning("hs_patch: cannot write %s: %s", STATUS_FILE, e)
+        return {"directory": str(self.directory), "passes": st.passes, "samples": st.samples, "tokens": st.tokens,
+                "bytes": st.bytes, "merged": st.merged, "skipped": st.skipped, "errors": st.errors,
+                "with_intent": st.with_intent, "duplicates": st.duplicates, "skip_rid_prefix": self.skip_rid_prefix,
+                "queued": self.pending(), "error": None if self.error is None else str(self.error),
+                **self.extra_status()}

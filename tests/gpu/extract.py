@@ -137,9 +137,13 @@ def run_row(a: argparse.Namespace, row: str, servers: dict[str, Server], model_d
     if row == "pristine":
         return _plain(servers["pristine"], prompts, a.concurrency, f"{tag}-{rnd}-p")
     t = time.perf_counter()
-    _plain(servers["capture"], prompts, a.concurrency, f"{tag}-{rnd}-c")
+    responses = _plain(servers["capture"], prompts, a.concurrency, f"{tag}-{rnd}-c")
     wait_for_samples(dump, {store.sample_key(p) for p in prompts}, timeout=600)
     seconds = time.perf_counter() - t
+    # what the writer still had to do once the last response came (its latency, or a backlog if it grows
+    # with the round's length)
+    if rnd:
+        res["capture"].setdefault("tail_s", []).append(round(seconds - responses, 3))
     for f in dump.glob("*.safetensors"):  # keep /dev/shm small between rows
         f.unlink()
     return seconds

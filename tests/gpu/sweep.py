@@ -32,6 +32,7 @@ import random
 import shutil
 import statistics
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -221,8 +222,12 @@ def _depth(a: argparse.Namespace, model_dir: str, layers: int, index: int, prist
             secs: dict[str, float] = {}
             for row in order:
                 server = servers["pristine" if row == "pristine" else "capture"]
+                hook = hook_counts(dump) if row != "pristine" else None
                 with GpuMemory() as mem, GroupCpu(server.proc.pid) as cpu:
                     secs[row] = run_row(a, row, servers, model_dir, dump, prompts, rnd, tag, res, drive_extra)
+                if rnd and hook is not None:
+                    waits = hook_waits_since(dump, hook, len(prompts))
+                    res[row].setdefault("hook_waits", []).append(waits)
                 if rnd and cpu.seconds is not None:
                     res[row].setdefault("server_cpu_s_per_GB", []).append(
                         round(cpu.seconds / (total * res["state_bytes_per_token"] / 1e9), 3))
@@ -241,12 +246,34 @@ def _depth(a: argparse.Namespace, model_dir: str, layers: int, index: int, prist
     return res
 
 
+def hook_counts(dump: Path) -> dict:
+    """The capturing server's hook counters now (``hook_status.json``: current whenever its writer is idle)."""
+    try:
+        doc = json.loads((dump / "hook_status.json").read_text())
+    except (OSError, ValueError):
+        return {"samples": 0, "waits": 0, "wait_seconds": 0.0}
+    return {k: doc.get(k, 0) for k in ("samples", "waits", "wait_seconds")}
+
+
+def hook_waits_since(dump: Path, before: dict, samples: int, timeout: float = 10.0) -> dict:
+    """The hook's waits for a staging slot during one row: its counters once the row's ``samples`` are
+    written (the writer rewrites its status when idle), minus ``before``."""
+    deadline = time.monotonic() + timeout
+    now = hook_counts(dump)
+    while now["samples"] < before["samples"] + samples and time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = hook_counts(dump)
+    return {"waits": now["waits"] - before["waits"],
+            "seconds": round(now["wait_seconds"] - before["wait_seconds"], 3),
+            "complete": now["samples"] >= before["samples"] + samples}
+
+
 def summarize_sweep(k: str, f: dict) -> None:
     print(f"\n{k}: {f['prompts']} prompts a round at 8 layers (x 8/depth at deeper ones) x {f['tokens']} tokens "
           f"({f['long_prompts']} of {f['long_tokens']}), concurrency {f['concurrency']}, chunk "
           f"{f['chunked_prefill_size']}, {f['rounds']} round(s) a depth, dummy weights {f['dummy_weights']}")
     print(f"  {'layers':>6}{'GB/s states':>12}{'pristine':>10}{'capture':>10}{'driver':>10}{'capt/pr':>9}{'drv/pr':>8}"
-          f"{'waits':>7}{'CPU s/GB':>10}  GPU memory (MB): held at start pristine/capture, growth under load "
+          f"{'waits c/d':>11}{'tail s':>8}{'CPU s/GB':>10}  GPU memory (MB): held at start pristine/capture, growth under load "
           "pristine/capture")
     for layers, r in f["runs"].items():
         if "ratios" not in r:
@@ -258,7 +285,17 @@ def summarize_sweep(k: str, f: dict) -> None:
         print(f"  {layers:>6}{r['engine_GBps_of_states']:12.2f}{r['pristine']['median_tok_s']:10.0f}"
               f"{r['capture']['median_tok_s']:10.0f}{r['driver']['median_tok_s']:10.0f}"
               f"{r['ratios']['capture/pristine']:9.3f}{r['ratios']['driver/pristine']:8.3f}"
-              f"{str((r.get('hook_status') or {}).get('waits')):>7}{_writer_cpu(r):>10}  {mb}")
+              f"{_row_waits(r):>11}{_median(r['capture'].get('tail_s')):>8}{_writer_cpu(r):>10}  {mb}")
+
+
+def _median(xs: Optional[list]) -> str:
+    return f"{statistics.median(xs):.2f}" if xs else "-"
+
+
+def _row_waits(r: dict) -> str:
+    """The hook's waits for a staging slot in the measured rounds: capture row / driver row (totals)."""
+    got = [r.get(row, {}).get("hook_waits") for row in ("capture", "driver")]
+    return "/".join("-" if not g else str(sum(x["waits"] for x in g)) for g in got)
 
 
 def _writer_cpu(r: dict) -> str:

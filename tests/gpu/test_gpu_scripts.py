@@ -143,6 +143,9 @@ def test_sweep_phase_runs_every_depth_end_to_end_on_standins(standin_site, tmp_p
         assert all(d["exit_code"] == 0 and d["samples_clean"] for d in r["driver"]["runs"])
         assert r["hook_status"]["errors"] == 0 and r["engine_GBps_of_states"] > 0
         assert r["capture_env"] == {"HS_CAPTURE_SLOTS": "4"}
+        waits = [r[row]["hook_waits"] for row in ("capture", "driver")]  # each row's own, once its samples are in
+        assert all(len(w) == 1 and w[0]["complete"] and w[0]["waits"] >= 0 for w in waits), waits
+        assert len(r["capture"]["tail_s"]) == 1 and r["capture"]["tail_s"][0] >= 0
         cpu = {row: r[row]["server_cpu_s_per_GB"] for row in extract.ROWS}
         assert all(len(v) == 1 and v[0] > 0 for v in cpu.values()), cpu  # each row's server process group, /proc
     logs = sorted((tmp_path / "logs").glob("server-sw-*.log"))

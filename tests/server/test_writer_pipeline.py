@@ -12,6 +12,7 @@ another file).
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -169,3 +170,21 @@ def test_chunks_of_one_prompt_written_by_many_threads_at_once_are_all_counted(tm
             list(pool.map(lambda r: [s.put(k, r, store.raw_bytes("x", row)) for k in range(len(PLANES))], range(256)))
             assert s.written == len(PLANES) * 256 * H * 2
             s.abandon()
+
+
+def test_the_status_file_is_current_as_soon_as_the_writer_is_idle(tmp_path):
+    """hook_status.json was rewritten at most every 2 s, and only when a pass came: after a burst it kept
+    a count from the middle of it until the next request (fab status, the GPU sweep's per-row waits read
+    it). Now the writer rewrites it when its last pass settled and its last chunked prompt is finished."""
+    w = Writer(str(tmp_path), PLANES, META, workers=2)
+    status = tmp_path / "hook_status.json"
+    w.submit(record([1, 2], [2], [0], [2], ["a"]))
+    w.submit(record([11, 12, 13], [3], [0], [5], ["x"]))   # a chunked prompt: finished after its last pass
+    w.submit(record([14, 15], [2], [3], [5], ["x"]))
+
+    def current() -> bool:
+        doc = json.loads(status.read_text())
+        return doc["samples"] == 2 and doc["merged"] == 1 and doc["queued"] == 0 and doc["passes"] == 3
+
+    until(current, "hook_status.json to show every sample written, with the writer idle", seconds=1.5)
+    w.close()
