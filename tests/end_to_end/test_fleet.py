@@ -130,7 +130,7 @@ def test_three_hosts_one_dataset_a_host_dies_its_shard_is_reassigned(lab, tmp_pa
     from hs_patch import reader, shard, store
 
     data = tmp_path / "chats.jsonl"
-    expected = set(write_chats(data, 600, words=24))
+    expected = set(write_chats(data, 300, words=24))
     plans = tmp_path / "plans"
     extract = screen(lab, plans, "extract", "--hosts", "--dataset", str(data), "--run", RUN, "--interval", "1",
                      "--dead-after", str(DEAD_AFTER))
