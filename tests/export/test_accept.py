@@ -238,9 +238,13 @@ def test_ctrl_c_stops_at_once_with_requests_in_flight(servers, tiny_model_dir, h
     slow = _Front(servers["good"].url, lambda n, body: (time.sleep(60), (503, b"{}"))[1])
     try:
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+        # Ctrl-C's default for the child, however the suite was started: a shell without job control (CI's
+        # `.ci/run &`, setsid) starts its background commands with SIGINT ignored, which children inherit
+        # and Python then leaves ignored (the test timed out there; a `timeout` wrapper had hidden it)
         p = subprocess.Popen([sys.executable, "-m", "hs_patch.host.extract_cli", "accept", "--server", slow.url,
                               "--data", str(heldout), "--model", str(tiny_model_dir), "--out", str(tmp_path / "r.json")],
-                             env=env, stderr=subprocess.PIPE, text=True)
+                             env=env, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         assert slow.posted.wait(60), "no request reached the server"
         t0 = time.monotonic()
         p.send_signal(signal.SIGINT)

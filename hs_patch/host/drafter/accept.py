@@ -273,22 +273,11 @@ def _map(fn: Callable[[int], Conversation], total: int, concurrency: int,
     for _ in range(min(max(1, concurrency), total)):
         threading.Thread(target=worker, daemon=True, name="accept").start()
     for done in range(1, total + 1):
-        k = _next(finished)
+        k = finished.get()
         if isinstance(results[k], BaseException):
             raise results[k]
         progress(done, total)
     return results
-
-
-def _next(finished: "queue.Queue[int]") -> int:
-    """The next finished index, waking every 0.2 s: Linux may hand Ctrl-C's signal to a worker thread,
-    and a main thread blocked without a timeout would then run Python's handler only when the next
-    conversation ends (up to --timeout later; once a CI run waited 30 s and failed)."""
-    while True:
-        try:
-            return finished.get(timeout=0.2)
-        except queue.Empty:
-            continue
 
 
 def run_args(a: argparse.Namespace) -> int:
