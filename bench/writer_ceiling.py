@@ -19,12 +19,16 @@ and not CPU contention. ``--hold python`` spins in bytecode (a core's worth of C
 
 The engine offers ``--rate`` GB/s of states (0: as fast as the writer takes them: the ceiling).
 Reported: GB/s of states from the first pass to the last manifest line (capture until written),
-the engine's offered rate, their ratio, the forward's waits for a staging slot, and the process's
-CPU seconds per GB (the writer's threads; the ctypes scheduler uses next to none).
+the engine's offered rate, their ratio, the forward's waits for a staging slot, the process's
+CPU seconds per GB (the writer's threads; the ctypes scheduler uses next to none), and the **tail**:
+seconds from the last pass handed over to the last sample written (the writer's latency at the end of
+a burst, what the GPU sweep's 10-s rounds see; ``--whole K`` puts K whole requests of ``--tokens``
+beside each chunk, as SGLang's passes mix a prompt's last chunk with short requests).
 
     python3 bench/writer_ceiling.py                                 # 1 request of 8192 tokens a pass
     python3 bench/writer_ceiling.py --gil 0,0.5,0.9 --rate 0 --writers 4,8
     python3 bench/writer_ceiling.py --chunks 4                      # prompts of 4 passes (written in place)
+    python3 bench/writer_ceiling.py --chunks 2 --whole 2 --tokens 3072  # + 2 whole requests a pass: the tail
     python3 bench/writer_ceiling.py --code /path/to/other/checkout  # the writer of another checkout
 """
 
@@ -100,29 +104,32 @@ def run(a: argparse.Namespace, directory: Path, writers: int, gil: float) -> dic
     writer = Writer(directory, planes, meta, workers=writers)
     free: "queue.Queue[Slot]" = queue.Queue()
     g = torch.Generator().manual_seed(0)
+    rows = a.tokens * (1 + a.whole)  # a pass: one prompt's chunk + ``--whole`` requests
     for _ in range(a.slots):
-        slot = Slot(a.tokens, len(planes), len(streams), a.hidden, 2, False)
+        slot = Slot(rows, len(planes), len(streams), a.hidden, 2, False)
         for k in range(len(planes)):  # what the DMA engine would have put there
-            slot.plane(k, torch.empty(0, a.hidden, dtype=torch.bfloat16), a.tokens).copy_(
-                torch.randn(a.tokens, a.hidden, generator=g))
+            slot.plane(k, torch.empty(0, a.hidden, dtype=torch.bfloat16), rows).copy_(
+                torch.randn(rows, a.hidden, generator=g))
         slot.fp.fill_(1.0)
         free.put(slot)
-    state_bytes = a.tokens * a.hidden * 2 * len(planes)  # a pass's states
+    state_bytes = rows * a.hidden * 2 * len(planes)  # a pass's states
     pass_s = state_bytes / (a.rate * 1e9) if a.rate else 0.0
     like = torch.empty(0, a.hidden, dtype=torch.bfloat16)
     with Scheduler(a.hold, gil):
         cpu0, t0 = time.process_time(), time.perf_counter()
         engine_s, waits, wait_s = feed(a, writer, free, like, planes, pass_s)
+        handed = time.perf_counter()
         writer.close(timeout=3600)
         wall = time.perf_counter() - t0
+        tail = time.perf_counter() - handed
         cpu = time.process_time() - cpu0
     entries = store.read_manifest(directory)
-    prompts = a.passes // a.chunks
-    assert len(entries) == prompts and writer.error is None, (len(entries), prompts, writer.error)
+    samples = a.passes // a.chunks + a.passes * a.whole
+    assert len(entries) == samples and writer.error is None, (len(entries), samples, writer.error)
     gb = a.passes * state_bytes / 1e9
     return {"writers": writers, "gil_fraction": gil, "rate_offered_GBps": a.rate or None,
             "GBps_written": round(gb / wall, 3), "ratio_to_offered": round(gb / wall / a.rate, 3) if a.rate else None,
-            "engine_s": round(engine_s, 2), "wall_s": round(wall, 2), "waits": waits, "wait_s": round(wait_s, 2),
+            "engine_s": round(engine_s, 2), "wall_s": round(wall, 2), "tail_s": round(tail, 3), "waits": waits, "wait_s": round(wait_s, 2),
             "cpu_s_per_GB": round(cpu / gb, 3)}
 
 
@@ -145,13 +152,16 @@ def feed(a: argparse.Namespace, writer: Any, free: queue.Queue, like: Any, plane
             slot = free.get()
             waits, wait_s = waits + 1, wait_s + time.perf_counter() - w
         prompt, part = divmod(n, a.chunks)
-        full = a.tokens * a.chunks
-        slot.ids[: a.tokens].copy_(torch.arange(part * a.tokens, (part + 1) * a.tokens) + prompt * 10_000_000)
-        slot.lens[0] = full
+        full, rows, t = a.tokens * a.chunks, a.tokens * (1 + a.whole), a.tokens
+        slot.ids[:t].copy_(torch.arange(part * t, (part + 1) * t) + prompt * 10_000_000)
+        for w in range(a.whole):  # whole requests, ids of their own
+            slot.ids[t * (w + 1): t * (w + 2)].copy_(torch.arange(t) + (n * a.whole + w + 1) * 1_000_000_000)
+        slot.lens[: 1 + a.whole] = torch.tensor([full] + [t] * a.whole, dtype=torch.int32)
         writer.submit(PassRecord(
-            ids=slot.ids[: a.tokens], planes=[slot.plane(k, like, a.tokens) for k in range(len(planes))],
-            seq_lens=[a.tokens], prefix_lens=[part * a.tokens], full_lens=slot.lens[:1], rids=[f"r{prompt}"],
-            release=lambda s=slot: free.put(s), fingerprints=slot.fp[:, : a.tokens]))
+            ids=slot.ids[:rows], planes=[slot.plane(k, like, rows) for k in range(len(planes))],
+            seq_lens=[t] * (1 + a.whole), prefix_lens=[part * t] + [0] * a.whole, full_lens=slot.lens[: 1 + a.whole],
+            rids=[f"r{prompt}"] + [f"w{n}-{w}" for w in range(a.whole)],
+            release=lambda s=slot: free.put(s), fingerprints=slot.fp[:, :rows]))
     return time.perf_counter() - t0, waits, wait_s
 
 
@@ -159,6 +169,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=8192, help="tokens a pass (one request a pass)")
     ap.add_argument("--chunks", type=int, default=1, help="passes a prompt (>1: written in place, chunk by chunk)")
+    ap.add_argument("--whole", type=int, default=0, help="whole requests of --tokens beside each pass's chunk")
     ap.add_argument("--planes", type=int, default=5, help="captured planes (layers + final.pre_norm)")
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--passes", type=int, default=16)
@@ -188,20 +199,21 @@ def main() -> int:
             rows[(w, g)].append(run(a, root / "cap", w, g))
             print(json.dumps(rows[(w, g)][-1]), flush=True)
     shutil.rmtree(root, ignore_errors=True)
-    out = {"shape": {k: getattr(a, k) for k in ("tokens", "chunks", "planes", "hidden", "passes", "slots", "rate",
+    out = {"shape": {k: getattr(a, k) for k in ("tokens", "chunks", "whole", "planes", "hidden", "passes", "slots", "rate",
                                                  "hold", "reps", "dir")},
            "code": a.code or str(ROOT), "cpus": os.cpu_count(), "load": os.getloadavg(), "runs": [
                {"writers": w, "gil_fraction": g, "median_GBps_written": statistics.median(r["GBps_written"] for r in rs),
                 "median_cpu_s_per_GB": statistics.median(r["cpu_s_per_GB"] for r in rs),
+                "median_tail_s": statistics.median(r["tail_s"] for r in rs),
                 "waits": [r["waits"] for r in rs], "runs": rs} for (w, g), rs in rows.items()]}
     print(f"{a.passes} passes of {a.tokens} tokens x {a.planes} planes x {a.hidden} bf16 "
-          f"({a.tokens * a.hidden * 2 * a.planes / 1e9:.2f} GB a pass), prompts of {a.chunks} pass(es), {a.slots} "
-          f"slots, engine offering {a.rate or 'unlimited'} GB/s, scheduler holding the GIL by {a.hold}; "
+          f"({a.tokens * (1 + a.whole) * a.hidden * 2 * a.planes / 1e9:.2f} GB a pass), prompts of {a.chunks} "
+          f"pass(es) + {a.whole} whole request(s) a pass, {a.slots} slots, engine offering {a.rate or 'unlimited'} GB/s, scheduler holding the GIL by {a.hold}; "
           f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; code {out['code']}")
-    print(f"{'writers':>8}{'GIL held':>10}{'GB/s written':>14}{'CPU s/GB':>10}  waits")
+    print(f"{'writers':>8}{'GIL held':>10}{'GB/s written':>14}{'CPU s/GB':>10}{'tail s':>8}  waits")
     for r in out["runs"]:
         print(f"{r['writers']:8}{r['gil_fraction']:10.2f}{r['median_GBps_written']:14.2f}"
-              f"{r['median_cpu_s_per_GB']:10.2f}  {r['waits']}")
+              f"{r['median_cpu_s_per_GB']:10.2f}{r['median_tail_s']:8.2f}  {r['waits']}")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
     return 0

@@ -8,6 +8,7 @@ the last one finishes it. The format itself is :mod:`hs_patch.store`'s.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ from hs_patch.files import PRIVATE, file_sha256, pwrite_all
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+
+log = logging.getLogger("hs_patch")
 
 
 class InPlaceSample:
@@ -116,3 +119,25 @@ class OpenPrompt:
     dtype: str
     starts: list[int] = field(default_factory=lambda: [0])  # where each part began
     fingerprints: list["torch.Tensor"] = field(default_factory=list)  # each part's rows [n, S, BLOCKS]
+    writes: list[Any] = field(default_factory=list)  # the writer's jobs writing its earlier parts (futures)
+
+
+def report_partial_prefill(directory: Any, rid: Optional[str], prefix: int, n: int, ids: "torch.Tensor",
+                           opened: Optional[OpenPrompt]) -> None:
+    """A request whose first ``prefix`` tokens were not computed in this pass and that continues no open
+    prompt: never written; logged and recorded in ``errors.jsonl``."""
+    why = ("its first tokens were not computed in this pass (radix-cache prefix hit?) and it "
+           "continues no open chunked request; start the server with --disable-radix-cache")
+    log.error("hs_patch: request rid=%s starts at token %d: %s. Not written.", rid, prefix, why)
+    store.log_error(directory, {
+        "error": "partial_prefill", "rid": rid, "prefix": int(prefix), "tokens": int(n),
+        "part_key": store.sample_key(ids), "open": None if opened is None else
+        {"end": opened.end, "tokens": opened.sample.tokens, "rid": opened.rid}, "why": why})
+
+
+def report_lost(directory: Any, opened: OpenPrompt) -> None:
+    """An open prompt whose next part did not come in the next pass: logged and recorded; its file goes."""
+    why = "a chunked prompt's next part did not come in the next prefill pass; its partial file is removed"
+    log.error("hs_patch: rid=%s after %d of %d tokens: %s", opened.rid, opened.end, opened.sample.tokens, why)
+    store.log_error(directory, {"error": "chunk_lost", "rid": opened.rid, "end": opened.end,
+                                "tokens": opened.sample.tokens, "why": why})

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from hs_patch.server import fingerprint
-from hs_patch.server.writer import PassRecord
+from hs_patch.server.records import PassRecord
 
 if TYPE_CHECKING:  # pragma: no cover
     from hs_patch.server.hook import CaptureHook

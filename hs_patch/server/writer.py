@@ -19,8 +19,10 @@ batch), so:
 - the first part of a longer prompt (chunked prefill) opens an :class:`~hs_patch.server.inplace.InPlaceSample`
   laid out for the whole prompt; every later part (``extend_prefix_len > 0``, the same
   request id where the release has them, starting where the open one ends) writes its
-  rows at their final offsets; the last part finishes the file (small tensors, header,
-  one hashing read). No chunk is ever read back or rewritten;
+  rows at their final offsets; the job that writes the last part then finishes the file
+  (small tensors, header, one hashing read), once the earlier parts' writes have ended, with
+  the staging buffer already given back and beside the pass's other writes; the sample is
+  published when that pass settles. No chunk is ever read back or rewritten;
 - a part with a prefix that continues nothing (a radix-cache hit, a lost chunk) is never
   written as if it were complete: it goes to ``errors.jsonl`` and the log.
 
@@ -40,7 +42,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -48,7 +49,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from hs_patch import files, store
 from hs_patch.server.contents import Contents
+from hs_patch.server import inplace
 from hs_patch.server.inplace import InPlaceSample, OpenPrompt
+from hs_patch.server.records import PassRecord, WriterStats
 from hs_patch.server.status import STATUS_FILE, StatusFile  # noqa: F401 - STATUS_FILE: where readers look
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -65,47 +68,18 @@ def skipped(rid: Optional[str], prefix: str) -> bool:
 
 
 @dataclass
-class PassRecord:
-    """One prefill pass on host memory, as the hook hands it over."""
-
-    ids: "torch.Tensor"                 # int64 [T], CPU
-    planes: Sequence["torch.Tensor"]    # [T, H] each, CPU, in plane order
-    seq_lens: Sequence[int]
-    prefix_lens: Sequence[int]
-    full_lens: Sequence[int]            # each request's whole prompt length (SGLang's orig_seq_lens)
-    rids: Optional[Sequence[str]] = None
-    wait: Optional[Callable[[], None]] = None     # blocks until the copies have landed
-    release: Optional[Callable[[], None]] = None  # gives the staging buffer back
-    fingerprints: Optional["torch.Tensor"] = None  # F32 [streams, T, BLOCKS] (hs_patch.server.fingerprint)
-
-
-@dataclass
 class _InFlight:
     """A pass whose writes were handed to the pool; settled in pass order once they all ended."""
 
     rec: PassRecord
     jobs: list[Future] = field(default_factory=list)
-    finish: list[OpenPrompt] = field(default_factory=list)  # chunked prompts this pass completes
     touched: list[OpenPrompt] = field(default_factory=list)  # partial files this pass writes into
     lost: list[OpenPrompt] = field(default_factory=list)  # open prompts it did not continue
     failure: Optional[BaseException] = None
     ended: bool = False
     left: int = 1  # jobs not yet ended, plus one for the planning
+    reading: int = 1  # jobs that still read the staging buffer, plus one for the planning
     lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-@dataclass
-class WriterStats:
-    passes: int = 0
-    samples: int = 0
-    tokens: int = 0
-    bytes: int = 0
-    merged: int = 0
-    skipped: int = 0
-    errors: int = 0
-    with_intent: int = 0
-    duplicates: int = 0
-    started: float = field(default_factory=time.time)
 
 
 class Writer:
@@ -128,8 +102,6 @@ class Writer:
         self._queue: "queue.Queue[Any]" = queue.Queue()  # PassRecords, _ENDED markers, None (close)
         self._waiting = 0  # PassRecords in the queue
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hs_patch-write")
-        self._finishing: list[Future] = []
-        self._finishing_left = 0  # chunked prompts' finishing jobs submitted and not yet ended
         self._status = StatusFile(self.directory, self._status_doc)
         self._closed = False
         self._stats_lock = threading.Lock()
@@ -206,17 +178,26 @@ class Writer:
         p.left += len(p.jobs)
         for job in p.jobs:
             job.add_done_callback(lambda _: self._ended(p))
-        self._ended(p)  # the planning's share
+        self._read(p)  # the planning's share
+        self._ended(p)
         return p
 
+    def _read(self, p: _InFlight) -> None:
+        """One job of ``p`` no longer reads its staging buffer (any thread); the last gives the buffer back.
+        A job that finishes a chunked prompt says so after its rows are written, before it hashes the file."""
+        with p.lock:
+            p.reading -= 1
+            if p.reading:
+                return
+        if p.rec.release is not None:
+            p.rec.release()
+
     def _ended(self, p: _InFlight) -> None:
-        """One job of ``p`` ended (any thread); the last one gives the buffer back and wakes the coordinator."""
+        """One job of ``p`` ended (any thread); the last one wakes the coordinator to settle it."""
         with p.lock:
             p.left -= 1
             if p.left:
                 return
-        if p.rec.release is not None:  # no job reads the staging buffer any more
-            p.rec.release()
         p.ended = True
         self._queue.put(_ENDED)
 
@@ -229,15 +210,12 @@ class Writer:
         if self.error is None:
             try:
                 for w, extra in written:
-                    self._publish(w, extra)
+                    if self._publish(w, extra) and extra["parts"] > 1:
+                        with self._stats_lock:
+                            self.stats.merged += 1
             except BaseException as e:  # noqa: BLE001 - reported to the forward path, then raised there
                 self._fail(e)
         if self.error is None:
-            for part in p.finish:  # chunked prompts complete: small tensors, header, one hashing read
-                with self._stats_lock:
-                    self._finishing_left += 1
-                self._finishing.append(self._pool.submit(self._finish, part))
-            self._finishing = [f for f in self._finishing if not f.done()]
             for part in p.lost:
                 part.sample.abandon()
             with self._stats_lock:
@@ -274,7 +252,7 @@ class Writer:
         fps = rec.fingerprints
         if (fps is not None) != self.contents.fingerprinted:
             raise RuntimeError("a pass's fingerprints and the writer's metadata disagree (internal error)")
-        jobs, finish, touched = p.jobs, p.finish, p.touched
+        touched = p.touched
         opened, self._open = self._open, None
         if opened is not None:
             touched.append(opened)  # if this pass fails, the open prompt goes with it
@@ -292,7 +270,7 @@ class Writer:
             slices = [p[s:e] for p in rec.planes]
             fp = None if fps is None else fps[:, s:e].permute(1, 0, 2)  # [n, streams, BLOCKS]
             if prefix == 0 and n == full:
-                jobs.append(self._pool.submit(self.contents.write_whole, ids, slices, rid, fp))
+                self._submit(p, self._reading, p, self.contents.write_whole, ids, slices, rid, fp)
                 continue
             if prefix == 0:
                 part = self.contents.start_open(ids, full, rid, slices[0])
@@ -302,7 +280,8 @@ class Writer:
                 part.parts += 1
                 part.starts.append(prefix)
             else:
-                self._reject(rid, prefix, n, ids, opened)
+                self._error()
+                inplace.report_partial_prefill(self.directory, rid, prefix, n, ids, opened)
                 continue
             touched.append(part)
             part.hasher.update(store.ids_bytes(ids))
@@ -311,37 +290,52 @@ class Writer:
                 # a copy (never a view: with one-row staging buffers the rows are contiguous already and
                 # .contiguous() would alias the buffer the next pass overwrites)
                 part.fingerprints.append(fp.clone() if fp.is_contiguous() else fp.contiguous())
-            jobs.append(self._pool.submit(self._put, part.sample, prefix, slices))
             part.end = prefix + n
-            if part.end == full:
-                finish.append(part)
-            elif self._open is not None:
+            if part.end == full:  # its last chunk: written, then the file finished in the same job
+                self._submit(p, self._put_and_finish, p, part, prefix, slices, list(part.writes))
+                continue
+            part.writes.append(self._submit(p, self._reading, p, self._put, part.sample, prefix, slices))
+            if self._open is not None:
                 raise RuntimeError("two prompts of one pass are cut by chunked prefill; SGLang keeps at most one "
                                    "(--enable-deterministic-inference aligns cuts otherwise: it is refused)")
-            else:
-                self._open = part
+            self._open = part
         if opened is not None:  # the open prompt did not continue in this pass: its next chunk is lost
             p.lost.append(opened)  # removed when this pass settles: an earlier pass may still write into it
-            self._lost(opened)
+            self._error()
+            inplace.report_lost(self.directory, opened)
 
     # ------------------------------------------------------------------ jobs
     def _put(self, sample: InPlaceSample, start: int, slices: list["torch.Tensor"]) -> None:
         self.contents.put(sample, start, slices)
 
-    def _finish(self, part: OpenPrompt) -> None:
+    def _submit(self, p: _InFlight, fn: Callable[..., Any], *args: Any) -> Future:
+        """A job of pass ``p`` that reads its staging buffer (counted before it can end)."""
+        with p.lock:
+            p.reading += 1
+        job = self._pool.submit(fn, *args)
+        p.jobs.append(job)
+        return job
+
+    def _reading(self, p: _InFlight, fn: Callable[..., Any], *args: Any) -> Any:
         try:
-            w, extra = self.contents.complete(part)
-            if self._publish(w, extra):
-                with self._stats_lock:
-                    self.stats.merged += 1
-        except BaseException as e:  # noqa: BLE001 - the next pass raises it on the forward path
-            part.sample.abandon()
-            self._fail(e)
+            return fn(*args)
         finally:
-            with self._stats_lock:
-                self._finishing_left -= 1
-            if self._idle():
-                self._write_status(force=True)
+            self._read(p)
+
+    def _put_and_finish(self, p: _InFlight, part: OpenPrompt, start: int, slices: list["torch.Tensor"],
+                        earlier: list[Future]) -> tuple[store.Written, dict[str, Any]]:
+        """A chunked prompt's last chunk: its rows written (the staging buffer is free of this job then), its
+        earlier chunks' writes ended (jobs submitted before this one: running or done, never waiting for a
+        thread), then the small tensors, the header and one hashing read, as one of its pass's jobs: the
+        sample is published when the pass settles, and its finishing overlaps the pass's other writes
+        instead of starting after them (the writer's latency at the end of a burst: issue #22)."""
+        try:
+            self._put(part.sample, start, slices)
+        finally:
+            self._read(p)
+        for job in earlier:
+            job.result()  # an earlier chunk's failure fails its own pass first; re-raised here, never lost
+        return self.contents.complete(part)
 
     def _publish(self, w: store.Written, extra: dict[str, Any]) -> bool:
         """Move the sample into place and list it; False if the same tokens' sample was already there."""
@@ -369,30 +363,14 @@ class Writer:
         return True
 
     # ------------------------------------------------------------------ errors and status
-    def _reject(self, rid: Optional[str], prefix: int, n: int, ids: "torch.Tensor",
-                opened: Optional[OpenPrompt]) -> None:
+    def _error(self) -> None:
         with self._stats_lock:
             self.stats.errors += 1
-        why = ("its first tokens were not computed in this pass (radix-cache prefix hit?) and it "
-               "continues no open chunked request; start the server with --disable-radix-cache")
-        log.error("hs_patch: request rid=%s starts at token %d: %s. Not written.", rid, prefix, why)
-        store.log_error(self.directory, {
-            "error": "partial_prefill", "rid": rid, "prefix": int(prefix), "tokens": int(n),
-            "part_key": store.sample_key(ids), "open": None if opened is None else
-            {"end": opened.end, "tokens": opened.sample.tokens, "rid": opened.rid}, "why": why})
-
-    def _lost(self, opened: OpenPrompt) -> None:
-        with self._stats_lock:
-            self.stats.errors += 1
-        why = "a chunked prompt's next part did not come in the next prefill pass; its partial file is removed"
-        log.error("hs_patch: rid=%s after %d of %d tokens: %s", opened.rid, opened.end, opened.sample.tokens, why)
-        store.log_error(self.directory, {"error": "chunk_lost", "rid": opened.rid, "end": opened.end,
-                                         "tokens": opened.sample.tokens, "why": why})
 
     def _idle(self) -> bool:
-        """Nothing queued, in flight or finishing: every pass so far is settled and its samples published."""
+        """Nothing queued or in flight: every pass so far is settled and its samples published."""
         with self._stats_lock:
-            return not self._waiting and not self._inflight and not self._finishing_left
+            return not self._waiting and not self._inflight
 
     def _write_status(self, force: bool = False) -> None:
         """hook_status.json: at most every 2 s while passes come, and at once when the writer is idle

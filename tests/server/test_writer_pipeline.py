@@ -188,3 +188,57 @@ def test_the_status_file_is_current_as_soon_as_the_writer_is_idle(tmp_path):
 
     until(current, "hook_status.json to show every sample written, with the writer idle", seconds=1.5)
     w.close()
+
+
+def test_a_chunked_prompt_is_finished_while_its_last_pass_still_writes_and_published_when_that_pass_settles(
+        tmp_path, monkeypatch):
+    """Its finishing (header, one hashing read of the whole file) waited for the whole pass to settle, then
+    ran alone: on the GPU the last sample of a burst came 0.55-0.6 s after the last response (issue #22).
+    It now runs in the job that writes the last chunk, beside the pass's other writes; the sample is still
+    published only when the pass settles, in pass order."""
+    w = Writer(str(tmp_path), PLANES, META, workers=4)
+    real_write, real_complete = store.write_temp, w.contents.complete
+    go, completed = threading.Event(), threading.Event()
+
+    def write_temp(directory, key, tensors, meta, **kw):
+        if meta["num_tokens"] == "2":  # the whole sample in the chunked prompt's last pass: held
+            assert go.wait(10)
+        return real_write(directory, key, tensors, meta, **kw)
+
+    def complete(part):
+        out = real_complete(part)
+        completed.set()
+        return out
+
+    monkeypatch.setattr(store, "write_temp", write_temp)
+    w.contents.complete = complete
+    w.submit(record([11, 12, 13], [3], [0], [5], ["x"]))                 # first chunk of a 5-token prompt
+    w.submit(record([14, 15, 1, 2], [2, 2], [3, 0], [5, 2], ["x", "a"]))  # its last chunk + a whole sample
+    assert completed.wait(10), "the chunked prompt was not finished while its pass's other write ran"
+    time.sleep(0.2)
+    assert store.read_manifest(tmp_path) == {}, "published before its pass settled"
+    go.set()
+    w.close()
+    assert [(r["tokens"], r["parts"]) for r in store.manifest_records(tmp_path)] == [(5, 2), (2, 1)]
+    assert w.stats.merged == 1 and reader.check_dir(tmp_path).clean and not tmp_files(tmp_path)
+
+
+def test_the_staging_buffer_of_a_prompts_last_chunk_is_given_back_before_its_file_is_hashed(tmp_path):
+    """The finishing job reads the file, not the staging buffer: the buffer goes back once the rows are
+    written, so the forward pass never waits on a hash."""
+    w = Writer(str(tmp_path), PLANES, META, workers=2)
+    real_complete, go, released = w.contents.complete, threading.Event(), threading.Event()
+
+    def complete(part):
+        assert go.wait(10)
+        return real_complete(part)
+
+    w.contents.complete = complete
+    w.submit(record([11, 12, 13], [3], [0], [5], ["x"]))
+    last = record([14, 15], [2], [3], [5], ["x"])
+    last.release = released.set
+    w.submit(last)
+    assert released.wait(10), "the buffer was held while the file was hashed"
+    go.set()
+    w.close()
+    assert [r["tokens"] for r in store.manifest_records(tmp_path)] == [5] and reader.check_dir(tmp_path).clean
