@@ -150,9 +150,11 @@ def test_three_hosts_one_dataset_a_host_dies_its_shard_is_reassigned(lab, tmp_pa
         def shipped_some() -> bool:
             st = status(lab, "gpu2", RUN)
             assert st.get("state") not in ("stopped", "failed"), f"gpu2's driver ended: {st.get('message')}"
-            return (st.get("shipping") or {}).get("shipped", 0) >= 10
+            # and both screens have drawn its count once (a cut before that leaves them nothing to keep)
+            return (st.get("shipping") or {}).get("shipped", 0) >= 10 and all(
+                shown_done(sc.row("gpu2")) is not None for sc in (extract, live))
 
-        wait("gpu2 to ship some samples", shipped_some, every=0.5)
+        wait("gpu2 to ship some samples, shown on both screens", shipped_some, every=0.5)
         link(lab, "gpu2", up=False)
         cut = time.monotonic()
 
