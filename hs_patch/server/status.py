@@ -29,7 +29,7 @@ class StatusFile:
     def __init__(self, directory: Path, doc: Callable[[], dict[str, Any]], interval: float = 2.0):
         self.path, self.doc, self.interval = Path(directory) / STATUS_FILE, doc, interval
         self._at = 0.0
-        self._lock = threading.Lock()  # the coordinator and a finishing job may both write: newest last
+        self._lock = threading.Lock()  # the coordinator, a failing job and close() may all write: newest last
 
     def write(self, force: bool = False) -> None:
         with self._lock:
@@ -42,4 +42,3 @@ class StatusFile:
                                                               sort_keys=True))
             except OSError as e:  # a status file must never stop capture
                 log.warning("hs_patch: cannot write %s: %s", self.path.name, e)
-

@@ -48,11 +48,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from hs_patch import files, store
-from hs_patch.server.contents import Contents
 from hs_patch.server import inplace
+from hs_patch.server.contents import Contents
 from hs_patch.server.inplace import InPlaceSample, OpenPrompt
 from hs_patch.server.records import PassRecord, WriterStats
-from hs_patch.server.status import STATUS_FILE, StatusFile  # noqa: F401 - STATUS_FILE: where readers look
+from hs_patch.server.status import StatusFile
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -270,7 +270,7 @@ class Writer:
             slices = [p[s:e] for p in rec.planes]
             fp = None if fps is None else fps[:, s:e].permute(1, 0, 2)  # [n, streams, BLOCKS]
             if prefix == 0 and n == full:
-                self._submit(p, self._reading, p, self.contents.write_whole, ids, slices, rid, fp)
+                self._submit(p, self.contents.write_whole, ids, slices, rid, fp)
                 continue
             if prefix == 0:
                 part = self.contents.start_open(ids, full, rid, slices[0])
@@ -292,9 +292,9 @@ class Writer:
                 part.fingerprints.append(fp.clone() if fp.is_contiguous() else fp.contiguous())
             part.end = prefix + n
             if part.end == full:  # its last chunk: written, then the file finished in the same job
-                self._submit(p, self._put_and_finish, p, part, prefix, slices, list(part.writes))
+                self._submit(p, self._put_and_finish, p, part, prefix, slices, list(part.writes), releases=True)
                 continue
-            part.writes.append(self._submit(p, self._reading, p, self._put, part.sample, prefix, slices))
+            part.writes.append(self._submit(p, self._put, part.sample, prefix, slices))
             if self._open is not None:
                 raise RuntimeError("two prompts of one pass are cut by chunked prefill; SGLang keeps at most one "
                                    "(--enable-deterministic-inference aligns cuts otherwise: it is refused)")
@@ -308,11 +308,12 @@ class Writer:
     def _put(self, sample: InPlaceSample, start: int, slices: list["torch.Tensor"]) -> None:
         self.contents.put(sample, start, slices)
 
-    def _submit(self, p: _InFlight, fn: Callable[..., Any], *args: Any) -> Future:
-        """A job of pass ``p`` that reads its staging buffer (counted before it can end)."""
+    def _submit(self, p: _InFlight, fn: Callable[..., Any], *args: Any, releases: bool = False) -> Future:
+        """A job of pass ``p``; it reads the staging buffer (counted before it can end) until it ends, or,
+        with ``releases``, until it calls :meth:`_read` itself."""
         with p.lock:
             p.reading += 1
-        job = self._pool.submit(fn, *args)
+        job = self._pool.submit(fn, *args) if releases else self._pool.submit(self._reading, p, fn, *args)
         p.jobs.append(job)
         return job
 
@@ -374,7 +375,7 @@ class Writer:
 
     def _write_status(self, force: bool = False) -> None:
         """hook_status.json: at most every 2 s while passes come, and at once when the writer is idle
-        (its last pass settled, its last chunked prompt finished), so a reader between bursts (fab status,
+        (its last pass settled, every sample of it published), so a reader between bursts (fab status,
         the GPU sweep's per-row waits) never sees a count from the middle of the last one."""
         self._status.write(force)
 

@@ -31,6 +31,7 @@ from hs_patch.host.driver.adopt import adopt
 from hs_patch.host.driver.capture_dir import CaptureWatcher
 from hs_patch.intent import write as write_intent
 from hs_patch.server import config, hook, leftovers, writer
+from hs_patch.server.status import STATUS_FILE
 from lab.passes import Batch, play
 
 H = 16
@@ -79,7 +80,7 @@ def test_a_request_captured_twice_keeps_the_first_file_and_adopt_records_its_own
     assert written.sha256 == store.file_sha256(samples / f"{key}.safetensors")[1]
     dup = [e for e in store.read_jsonl(cap / store.ERRORS) if e["error"] == "duplicate"]
     assert len(dup) == 2 and all(e["key"] == key for e in dup)
-    assert json.loads((cap / writer.STATUS_FILE).read_text())["duplicates"] == 2
+    assert json.loads((cap / STATUS_FILE).read_text())["duplicates"] == 2
     assert not list((cap / store.TMPDIR).iterdir())
 
 
@@ -135,7 +136,7 @@ def test_a_sigkilled_servers_leftovers_are_removed_and_counted_when_the_next_one
         sum(p.stat().st_size for p in d.glob("*.safetensors") if p.stem not in listed)
     h = make_hook(d)  # the next server
     try:
-        status = json.loads((d / writer.STATUS_FILE).read_text())
+        status = json.loads((d / STATUS_FILE).read_text())
     finally:
         h.close()
     assert not list((d / store.TMPDIR).iterdir())
@@ -189,9 +190,9 @@ def test_an_exception_in_the_writers_coordinator_stops_capture_at_once_with_its_
 
         deadline = time.monotonic() + 5  # the dying thread writes both right after it set the error, status first
         while time.monotonic() < deadline and not (
-                json.loads((d / writer.STATUS_FILE).read_text())["error"] and failed_records()):
+                json.loads((d / STATUS_FILE).read_text())["error"] and failed_records()):
             time.sleep(0.01)
-        assert "a bug in the coordinator" in json.loads((d / writer.STATUS_FILE).read_text())["error"]
+        assert "a bug in the coordinator" in json.loads((d / STATUS_FILE).read_text())["error"]
         (rec,) = failed_records()
         assert "KeyError" in rec["why"]
     finally:
