@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -26,6 +26,7 @@ class PassRecord:
     wait: Optional[Callable[[], None]] = None     # blocks until the copies have landed
     release: Optional[Callable[[], None]] = None  # gives the staging buffer back
     fingerprints: Optional["torch.Tensor"] = None  # F32 [streams, T, BLOCKS] (hs_patch.server.fingerprint)
+    queued: float = field(default_factory=time.time)  # when the hook handed it over (its forward launched)
 
 
 @dataclass
@@ -42,3 +43,12 @@ class WriterStats:
     with_intent: int = 0
     duplicates: int = 0
     started: float = field(default_factory=time.time)
+
+
+def pass_timeline(queued: float, landed: float, written: float, tokens: int, samples: int) -> dict[str, Any]:
+    """Where a settled pass's time went, for the newest one in ``hook_status.json``: when the hook handed it
+    over (``queued``, wall time, its forward launched), then seconds until its copies had landed, until its
+    last write (and hash) ended, until its samples were published (now). The last pass of a burst is what a
+    client waits for after its last response (issue #22's tail)."""
+    return {"queued": round(queued, 3), "tokens": tokens, "samples": samples, "landed_s": round(landed - queued, 3),
+            "written_s": round(written - landed, 3), "published_s": round(time.time() - written, 3)}

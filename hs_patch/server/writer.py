@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -51,7 +52,7 @@ from hs_patch import files, store
 from hs_patch.server import inplace
 from hs_patch.server.contents import Contents
 from hs_patch.server.inplace import InPlaceSample, OpenPrompt
-from hs_patch.server.records import PassRecord, WriterStats
+from hs_patch.server.records import PassRecord, WriterStats, pass_timeline
 from hs_patch.server.status import StatusFile
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -80,6 +81,8 @@ class _InFlight:
     left: int = 1  # jobs not yet ended, plus one for the planning
     reading: int = 1  # jobs that still read the staging buffer, plus one for the planning
     lock: threading.Lock = field(default_factory=threading.Lock)
+    landed: float = 0.0  # when its copies had landed (time.time())
+    written: float = 0.0  # when its last job ended
 
 
 class Writer:
@@ -97,6 +100,7 @@ class Writer:
         self.error: Optional[BaseException] = None
         self.extra_status = extra_status  # the hook's fields in hook_status.json
         self._open: Optional[OpenPrompt] = None
+        self.last_pass: dict[str, Any] = {}  # the newest settled pass's timeline (hook_status.json)
         self._doomed: list[OpenPrompt] = []  # partial files of failed passes, removed once no write runs
         self._inflight: "deque[_InFlight]" = deque()
         self._queue: "queue.Queue[Any]" = queue.Queue()  # PassRecords, _ENDED markers, None (close)
@@ -172,6 +176,7 @@ class Writer:
             try:
                 if rec.wait is not None:
                     rec.wait()
+                p.landed = time.time()
                 self._plan(rec, p)
             except BaseException as e:  # noqa: BLE001 - settled (and reported) in pass order
                 p.failure = e
@@ -198,6 +203,7 @@ class Writer:
             p.left -= 1
             if p.left:
                 return
+        p.written = time.time()
         p.ended = True
         self._queue.put(_ENDED)
 
@@ -220,6 +226,8 @@ class Writer:
                 part.sample.abandon()
             with self._stats_lock:
                 self.stats.passes += 1
+                self.last_pass = pass_timeline(p.rec.queued, p.landed, p.written, int(p.rec.ids.shape[0]),
+                                               len(written))
             return
         for w, _ in written:  # a failed writer publishes nothing more
             w.path.unlink(missing_ok=True)
@@ -385,4 +393,4 @@ class Writer:
                 "bytes": st.bytes, "merged": st.merged, "skipped": st.skipped, "errors": st.errors,
                 "with_intent": st.with_intent, "duplicates": st.duplicates, "skip_rid_prefix": self.skip_rid_prefix,
                 "queued": self.pending(), "error": None if self.error is None else str(self.error),
-                **self.extra_status()}
+                "last_pass": self.last_pass, **self.extra_status()}

@@ -138,6 +138,7 @@ def run_row(a: argparse.Namespace, row: str, servers: dict[str, Server], model_d
         return _plain(servers["pristine"], prompts, a.concurrency, f"{tag}-{rnd}-p")
     t = time.perf_counter()
     responses = _plain(servers["capture"], prompts, a.concurrency, f"{tag}-{rnd}-c")
+    res["capture"]["last_response_at"] = time.time()  # the sweep places the writer's last pass against it
     wait_for_samples(dump, {store.sample_key(p) for p in prompts}, timeout=600)
     seconds = time.perf_counter() - t
     # what the writer still had to do once the last response came (its latency, or a backlog if it grows

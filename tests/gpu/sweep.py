@@ -228,6 +228,8 @@ def _depth(a: argparse.Namespace, model_dir: str, layers: int, index: int, prist
                 if rnd and hook is not None:
                     waits = hook_waits_since(dump, hook, len(prompts))
                     res[row].setdefault("hook_waits", []).append(waits)
+                    if row == "capture":
+                        res[row].setdefault("last_pass", []).append(last_pass(dump, res[row]["last_response_at"]))
                 if rnd and cpu.seconds is not None:
                     res[row].setdefault("server_cpu_s_per_GB", []).append(
                         round(cpu.seconds / (total * res["state_bytes_per_token"] / 1e9), 3))
@@ -268,12 +270,31 @@ def hook_waits_since(dump: Path, before: dict, samples: int, timeout: float = 10
             "complete": now["samples"] >= before["samples"] + samples}
 
 
+def last_pass(dump: Path, last_response_at: float) -> dict:
+    """The writer's last pass of a row (``hook_status.json``): its copies landed this long after the row's
+    last response (negative: before it), then its writes and hash, then publishing (splits the tail)."""
+    try:
+        doc = dict(json.loads((dump / "hook_status.json").read_text()).get("last_pass") or {})
+    except (OSError, ValueError):
+        return {}
+    if doc:
+        doc["landed_after_response_s"] = round(doc["queued"] + doc["landed_s"] - last_response_at, 3)
+    return doc
+
+
+def _tail_parts(r: dict) -> str:
+    """The capture row's last pass, medians: landed after the last response / written / published (s)."""
+    got = [x for x in r.get("capture", {}).get("last_pass") or [] if x]
+    keys = ("landed_after_response_s", "written_s", "published_s")
+    return "/".join(f"{statistics.median(x[k] for x in got):.2f}" for k in keys) if got else "-"
+
+
 def summarize_sweep(k: str, f: dict) -> None:
     print(f"\n{k}: {f['prompts']} prompts a round at 8 layers (x 8/depth at deeper ones) x {f['tokens']} tokens "
           f"({f['long_prompts']} of {f['long_tokens']}), concurrency {f['concurrency']}, chunk "
           f"{f['chunked_prefill_size']}, {f['rounds']} round(s) a depth, dummy weights {f['dummy_weights']}")
     print(f"  {'layers':>6}{'GB/s states':>12}{'pristine':>10}{'capture':>10}{'driver':>10}{'capt/pr':>9}{'drv/pr':>8}"
-          f"{'waits c/d':>11}{'tail s':>8}{'CPU s/GB':>10}  GPU memory (MB): held at start pristine/capture, growth under load "
+          f"{'waits c/d':>11}{'tail s':>8}{'land/write/pub':>16}{'CPU s/GB':>10}  GPU memory (MB): held at start pristine/capture, growth under load "
           "pristine/capture")
     for layers, r in f["runs"].items():
         if "ratios" not in r:
@@ -285,7 +306,7 @@ def summarize_sweep(k: str, f: dict) -> None:
         print(f"  {layers:>6}{r['engine_GBps_of_states']:12.2f}{r['pristine']['median_tok_s']:10.0f}"
               f"{r['capture']['median_tok_s']:10.0f}{r['driver']['median_tok_s']:10.0f}"
               f"{r['ratios']['capture/pristine']:9.3f}{r['ratios']['driver/pristine']:8.3f}"
-              f"{_row_waits(r):>11}{_median(r['capture'].get('tail_s')):>8}{_writer_cpu(r):>10}  {mb}")
+              f"{_row_waits(r):>11}{_median(r['capture'].get('tail_s')):>8}{_tail_parts(r):>16}{_writer_cpu(r):>10}  {mb}")
 
 
 def _median(xs: Optional[list]) -> str:

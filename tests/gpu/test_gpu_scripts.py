@@ -146,6 +146,9 @@ def test_sweep_phase_runs_every_depth_end_to_end_on_standins(standin_site, tmp_p
         waits = [r[row]["hook_waits"] for row in ("capture", "driver")]  # each row's own, once its samples are in
         assert all(len(w) == 1 and w[0]["complete"] and w[0]["waits"] >= 0 for w in waits), waits
         assert len(r["capture"]["tail_s"]) == 1 and r["capture"]["tail_s"][0] >= 0
+        (lp,) = r["capture"]["last_pass"]  # the tail split: the writer's last pass of the row
+        assert lp["samples"] >= 1 and lp["written_s"] >= 0 and lp["published_s"] >= 0, lp
+        assert lp["landed_after_response_s"] < r["capture"]["tail_s"][0] + 1, lp
         cpu = {row: r[row]["server_cpu_s_per_GB"] for row in extract.ROWS}
         assert all(len(v) == 1 and v[0] > 0 for v in cpu.values()), cpu  # each row's server process group, /proc
     logs = sorted((tmp_path / "logs").glob("server-sw-*.log"))

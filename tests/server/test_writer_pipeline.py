@@ -190,6 +190,20 @@ def test_the_status_file_is_current_as_soon_as_the_writer_is_idle(tmp_path):
     w.close()
 
 
+def test_the_status_file_shows_where_the_last_passs_time_went(tmp_path):
+    """The GPU sweep splits a burst's tail (last response to last sample listed) with it: the last pass's
+    copies landing, its writes and hash, its publishing (issue #22)."""
+    w = Writer(str(tmp_path), PLANES, META, workers=2)
+    w.submit(record([11, 12, 13], [3], [0], [5], ["x"]))
+    last = record([14, 15, 1, 2, 3], [2, 3], [3, 0], [5, 3], ["x", "a"])
+    last.wait = lambda: time.sleep(0.2)  # copies that land 0.2 s after the hook handed the pass over
+    w.submit(last)
+    w.close()
+    doc = json.loads((tmp_path / "hook_status.json").read_text())["last_pass"]
+    assert doc["queued"] == round(last.queued, 3) and doc["tokens"] == 5 and doc["samples"] == 2
+    assert 0.2 <= doc["landed_s"] < 5 and 0 <= doc["written_s"] < 5 and 0 <= doc["published_s"] < 5
+
+
 def test_a_chunked_prompt_is_finished_while_its_last_pass_still_writes_and_published_when_that_pass_settles(
         tmp_path, monkeypatch):
     """Its finishing (header, one hashing read of the whole file) waited for the whole pass to settle, then
