@@ -158,6 +158,67 @@ def write_text_atomic(path: str | os.PathLike, text: str, *, fsync: bool = False
 
 
 MAPPED_STEP = 256 << 20  # bytes hashed per call when mapped
+RANGE = 64 << 20  # bytes a range of a ranged digest (one GIL hand-over a range inside SGLang, as store.STEP)
+RANGED = "sha256r64m:"  # a ranged digest: this, then the sha256 of the sha256 digests of the file's RANGE-byte ranges
+_HASHERS: list[Any] = []  # the shared pool that hashes ranges side by side (made on first use)
+_HASHERS_LOCK = threading.Lock()
+
+
+def hashing_pool() -> Any:
+    """The threads that hash a file's ranges side by side (hashlib releases the GIL on large buffers): one
+    pool a process, up to 8 threads. Its tasks never wait on anything, so a writer's job may wait on them."""
+    with _HASHERS_LOCK:
+        if not _HASHERS:
+            from concurrent.futures import ThreadPoolExecutor
+            _HASHERS.append(ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="hs_patch-hash"))
+        return _HASHERS[0]
+
+
+def ranged(range_digests: list[bytes]) -> str:
+    """The ranged digest of a file whose RANGE-byte ranges, in order, have these sha256 digests."""
+    return RANGED + hashlib.sha256(b"".join(range_digests)).hexdigest()
+
+
+def file_digest(path: str | os.PathLike, like: str = "", *, mapped: bool = False) -> tuple[int, str]:
+    """(size, digest) of a file, of the kind of ``like`` (a recorded digest): :func:`file_ranged` for a
+    ranged one (the capture writer's, since issue #22), else plain :func:`file_sha256` (every sample
+    written before, exports, datasets): so a sample is verified the way it was hashed."""
+    if like.startswith(RANGED):
+        return file_ranged(path, mapped=mapped)
+    return file_sha256(path, mapped=mapped)
+
+
+def file_ranged(path: str | os.PathLike, *, mapped: bool = False) -> tuple[int, str]:
+    """(size, ranged digest) of a file, its ranges hashed side by side (:func:`hashing_pool`): a 221 MB sample
+    in about a quarter of one core's sha256 time. ``mapped`` as in :func:`file_sha256` (own files only)."""
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        if mapped and size:
+            with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as m:
+                view = memoryview(m)
+                try:
+                    digests = list(hashing_pool().map(lambda s: hashlib.sha256(view[s:s + RANGE]).digest(),
+                                                      range(0, size, RANGE)))
+                finally:
+                    view.release()
+            return size, ranged(digests)
+        digests = list(hashing_pool().map(lambda s: _range_sha256(f.fileno(), s, min(RANGE, size - s)),
+                                          range(0, size, RANGE)))
+    return size, ranged(digests)
+
+
+def _range_sha256(fd: int, start: int, length: int) -> bytes:
+    """sha256 of ``length`` bytes of ``fd`` from ``start`` (read in 8 MiB blocks); OSError if the file is shorter."""
+    h = hashlib.sha256()
+    buf = bytearray(min(length, 8 << 20))
+    view = memoryview(buf)
+    while length:
+        n = os.preadv(fd, [view[:min(length, len(buf))]], start)
+        if n <= 0:
+            raise OSError(errno.EIO, f"the file ended {length} bytes early (truncated while hashed?)")
+        h.update(view[:n])
+        start, length = start + n, length - n
+    return h.digest()
 
 
 def file_sha256(path: str | os.PathLike, *, mapped: bool = False) -> tuple[int, str]:

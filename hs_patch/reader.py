@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
 from hs_patch.files import UNREADABLE, json_lines
 from hs_patch.server import fingerprint
-from hs_patch.store import FORMATS_READ, MANIFEST, SUFFIX, SampleError, file_sha256, sample_key
+from hs_patch.files import file_digest
+from hs_patch.store import FORMATS_READ, MANIFEST, SUFFIX, SampleError, sample_key
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -51,7 +52,7 @@ class Sample:
 
 def check_entry(path: Path, entry: Mapping[str, Any]) -> None:
     """The file's size and sha256 against its manifest entry (one streaming read); SampleError if they differ."""
-    size, digest = file_sha256(path)
+    size, digest = file_digest(path, entry["sha256"])
     if size != entry["bytes"] or digest != entry["sha256"]:
         raise SampleError(f"{path}: size/sha256 {size}/{digest[:12]} differ from the manifest "
                           f"({entry['bytes']}/{entry['sha256'][:12]}): the file is damaged")

@@ -22,7 +22,11 @@ tokens can always find its sample, whatever the SGLang release (0.5.9 has no req
 ids in the forward batch) and however the prefill was chunked. Files are written under
 ``.tmp/`` and renamed when complete; a reader never sees a partial file. Every
 completed file is recorded in ``manifest.jsonl`` with its byte size and sha256, hashed
-once, as it is written (or, for a chunked prompt, once when its last chunk is in).
+once, as it is written (or, for a chunked prompt, once when its last chunk is in). The
+capture writer records a *ranged* sha256 (``sha256r64m:<hex>``, :data:`hs_patch.files.RANGED`:
+the sha256 of the sha256 digests of the file's 64 MiB ranges, hashed side by side, issue #22);
+every reader verifies a file the way its digest says (:func:`hs_patch.files.file_digest`), so
+samples with a plain sha256 read as before.
 
 Imported inside the SGLang server by the capture hook: standard library at import time
 (torch only where used).
@@ -39,7 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from hs_patch.files import PRIVATE, JsonLog, append_line, file_sha256, private_dirs, write_all, write_text_atomic
+from hs_patch.files import (PRIVATE, RANGE, JsonLog, append_line, file_digest, file_sha256, hashing_pool, private_dirs,
+                            pwrite_all, ranged, write_all, write_text_atomic)
 from hs_patch.files import read_jsonl as _read_jsonl
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -225,13 +230,39 @@ class Written:
     sha256: str
 
 
+def _write_ranged(fd: int, buffers: list[Any]) -> str:
+    """Write the buffers to ``fd`` as one file and return its ranged digest: each RANGE of the file written
+    and hashed by its own task (:func:`hs_patch.files.hashing_pool`), side by side. Every task has ended
+    when this returns or raises (none may write into a closed, reused descriptor)."""
+    pieces, total = [], 0
+    for buf in buffers:
+        view = memoryview(buf).cast("B")
+        pieces.append((total, view))
+        total += len(view)
+
+    def one_range(start: int) -> bytes:
+        h, end = hashlib.sha256(), min(start + RANGE, total)
+        for at, view in pieces:
+            a, b = max(at, start), min(at + len(view), end)
+            if a < b:
+                h.update(view[a - at:b - at])
+                pwrite_all(fd, view[a - at:b - at], a)
+        return h.digest()
+
+    jobs = [hashing_pool().submit(one_range, start) for start in range(0, total, RANGE)]
+    for job in jobs:
+        job.exception()  # waits for it, whatever it raised
+    return ranged([job.result() for job in jobs])
+
+
 def write_temp(directory: str | os.PathLike, key: str, tensors: Sequence[TensorBytes],
-               metadata: Mapping[str, str], *, fsync: bool = False) -> Written:
+               metadata: Mapping[str, str], *, fsync: bool = False, ranges: bool = False) -> Written:
     """Write one complete sample under ``.tmp/`` (not yet visible), hashing it as it goes.
 
     The safetensors format is written directly from the callers' buffers (the capture
     hook's pinned host memory), so no byte is copied in Python; :func:`publish` renames
-    it into place. On any error the temporary file is removed.
+    it into place. On any error the temporary file is removed. ``ranges``: its 64 MiB ranges
+    written and hashed side by side, a ranged digest recorded (the capture writer's).
     """
     header = encode_header(tensors, metadata)
     buffers: list[Any] = [header]
@@ -244,7 +275,11 @@ def write_temp(directory: str | os.PathLike, key: str, tensors: Sequence[TensorB
     tmp = temp_path(directory, key)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE)
     try:
-        _write_hashed(fd, buffers, digest)
+        if ranges:
+            hexdigest = _write_ranged(fd, buffers)
+        else:
+            _write_hashed(fd, buffers, digest)
+            hexdigest = digest.hexdigest()
         if fsync:
             os.fsync(fd)
     except BaseException:
@@ -252,7 +287,7 @@ def write_temp(directory: str | os.PathLike, key: str, tensors: Sequence[TensorB
         tmp.unlink(missing_ok=True)
         raise
     os.close(fd)
-    return Written(key, tmp, len(header) + sum(t.nbytes for t in tensors), digest.hexdigest())
+    return Written(key, tmp, len(header) + sum(t.nbytes for t in tensors), hexdigest)
 
 
 def temp_path(directory: str | os.PathLike, key: str) -> Path:
@@ -308,7 +343,7 @@ def verify_entry(directory: str | os.PathLike, entry: Mapping[str, Any]) -> str 
     try:
         if path.stat().st_size != entry["bytes"]:
             return f"{path}: size {path.stat().st_size}, manifest says {entry['bytes']} (truncated?)"
-        size, digest = file_sha256(path)
+        size, digest = file_digest(path, entry["sha256"])
     except OSError as e:
         return f"{path}: {e.strerror or e}"
     if digest != entry["sha256"]:

@@ -46,13 +46,14 @@ class Contents:
 
     def write_whole(self, ids: "torch.Tensor", slices: list["torch.Tensor"], rid: Optional[str],
                     fp: Optional["torch.Tensor"]) -> tuple[store.Written, dict[str, Any]]:
-        """A request prefilled in one pass: the whole file at once, hashed as it is written."""
+        """A request prefilled in one pass: the whole file at once, its ranges written and hashed side by side."""
         key = store.sample_key(ids)
         n = int(ids.shape[0])
         found = self.intent(key, n)
         tensors = [store.tensor_bytes(name, t) for name, t in zip(self.planes, slices)] + self.tail(ids, found, fp)
         meta = self.meta(key, n, str(slices[0].dtype).replace("torch.", ""), rid, [0], found)
-        return store.write_temp(self.directory, key, tensors, meta, fsync=self.fsync), self.extra(found, rid, 1, n)
+        return store.write_temp(self.directory, key, tensors, meta, fsync=self.fsync, ranges=True), \
+            self.extra(found, rid, 1, n)
 
     def complete(self, part: OpenPrompt) -> tuple[store.Written, dict[str, Any]]:
         """A chunked prompt's last chunk is in: small tensors, header, one hashing read."""

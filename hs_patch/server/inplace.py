@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from hs_patch import store
-from hs_patch.files import PRIVATE, file_sha256, pwrite_all
+from hs_patch.files import PRIVATE, file_ranged, pwrite_all
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -30,7 +30,8 @@ class InPlaceSample:
     ``header room | plane 0 [L, H] | plane 1 | ... | input_ids | loss_mask``; each chunk's
     rows are written at their final offsets with ``pwrite`` (each byte once), and
     :meth:`finish` appends the small tensors, writes the header into its room and hashes
-    the file (one read). Nothing is visible until :func:`hs_patch.store.publish`.
+    the file (one read, its 64 MiB ranges side by side: a ranged digest). Nothing is visible
+    until :func:`hs_patch.store.publish`.
     """
 
     HEADER_ROOM = 64 << 10  # metadata is bounded (hs_patch.intent caps the driver's part) but for the chunk list
@@ -78,7 +79,7 @@ class InPlaceSample:
             raise
         os.close(self.fd)
         self.fd = -1
-        size, digest = file_sha256(self.path, mapped=True)  # our own file: nobody truncates it
+        size, digest = file_ranged(self.path, mapped=True)  # our own file: nobody truncates it
         if size != offset:
             self.path.unlink(missing_ok=True)
             raise store.SampleError(f"{self.path}: {size} bytes on disk, {offset} written")

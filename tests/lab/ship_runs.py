@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from hs_patch import reader, store
+from hs_patch import files, reader, store
 from hs_patch.host.shipping import shipper
 
 SHIPPED_SHAPE = {"op", "key", "file", "bytes", "sha256", "t"}
@@ -52,7 +52,7 @@ def assert_destination_has(dest: Path, written: list[store.Written]) -> None:
     counts = Counter(rec["key"] for rec in lines)
     assert counts == Counter(w.key for w in written), "lost or duplicated samples at the destination"
     for w in written:
-        size, digest = store.file_sha256(dest / "samples" / w.path.name)
+        size, digest = files.file_digest(dest / "samples" / w.path.name, w.sha256)
         assert (size, digest) == (w.nbytes, w.sha256), f"{w.key} truncated or damaged at the destination"
     rep = reader.check_dir(dest)
     assert rep.clean and sorted(rep.ok) == sorted(w.key for w in written)

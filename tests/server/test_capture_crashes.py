@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hs_patch import reader, store
+from hs_patch import files, reader, store
 from hs_patch.host.driver.adopt import adopt
 from hs_patch.host.driver.capture_dir import CaptureWatcher
 from hs_patch.intent import write as write_intent
@@ -77,7 +77,7 @@ def test_a_request_captured_twice_keeps_the_first_file_and_adopt_records_its_own
     adds = [r for r in store.manifest_records(cap) if r.get("op") == "add"]
     assert len(adds) == 1, "the later attempts are not published"
     assert store.verify_entry(samples, store.read_manifest(samples)[key]) is None
-    assert written.sha256 == store.file_sha256(samples / f"{key}.safetensors")[1]
+    assert written.sha256 == files.file_digest(samples / f"{key}.safetensors", written.sha256)[1]
     dup = [e for e in store.read_jsonl(cap / store.ERRORS) if e["error"] == "duplicate"]
     assert len(dup) == 2 and all(e["key"] == key for e in dup)
     assert json.loads((cap / STATUS_FILE).read_text())["duplicates"] == 2

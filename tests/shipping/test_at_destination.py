@@ -35,8 +35,8 @@ def test_a_file_another_rsync_lands_while_one_is_hashed_is_not_committed_under_t
     staged.write_bytes(ours)
     real = at_destination.sha256_and_sync
 
-    def hashed_then_another_rsync_lands(path: str):
-        result = real(path)
+    def hashed_then_another_rsync_lands(path: str, like: str = ""):
+        result = real(path, like)
         if not staged.exists() or staged.read_bytes() != theirs:  # rsync: temp file, then rename
             landing = staged.with_name(f".{name}.Xy12Ab")
             landing.write_bytes(theirs)

@@ -39,24 +39,35 @@ SAMPLES = "samples"
 MANIFEST = "manifest.jsonl"
 LOCK = ".manifest.lock"
 VERIFYING = ".hs-verifying."  # in INCOMING: a file this step took from rsync's name before hashing it
+RANGE, RANGED = 64 << 20, "sha256r64m:"  # hs_patch.files' ranged digest
 
 
-def sha256_and_sync(path):
-    """(size, sha256) of a file, and its data made durable (hs_patch.store.file_sha256 is
-    not importable here)."""
-    h = hashlib.sha256()
+def sha256_and_sync(path, like=""):
+    """(size, digest) of a file, of the kind of ``like`` (the digest the GPU host recorded: a plain
+    sha256, or RANGED + the sha256 of its 64 MiB ranges' sha256 digests, the capture writer's since
+    issue #22), and its data made durable (hs_patch.files.file_digest is not importable here)."""
+    ranges = like.startswith(RANGED)
+    h, whole, digests = hashlib.sha256(), hashlib.sha256(), []
     size = 0
     buf = bytearray(8 << 20)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         while True:
-            n = f.readinto(buf)
+            n = f.readinto(view[:min(len(buf), RANGE - size % RANGE)])  # never across a range's end
             if not n:
                 break
-            h.update(view[:n])
             size += n
+            h.update(view[:n])
+            if ranges and size % RANGE == 0:
+                digests.append(h.digest())
+                h = hashlib.sha256()
         os.fsync(f.fileno())
-    return size, h.hexdigest()
+    if not ranges:
+        return size, h.hexdigest()
+    if size % RANGE:
+        digests.append(h.digest())
+    whole.update(b"".join(digests))
+    return size, RANGED + whole.hexdigest()
 
 
 def fsync_dir(path):
@@ -122,7 +133,8 @@ def verify(root, f, entries):
     want = (f["bytes"], f["sha256"])
     old = entries.get(f["entry"]["key"])
     if old is not None and old.get("sha256") != f["sha256"] and old.get("file") == SAMPLES + "/" + name \
-            and os.path.isfile(final) and sha256_and_sync(final) == (old.get("bytes"), old.get("sha256")):
+            and os.path.isfile(final) \
+            and sha256_and_sync(final, old.get("sha256") or "") == (old.get("bytes"), old.get("sha256")):
         if os.path.isfile(staged):
             os.unlink(staged)
         return "kept"
@@ -132,12 +144,12 @@ def verify(root, f, entries):
         # host) may land its own NAME at rsync's name meanwhile, and that is not the file hashed
         mine = os.path.join(root, INCOMING, VERIFYING + name)
         os.replace(staged, mine)
-        if sha256_and_sync(mine) == want:
+        if sha256_and_sync(mine, f["sha256"]) == want:
             os.replace(mine, final)
             return "ok"
         os.unlink(mine)
         status = "mismatch"
-    if os.path.isfile(final) and sha256_and_sync(final) == want:  # moved there by an interrupted run
+    if os.path.isfile(final) and sha256_and_sync(final, f["sha256"]) == want:  # moved there by an interrupted run
         return "ok"
     return status
 
