@@ -166,12 +166,22 @@ _HASHERS_LOCK = threading.Lock()
 
 def hashing_pool() -> Any:
     """The threads that hash a file's ranges side by side (hashlib releases the GIL on large buffers): one
-    pool a process, up to 8 threads. Its tasks never wait on anything, so a writer's job may wait on them."""
+    pool a process, 2 to 8 threads (one a CPU). Its tasks never wait on anything, so a writer's job may wait on them."""
     with _HASHERS_LOCK:
         if not _HASHERS:
             from concurrent.futures import ThreadPoolExecutor
-            _HASHERS.append(ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="hs_patch-hash"))
+            _HASHERS.append(ThreadPoolExecutor(max(2, min(8, os.cpu_count() or 1)), thread_name_prefix="hs_patch-hash"))
         return _HASHERS[0]
+
+
+def side_by_side(fn: Callable[[Any], Any], items: Any) -> list[Any]:
+    """``[fn(x) for x in items]``, run on :func:`hashing_pool`'s threads side by side (fn's hashing and
+    writing release the GIL). Returns or raises (the first failure, in order) only once every call has
+    ended: none may still write into a descriptor the caller closes next."""
+    jobs = [hashing_pool().submit(fn, x) for x in items]
+    for job in jobs:
+        job.exception()  # waits for it, whatever it raised
+    return [job.result() for job in jobs]
 
 
 def ranged(range_digests: list[bytes]) -> str:
@@ -197,13 +207,11 @@ def file_ranged(path: str | os.PathLike, *, mapped: bool = False) -> tuple[int, 
             with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as m:
                 view = memoryview(m)
                 try:
-                    digests = list(hashing_pool().map(lambda s: hashlib.sha256(view[s:s + RANGE]).digest(),
-                                                      range(0, size, RANGE)))
+                    digests = side_by_side(lambda s: hashlib.sha256(view[s:s + RANGE]).digest(), range(0, size, RANGE))
                 finally:
                     view.release()
             return size, ranged(digests)
-        digests = list(hashing_pool().map(lambda s: _range_sha256(f.fileno(), s, min(RANGE, size - s)),
-                                          range(0, size, RANGE)))
+        digests = side_by_side(lambda s: _range_sha256(f.fileno(), s, min(RANGE, size - s)), range(0, size, RANGE))
     return size, ranged(digests)
 
 

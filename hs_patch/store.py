@@ -43,8 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from hs_patch.files import (PRIVATE, RANGE, JsonLog, append_line, file_digest, file_sha256, hashing_pool, private_dirs,
-                            pwrite_all, ranged, write_all, write_text_atomic)
+from hs_patch.files import (PRIVATE, RANGE, JsonLog, append_line, file_digest, file_sha256, private_dirs, pwrite_all,
+                            ranged, side_by_side, write_all, write_text_atomic)
 from hs_patch.files import read_jsonl as _read_jsonl
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -232,8 +232,7 @@ class Written:
 
 def _write_ranged(fd: int, buffers: list[Any]) -> str:
     """Write the buffers to ``fd`` as one file and return its ranged digest: each RANGE of the file written
-    and hashed by its own task (:func:`hs_patch.files.hashing_pool`), side by side. Every task has ended
-    when this returns or raises (none may write into a closed, reused descriptor)."""
+    and hashed by its own task, side by side (:func:`hs_patch.files.side_by_side`)."""
     pieces, total = [], 0
     for buf in buffers:
         view = memoryview(buf).cast("B")
@@ -249,10 +248,7 @@ def _write_ranged(fd: int, buffers: list[Any]) -> str:
                 pwrite_all(fd, view[a - at:b - at], a)
         return h.digest()
 
-    jobs = [hashing_pool().submit(one_range, start) for start in range(0, total, RANGE)]
-    for job in jobs:
-        job.exception()  # waits for it, whatever it raised
-    return ranged([job.result() for job in jobs])
+    return ranged(side_by_side(one_range, range(0, total, RANGE)))
 
 
 def write_temp(directory: str | os.PathLike, key: str, tensors: Sequence[TensorBytes],
