@@ -1,8 +1,9 @@
 """The capture writer's work side by side (issue #22): its ranged digest (the sha256 of the sha256
 digests of a file's 64 MiB ranges, hashed side by side, so a sample's checksum no longer costs one
-core's sha256 of the whole file at the end of a burst) and a chunk's planes written side by side. The GPU host writes it, every reader (the reader, the driver's checks, the
-shipper's step on the destination) verifies a file the way its recorded digest says, and samples with a
-plain sha256 read as before."""
+core's sha256 of the whole file at the end of a burst) and a chunk's planes written side by side. The
+GPU host writes the ranged digest, every verifier (the reader, the driver's checks, the shipper's step
+on the destination) hashes a file the way its recorded digest says, and samples with a plain sha256
+read as before."""
 
 from __future__ import annotations
 
