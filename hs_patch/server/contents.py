@@ -14,8 +14,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from hs_patch import files, store
 from hs_patch import intent as intents
+from hs_patch import store
 from hs_patch.server import fingerprint
 from hs_patch.server.inplace import InPlaceSample, OpenPrompt
 
@@ -41,10 +41,10 @@ class Contents:
         return OpenPrompt(sample, 0, store.key_hasher(), rid, [], 1, str(like.dtype).replace("torch.", ""))
 
     def put(self, sample: InPlaceSample, start: int, slices: list["torch.Tensor"]) -> None:
-        """A chunk's rows of every plane, the planes written side by side (a 16K-token pass's 1.2 GB was one
-        thread's writes, 0.5 s, before its prompt could be finished)."""
-        files.side_by_side(lambda k: sample.put(k, start, store.raw_bytes(self.planes[k], slices[k])),
-                           range(len(self.planes)))
+        """A chunk's rows of every plane, one after another: writes into one file serialize on its inode lock
+        in Linux (tmpfs included), so planes written side by side gained nothing and cost CPU (issue #22)."""
+        for k, (name, t) in enumerate(zip(self.planes, slices)):
+            sample.put(k, start, store.raw_bytes(name, t))
 
     def write_whole(self, ids: "torch.Tensor", slices: list["torch.Tensor"], rid: Optional[str],
                     fp: Optional["torch.Tensor"]) -> tuple[store.Written, dict[str, Any]]:

@@ -1,9 +1,8 @@
-"""The capture writer's work side by side (issue #22): its ranged digest (the sha256 of the sha256
-digests of a file's 64 MiB ranges, hashed side by side, so a sample's checksum no longer costs one
-core's sha256 of the whole file at the end of a burst) and a chunk's planes written side by side. The
-GPU host writes the ranged digest, every verifier (the reader, the driver's checks, the shipper's step
-on the destination) hashes a file the way its recorded digest says, and samples with a plain sha256
-read as before."""
+"""The capture writer's ranged digest (issue #22): the sha256 of the sha256 digests of a file's 64 MiB
+ranges, written and hashed side by side, so a sample's checksum no longer costs one core's sha256 of
+the whole file at the end of a burst. The GPU host writes it, every verifier (the reader, the driver's
+checks, the shipper's step on the destination) hashes a file the way its recorded digest says, and
+samples with a plain sha256 read as before."""
 
 from __future__ import annotations
 
@@ -111,27 +110,3 @@ def test_the_capture_writer_records_ranged_digests_that_the_reader_verifies(tmp_
     assert all(files.file_ranged(Path(tmp_path) / e["file"])[1] == e["sha256"] for e in entries)
     assert reader.check_dir(tmp_path, deep=True).clean
 
-
-def test_a_chunks_planes_are_written_side_by_side(tmp_path):
-    """A chunk's planes were one thread's writes one after another (1.2 GB, 0.5 s, for a 16K-token pass of
-    5 planes at hidden 7168, before its prompt could be finished): plane 0's write is held here until
-    plane 1's has started, which one thread writing them in turn never does."""
-    from hs_patch.server.contents import Contents
-    from hs_patch.server.inplace import InPlaceSample
-
-    c = Contents(tmp_path, ["layer.1", "layer.2"], {"hidden_size": "16"}, fsync=False)
-    sample = InPlaceSample(tmp_path, "open", c.planes, 4, 16, "BF16")
-    real, second = sample.put, threading.Event()
-
-    def put(idx, start, data):
-        if idx == 0:
-            assert second.wait(10), "plane 1 was not written while plane 0's write ran"
-        else:
-            second.set()
-        return real(idx, start, data)
-
-    sample.put = put
-    rows = torch.ones(4, 16, dtype=torch.bfloat16)
-    c.put(sample, 0, [rows, rows * 2])
-    assert sample.written == 2 * 4 * 16 * 2
-    sample.abandon()
