@@ -30,7 +30,7 @@ from hs_patch import files, reader, store
 from hs_patch.host.driver.adopt import adopt
 from hs_patch.host.driver.capture_dir import CaptureWatcher
 from hs_patch.intent import write as write_intent
-from hs_patch.server import config, hook, leftovers, writer
+from hs_patch.server import config, hook, writer
 from hs_patch.server.status import STATUS_FILE
 from lab.passes import Batch, play
 
