@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -85,6 +86,11 @@ class Server:
 
     def __init__(self, name: str, model: str, port: int, chunk: int, capture: dict | None, extra: list[str],
                  first_on_path: str | None = None, mem_fraction: float = 0.5, tp_size: int = 1):
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                raise RuntimeError(f"port {port} already answers before server {name} starts: a server left by an "
+                                   "earlier run (a call cut by its time limit) would be measured instead of this "
+                                   "one; stop it, or give another --port")
         env = {k: v for k, v in os.environ.items() if not k.startswith("HS_CAPTURE")}
         env["PYTHONPATH"] = ":".join(p for p in (first_on_path, str(ROOT), env.get("PYTHONPATH")) if p)
         env.update(capture or {})
@@ -140,13 +146,29 @@ class Server:
         return r.json()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+        """The server's whole process group, its leader alive or not (SGLang's scheduler and detokenizer
+        outlive a launcher that died), SIGKILL for what is left after 30 s."""
+        for sig, seconds in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
             try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline and _group_alive(self.proc):
+                time.sleep(0.1)
+            if not _group_alive(self.proc):
+                break
+        self.proc.poll()
+
+
+def _group_alive(proc: subprocess.Popen) -> bool:
+    """Whether any process of ``proc``'s group (its own session) is still there; reaps the leader."""
+    proc.poll()
+    try:
+        os.killpg(proc.pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def wait_for_samples(directory: Path, keys: set[str], timeout: float = 120) -> float:

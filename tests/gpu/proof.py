@@ -61,6 +61,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import statistics
 import sys
 import time
@@ -267,6 +268,7 @@ def main() -> int:
     phases = a.phases.split(",")
     rec = REC.data
     rc = 0
+    signal.signal(signal.SIGTERM, _terminated)  # `timeout` at a call's limit: stop the servers, keep the record
     try:
         import sglang
 
@@ -322,6 +324,15 @@ def main() -> int:
         REC.save()
     summary(rec)
     return rc
+
+
+class Terminated(Exception):
+    """SIGTERM (``timeout`` ending a call): raised in the main thread so every ``finally`` stops its servers;
+    they run in sessions of their own, and a server left running answered the next call's pristine row."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise Terminated("terminated by SIGTERM (a time limit?): the phase in progress is cut; results so far are kept")
 
 
 def summary(r: dict) -> None:

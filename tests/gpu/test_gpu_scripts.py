@@ -172,3 +172,44 @@ def test_state_bytes_per_token_counts_the_planes_the_depth_captures():
 
     assert sweep.state_bytes_per_token(7168, 8) == sweep.state_bytes_per_token(7168, 61) == 71_945
     assert sweep.state_bytes_per_token(7168, 4) == 4 * 7168 * 2 + 9 + 6 * 32  # layers 1 and 2 (2, 2, 1 deduplicated)
+
+
+def test_a_server_refuses_a_port_that_already_answers(tmp_path, monkeypatch):
+    """A server left by a call cut at its time limit answered the next call's pristine row (it came up in
+    1.1 s, a 32-layer model measured as the 4-layer one): a port that answers is refused, not reused."""
+    monkeypatch.setattr(common.REC, "logs", tmp_path)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        with pytest.raises(RuntimeError, match="already answers"):
+            common.Server("left-over", str(tmp_path), held.getsockname()[1], 64, None, [])
+
+
+def test_stopping_a_server_ends_its_whole_group_when_the_launcher_already_died(tmp_path, monkeypatch):
+    """SGLang's launcher can die (a failed scheduler) with its scheduler and detokenizer still running: stop()
+    ended nothing then, since it looked at the launcher alone."""
+    import time
+
+    monkeypatch.setattr(common.REC, "logs", tmp_path)
+    child = tmp_path / "child.pid"
+    monkeypatch.setattr(common.Server, "LAUNCHER", [sys.executable, "-c", (
+        "import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+        f"open({str(child)!r}, 'w').write(str(p.pid)); sys.exit(1)")])
+    s = common.Server("launcher-dies", str(tmp_path), free_port_block(1), 64, None, [])
+    deadline = time.monotonic() + 30
+    while (s.proc.poll() is None or not child.exists() or not child.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid = int(child.read_text())
+
+    def running() -> bool:  # a killed orphan is reaped by init, or left a zombie where there is none
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    assert running(), "the launcher's child should outlive it"
+    s.stop()
+    deadline = time.monotonic() + 5
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running(), "the server's group was left running"
