@@ -159,18 +159,20 @@ def write_text_atomic(path: str | os.PathLike, text: str, *, fsync: bool = False
 
 MAPPED_STEP = 256 << 20  # bytes hashed per call when mapped
 RANGE = 64 << 20  # bytes a range of a ranged digest (one GIL hand-over a range inside SGLang, as store.STEP)
-RANGED = "sha256r64m:"  # a ranged digest: this, then the sha256 of the sha256 digests of the file's RANGE-byte ranges
+RANGED = "sha256r64m:"  # a ranged digest: this, then the sha256 of the sha256 digests of its RANGE-byte ranges
 _HASHERS: list[Any] = []  # the shared pool that hashes ranges side by side (made on first use)
 _HASHERS_LOCK = threading.Lock()
 
 
 def hashing_pool() -> Any:
     """The threads that hash a file's ranges side by side (hashlib releases the GIL on large buffers): one
-    pool a process, 2 to 8 threads (one a CPU). Its tasks never wait on anything, so a writer's job may wait on them."""
+    pool a process, 2 to 8 threads (one a CPU). Its tasks never wait on anything, so a writer's job may
+    wait on them."""
     with _HASHERS_LOCK:
         if not _HASHERS:
             from concurrent.futures import ThreadPoolExecutor
-            _HASHERS.append(ThreadPoolExecutor(max(2, min(8, os.cpu_count() or 1)), thread_name_prefix="hs_patch-hash"))
+            threads = max(2, min(8, os.cpu_count() or 1))
+            _HASHERS.append(ThreadPoolExecutor(threads, thread_name_prefix="hs_patch-hash"))
         return _HASHERS[0]
 
 
@@ -207,23 +209,26 @@ def file_ranged(path: str | os.PathLike, *, mapped: bool = False) -> tuple[int, 
             with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as m:
                 view = memoryview(m)
                 try:
-                    digests = side_by_side(lambda s: hashlib.sha256(view[s:s + RANGE]).digest(), range(0, size, RANGE))
+                    digests = side_by_side(lambda s: hashlib.sha256(view[s:s + RANGE]).digest(),
+                                           range(0, size, RANGE))
                 finally:
                     view.release()
             return size, ranged(digests)
-        digests = side_by_side(lambda s: _range_sha256(f.fileno(), s, min(RANGE, size - s)), range(0, size, RANGE))
+        digests = side_by_side(lambda s: _range_sha256(f.fileno(), s, min(RANGE, size - s)),
+                               range(0, size, RANGE))
     return size, ranged(digests)
 
 
 def _range_sha256(fd: int, start: int, length: int) -> bytes:
-    """sha256 of ``length`` bytes of ``fd`` from ``start`` (read in 8 MiB blocks); OSError if the file is shorter."""
+    """sha256 of up to ``length`` bytes of ``fd`` from ``start``, read in 8 MiB blocks (a file cut meanwhile
+    gives a digest of what is there, which the caller's comparison then rejects, as file_sha256's does)."""
     h = hashlib.sha256()
     buf = bytearray(min(length, 8 << 20))
     view = memoryview(buf)
     while length:
         n = os.preadv(fd, [view[:min(length, len(buf))]], start)
         if n <= 0:
-            raise OSError(errno.EIO, f"the file ended {length} bytes early (truncated while hashed?)")
+            break
         h.update(view[:n])
         start, length = start + n, length - n
     return h.digest()
