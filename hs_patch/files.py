@@ -179,7 +179,11 @@ def hashing_pool() -> Any:
 def side_by_side(fn: Callable[[Any], Any], items: Any) -> list[Any]:
     """``[fn(x) for x in items]``, run on :func:`hashing_pool`'s threads side by side (fn's hashing and
     writing release the GIL). Returns or raises (the first failure, in order) only once every call has
-    ended: none may still write into a descriptor the caller closes next."""
+    ended: none may still write into a descriptor the caller closes next. One item runs in the calling thread
+    (most samples are under one range: no hand-off for nothing)."""
+    items = list(items)
+    if len(items) <= 1:
+        return [fn(x) for x in items]
     jobs = [hashing_pool().submit(fn, x) for x in items]
     for job in jobs:
         job.exception()  # waits for it, whatever it raised

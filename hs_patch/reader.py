@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
-from hs_patch.files import UNREADABLE, json_lines
+from hs_patch.files import UNREADABLE, file_digest, json_lines
 from hs_patch.server import fingerprint
-from hs_patch.files import file_digest
 from hs_patch.store import FORMATS_READ, MANIFEST, SUFFIX, SampleError, sample_key
 
 if TYPE_CHECKING:  # pragma: no cover

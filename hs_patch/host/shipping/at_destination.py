@@ -47,7 +47,7 @@ def sha256_and_sync(path, like=""):
     sha256, or RANGED + the sha256 of its 64 MiB ranges' sha256 digests, the capture writer's since
     issue #22), and its data made durable (hs_patch.files.file_digest is not importable here)."""
     ranges = like.startswith(RANGED)
-    h, whole, digests = hashlib.sha256(), hashlib.sha256(), []
+    h, digests = hashlib.sha256(), []
     size = 0
     buf = bytearray(8 << 20)
     view = memoryview(buf)
@@ -66,8 +66,7 @@ def sha256_and_sync(path, like=""):
         return size, h.hexdigest()
     if size % RANGE:
         digests.append(h.digest())
-    whole.update(b"".join(digests))
-    return size, RANGED + whole.hexdigest()
+    return size, RANGED + hashlib.sha256(b"".join(digests)).hexdigest()
 
 
 def fsync_dir(path):
