@@ -287,6 +287,69 @@ def test_lab_waits_for_a_busy_gateway_then_names_its_owner(tmp_path, monkeypatch
         (gateway.OWNERS_DIR / bridge).unlink(missing_ok=True)
 
 
+def test_lab_removes_a_dead_lab_on_its_gateway_and_waits_for_a_live_one(tmp_path, monkeypatch):
+    """A lab left by a killed run (no host process alive) is removed by its own ids; a running one is waited for."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and ip")
+    import ipaddress
+
+    from lab import gateway
+    from lab.hostcmd import proc_start_time
+    from lab.testhosts import Lab, reclaim_dead_lab
+
+    gw = ipaddress.ip_interface("203.0.113.129/25")  # a gateway no lab of this project uses
+    tag = f"{os.getpid() % 0xffff:04x}"
+    bridge, netns = f"hsbd{tag}", f"hsd{tag}-gpu"
+    sleeper = subprocess.Popen(["sleep", "60"])
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+
+    def lab_holding_gateway(host_pid: int, host_start: str | None) -> Path:
+        state_dir = tmp_path / f"lab-{host_pid}"
+        state_dir.mkdir()
+        assert _run(["ip", "link", "add", bridge, "type", "bridge"]).returncode == 0
+        assert _run(["ip", "addr", "add", str(gw), "dev", bridge]).returncode == 0
+        assert _run(["ip", "netns", "add", netns]).returncode == 0
+        gateway.OWNERS_DIR.mkdir(parents=True, exist_ok=True)
+        (gateway.OWNERS_DIR / bridge).write_text(f"{state_dir}\n")
+        host = {"name": "gpu", "address": "203.0.113.130", "netns": netns, "veth": f"hsvd{tag}",
+                "dir": str(state_dir / "hosts" / "gpu"), "mounted": False, "netns_created": True,
+                "pid": host_pid, "pid_start": host_start, "machine": f"hsd{tag}-gpu"}
+        (state_dir / "lab.json").write_text(json.dumps({"id": tag, "gateway": str(gw), "bridge": bridge,
+                                                         "bridge_created": True, "hosts": [host]}))
+        return state_dir
+
+    try:
+        # live: its host process runs, so it is waited for (here: 1 s) and named, and left alone
+        live = lab_holding_gateway(sleeper.pid, proc_start_time(sleeper.pid))
+        assert Lab(live).running()
+        monkeypatch.setattr(gateway, "GATEWAY_WAIT_S", 1)
+        with pytest.raises(gateway.LabError, match=f"{bridge} \\(lab in {live}\\)"):
+            with gateway.gateway_claimed(gw, reclaim=reclaim_dead_lab):
+                pytest.fail("claimed the gateway of a lab whose host runs")
+        assert Path("/run/netns", netns).exists() and (live / "lab.json").exists()
+        Lab(live).down()  # as its owner would: stops the host by its recorded pid
+        assert sleeper.wait(timeout=10) is not None
+        assert not Path("/run/netns", netns).exists() and not gateway.gateway_user(gw)
+
+        # dead: its host's pid is gone, so the next up removes it at once and claims the gateway
+        gone = lab_holding_gateway(dead.pid, "0")
+        assert not Lab(gone).running()
+        started = time.monotonic()
+        with gateway.gateway_claimed(gw, reclaim=reclaim_dead_lab):
+            assert not gateway.gateway_user(gw)
+        assert time.monotonic() - started < 30
+        assert not Path("/run/netns", netns).exists(), "the dead lab's netns was left"
+        assert _run(["ip", "link", "show", bridge]).returncode != 0, "the dead lab's bridge was left"
+        assert not (gone / "lab.json").exists() and not (gateway.OWNERS_DIR / bridge).exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        _run(["ip", "netns", "del", netns])
+        _run(["ip", "link", "del", bridge])
+        (gateway.OWNERS_DIR / bridge).unlink(missing_ok=True)
+
+
 # --- molecule scenarios -----------------------------------------------------------------------
 
 

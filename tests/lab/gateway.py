@@ -3,6 +3,11 @@
 Two labs on one gateway (another checkout's CI, a helper's molecule run) would collide, so
 ``Lab.up`` waits for the other lab to go, at most ``GATEWAY_WAIT_S``, then fails saying whose
 it is; ``OWNERS_DIR`` maps each lab's bridge to its state dir for that message.
+
+A lab whose every host process is gone (left by a run that was killed before its ``down``) is
+in nobody's use: ``reclaim`` removes it by its own recorded ids instead of waiting for it.
+``labs_locked`` is the one machine-wide lock: ``up`` holds it while it claims a gateway and
+boots, ``down`` while it removes, so a waiter never sees a lab half made or half gone.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import fcntl
 import ipaddress
 import os
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from lab.hostcmd import LabError, log, run
@@ -20,38 +26,58 @@ GATEWAY_WAIT_S = int(os.environ.get("HS_TESTHOSTS_WAIT_S", "1200"))
 OWNERS_DIR = Path("/run/hs-testhosts")
 
 
-def gateway_user(gw: ipaddress.IPv4Interface) -> str:
-    """'' when no interface holds ``gw``'s address, else 'IFACE (lab in DIR)'."""
+def gateway_owner(gw: ipaddress.IPv4Interface) -> tuple[str, Path | None]:
+    """('', None) when no interface holds ``gw``'s address, else (IFACE, the state dir of its lab or None)."""
     busy = run(["ip", "-o", "addr", "show", "to", str(gw.ip)]).stdout.split()
     if not busy:
-        return ""
+        return "", None
     owner = OWNERS_DIR / busy[1]
-    return f"{busy[1]} (lab in {owner.read_text().strip()})" if owner.exists() else busy[1]
+    return busy[1], Path(owner.read_text().strip()) if owner.exists() else None
+
+
+def gateway_user(gw: ipaddress.IPv4Interface) -> str:
+    """'' when no interface holds ``gw``'s address, else 'IFACE (lab in DIR)'."""
+    iface, state_dir = gateway_owner(gw)
+    return f"{iface} (lab in {state_dir})" if state_dir else iface
 
 
 @contextlib.contextmanager
-def gateway_claimed(gw: ipaddress.IPv4Interface):
-    """Hold the machine-wide lab lock once ``gw`` is free, waiting at most GATEWAY_WAIT_S for it."""
+def labs_locked() -> Iterator[None]:
+    """The machine-wide lab lock (an flock: a killed holder releases it)."""
     OWNERS_DIR.mkdir(parents=True, exist_ok=True)
+    with open(OWNERS_DIR / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def gateway_claimed(gw: ipaddress.IPv4Interface,
+                    reclaim: Callable[[Path], bool] = lambda state_dir: False) -> Iterator[None]:
+    """Hold the machine-wide lab lock once ``gw`` is free, waiting at most GATEWAY_WAIT_S for it.
+
+    ``reclaim(state_dir)`` is asked first, under the lock, about the lab holding ``gw``: it
+    removes that lab and returns True when nothing of it runs any more.
+    """
     deadline = time.monotonic() + GATEWAY_WAIT_S
     next_note = 0.0
-    with open(OWNERS_DIR / ".lock", "w") as lock:
-        while True:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            user = gateway_user(gw)
-            if not user:
-                try:
-                    yield
-                finally:
-                    fcntl.flock(lock, fcntl.LOCK_UN)
+    while True:
+        with labs_locked():
+            iface, state_dir = gateway_owner(gw)
+            if iface and state_dir is not None and reclaim(state_dir):
+                iface, state_dir = gateway_owner(gw)
+            if not iface:
+                yield
                 return
-            fcntl.flock(lock, fcntl.LOCK_UN)
-            now = time.monotonic()
-            if now > deadline:
-                raise LabError(f"gateway {gw.ip} is still configured here by {user} after {GATEWAY_WAIT_S}s:"
-                               " another lab is up; run 'testhosts.py down --state-dir DIR' on its state dir"
-                               " (or set HS_TESTHOSTS_WAIT_S to wait longer)")
-            if now >= next_note:
-                log(f"gateway {gw.ip} is in use by {user}; waiting up to {int(deadline - now)}s for it to go")
-                next_note = now + 60
-            time.sleep(2)
+            user = gateway_user(gw)
+        now = time.monotonic()
+        if now > deadline:
+            raise LabError(f"gateway {gw.ip} is still configured here by {user} after {GATEWAY_WAIT_S}s:"
+                           " another lab is up; run 'testhosts.py down --state-dir DIR' on its state dir"
+                           " (or set HS_TESTHOSTS_WAIT_S to wait longer)")
+        if now >= next_note:
+            log(f"gateway {gw.ip} is in use by {user}; waiting up to {int(deadline - now)}s for it to go")
+            next_note = now + 60
+        time.sleep(2)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -78,3 +79,41 @@ def is_mount(path: Path) -> bool:
     target = str(path.resolve())
     with open("/proc/self/mounts") as f:
         return any(line.split()[1] == target for line in f)
+
+
+def remove_host(host: dict, stop_timeout_s: int) -> None:
+    """Stop one lab host's systemd-nspawn (by recorded pid and start), unmount its overlay, delete its netns and veth."""
+    pid = host.get("pid")
+    if pid and alive(pid, host.get("pid_start")):
+        # nspawn turns SIGTERM into an orderly poweroff of the container (down() sent it already).
+        os.kill(pid, signal.SIGTERM)
+        if not wait_gone(pid, host.get("pid_start"), stop_timeout_s):
+            log(f"{host['name']}: no clean shutdown in {stop_timeout_s}s, killing pid {pid}")
+            os.kill(pid, signal.SIGKILL)
+            if not wait_gone(pid, host.get("pid_start"), 10):
+                raise LabError(f"systemd-nspawn pid {pid} did not exit")
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG) if pid else None
+    merged = Path(host["dir"]) / "merged"
+    if host.get("mounted") and is_mount(merged):
+        for _ in range(10):
+            if run(["umount", str(merged)], check=False).returncode == 0:
+                break
+            time.sleep(0.5)
+        else:
+            raise LabError(f"could not unmount {merged}")
+    if host.get("netns_created"):
+        for _ in range(10):
+            if not Path("/run/netns", host["netns"]).exists():
+                break
+            if run(["ip", "netns", "del", host["netns"]], check=False).returncode == 0:
+                break
+            time.sleep(0.5)
+        else:
+            raise LabError(f"could not delete network namespace {host['netns']}")
+        if run(["ip", "link", "show", host["veth"]], check=False).returncode == 0:
+            run(["ip", "link", "del", host["veth"]], check=False)
+    propagate = Path("/run/systemd/nspawn/propagate", host.get("machine", ""))
+    if host.get("machine") and propagate.is_dir():
+        with contextlib.suppress(OSError):
+            propagate.rmdir()

@@ -33,7 +33,6 @@ gateway on this machine), :mod:`lab.hostcmd` (commands, processes, mounts).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ipaddress
 import json
 import os
@@ -48,8 +47,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent)]  # run as a script (molecule's create/destroy): `lab` importable
 
-from lab.gateway import OWNERS_DIR, gateway_claimed  # noqa: E402
-from lab.hostcmd import LabError, alive, is_mount, log, proc_start_time, run, umask, wait_gone  # noqa: E402
+from lab.gateway import OWNERS_DIR, gateway_claimed, labs_locked  # noqa: E402
+from lab.hostcmd import LabError, alive, log, proc_start_time, remove_host, run, umask  # noqa: E402
 from lab.rootfs import ensure_rootfs  # noqa: E402
 
 DEFAULT_GATEWAY = "198.51.100.1/24"
@@ -105,7 +104,7 @@ class Lab:
         with umask(0o022):
             rootfs = ensure_rootfs()
             self.state_dir.mkdir(parents=True, exist_ok=True)
-            with gateway_claimed(gw):
+            with gateway_claimed(gw, reclaim=reclaim_dead_lab):
                 return self._up_claimed(hosts, gw, rootfs)
 
     def _up_claimed(self, hosts: list[tuple[str, str]], gw: ipaddress.IPv4Interface, rootfs: Path) -> dict:
@@ -153,7 +152,7 @@ class Lab:
                 self._wait_ready(host)
         except BaseException:
             log("up failed, removing what was created")
-            self.down()
+            self._down()  # up holds the labs' lock already
             raise
         return self.describe()
 
@@ -266,6 +265,14 @@ class Lab:
     # down ----------------------------------------------------------------
     def down(self) -> None:
         """Stop and remove everything recorded in the state file. Idempotent."""
+        with labs_locked():
+            self._down()
+
+    def running(self) -> bool:
+        """True while any recorded host's systemd-nspawn still runs (by its recorded pid and start)."""
+        return any(alive(h.get("pid"), h.get("pid_start")) for h in self.load().get("hosts", []))
+
+    def _down(self) -> None:
         state = self.load()
         if not state:
             return
@@ -278,7 +285,7 @@ class Lab:
                 os.kill(host["pid"], signal.SIGTERM)
         for host in reversed(state.get("hosts", [])):
             try:
-                self._stop_host(host)
+                remove_host(host, STOP_TIMEOUT_S)
                 log(f"{host['name']}: stopped and removed ({time.monotonic() - started:.1f}s)")
             except Exception as exc:  # keep cleaning the rest
                 errors.append(f"{host['name']}: {exc}")
@@ -293,42 +300,6 @@ class Lab:
             shutil.rmtree(self.state_dir / sub, ignore_errors=True)
         for path in (self.state_file, self.key, self.key.with_suffix(".pub"), self.known_hosts):
             path.unlink(missing_ok=True)
-
-    def _stop_host(self, host: dict) -> None:
-        pid = host.get("pid")
-        if pid and alive(pid, host.get("pid_start")):
-            # nspawn turns SIGTERM into an orderly poweroff of the container (down() sent it already).
-            os.kill(pid, signal.SIGTERM)
-            if not wait_gone(pid, host.get("pid_start"), STOP_TIMEOUT_S):
-                log(f"{host['name']}: no clean shutdown in {STOP_TIMEOUT_S}s, killing pid {pid}")
-                os.kill(pid, signal.SIGKILL)
-                if not wait_gone(pid, host.get("pid_start"), 10):
-                    raise LabError(f"systemd-nspawn pid {pid} did not exit")
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG) if pid else None
-        merged = Path(host["dir"]) / "merged"
-        if host.get("mounted") and is_mount(merged):
-            for _ in range(10):
-                if run(["umount", str(merged)], check=False).returncode == 0:
-                    break
-                time.sleep(0.5)
-            else:
-                raise LabError(f"could not unmount {merged}")
-        if host.get("netns_created"):
-            for _ in range(10):
-                if not Path("/run/netns", host["netns"]).exists():
-                    break
-                if run(["ip", "netns", "del", host["netns"]], check=False).returncode == 0:
-                    break
-                time.sleep(0.5)
-            else:
-                raise LabError(f"could not delete network namespace {host['netns']}")
-            if run(["ip", "link", "show", host["veth"]], check=False).returncode == 0:
-                run(["ip", "link", "del", host["veth"]], check=False)
-        propagate = Path("/run/systemd/nspawn/propagate", host.get("machine", ""))
-        if host.get("machine") and propagate.is_dir():
-            with contextlib.suppress(OSError):
-                propagate.rmdir()
 
     # helpers -------------------------------------------------------------
     def describe(self) -> dict:
@@ -358,6 +329,21 @@ class Lab:
                              "ansible_ssh_private_key_file": d["key"], "ansible_ssh_common_args": common}
                  for h in d["hosts"]}
         return {group: {"hosts": hosts}}
+
+
+def reclaim_dead_lab(state_dir: Path) -> bool:
+    """Remove the lab in ``state_dir`` if none of its hosts runs (a killed run left it); True if removed.
+
+    Called by ``up`` under the labs' lock about the lab holding its gateway, so no lab is
+    being made or removed meanwhile; the removal goes by the dead lab's own recorded ids.
+    """
+    lab = Lab(state_dir)
+    if not lab.load() or lab.running():
+        return False
+    log(f"the lab in {state_dir} holds the gateway but none of its hosts runs (left by a run that was"
+        " killed before its down): removing it by its recorded ids")
+    lab._down()
+    return True
 
 
 def _parse_host(spec: str) -> tuple[str, str]:
