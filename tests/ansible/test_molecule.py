@@ -20,6 +20,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+# The scenarios' test hosts share 198.51.100.0/24: one lab at a time, so every test of this file
+# runs on one of the suite's workers (`-n 2 --dist loadgroup`), beside the other's tests.
+pytestmark = pytest.mark.xdist_group("lab-198.51.100")
+
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = sorted(p.parent.name for p in (ROOT / "molecule").glob("*/molecule.yml"))
 ROLES = sorted(p.name for p in (ROOT / "roles").iterdir() if (p / "tasks/main.yml").exists())
@@ -229,11 +233,13 @@ def test_testhosts_up_down_leaves_nothing(tmp_path):
     try:
         old_umask = os.umask(0o077)  # a hardened shell's umask must not lock the guests' daemons out
         try:
-            desc = lab.up([("gpu", "203.0.113.10"), ("storage", "203.0.113.11")], gateway="203.0.113.1/24")
+            # its own network: the end-to-end tests' labs (203.0.113.0/26) may be up beside it
+            desc = lab.up([("gpu", "203.0.113.74"), ("storage", "203.0.113.75")], gateway="203.0.113.65/26")
         finally:
             assert os.umask(old_umask) == 0o077, "up restores the caller's umask"
-        assert [h["address"] for h in desc["hosts"]] == ["203.0.113.10", "203.0.113.11"]
+        assert [h["address"] for h in desc["hosts"]] == ["203.0.113.74", "203.0.113.75"]
         state = lab.load()
+        lab_id = state["id"]
         pids = [h["pid"] for h in state["hosts"]]
         assert lab.ssh("gpu", "hostname").stdout.strip() == "gpu"
         assert lab.ssh("storage", "systemctl is-system-running", check=False).stdout.strip() in ("running", "degraded")
@@ -247,9 +253,13 @@ def test_testhosts_up_down_leaves_nothing(tmp_path):
     finally:
         lab.down()
     after = snapshot()
-    assert after[0] == before[0], "network namespaces left behind"
-    assert after[1] == before[1], "network links left behind"
-    assert after[2] == before[2], "mounts left behind"
+    # every name a lab makes carries its id (hsb<id>, hs<id>-<host>, hsv<id><n>) and its mounts lie in
+    # its state dir: other labs up and down beside this one (the suite's other worker) are not counted
+    ours = [{n for n in a - b if lab_id in n or str(tmp_path) in n} for a, b in zip(after, before)]
+    assert not ours[0], f"network namespaces left behind: {ours[0]}"
+    assert not ours[1], f"network links left behind: {ours[1]}"
+    assert not ours[2], f"mounts left behind: {ours[2]}"
+    assert {n for n in before[2] - after[2] if lab_id in n or str(tmp_path) in n} == set()
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
     assert not (tmp_path / "lab" / "lab.json").exists()

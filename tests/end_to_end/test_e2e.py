@@ -26,6 +26,7 @@ from lab.runcheck import write_chats
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.xdist_group("lab-203.0.113"),  # its test hosts' network: one lab on it at a time, one worker
     pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("systemd-nspawn"),
                        reason="test hosts need root and systemd-nspawn (scripts/install-deps.sh)"),
 ]

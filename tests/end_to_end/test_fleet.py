@@ -32,13 +32,14 @@ from lab.runcheck import write_chats
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.xdist_group("lab-203.0.113"),  # its test hosts' network: one lab on it at a time, one worker
     pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("systemd-nspawn"),
                        reason="test hosts need root and systemd-nspawn (scripts/install-deps.sh)"),
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
-GPUS = (("gpu1", "198.51.100.40"), ("gpu2", "198.51.100.41"), ("gpu3", "198.51.100.42"))
-STORE = ("storage", "198.51.100.43")
+GPUS = (("gpu1", "203.0.113.40"), ("gpu2", "203.0.113.41"), ("gpu3", "203.0.113.42"))
+STORE = ("storage", "203.0.113.43")
 RUN = "fleet"
 DEAD_AFTER = 40        # --dead-after of the foreground commands here (default 120)
 POLL_DEADLINE = 20     # hs_patch.control.poll.POLL_DEADLINE_S

@@ -6,7 +6,7 @@
     python3 tests/lab/demo.py --down
 
 1. boots two local test hosts (tests/lab/testhosts.py: Debian 12, real systemd, real SSH, in
-   their own network namespace): ``gpu`` (198.51.100.40) and ``storage`` (198.51.100.41);
+   their own network namespace): ``gpu`` (203.0.113.40) and ``storage`` (203.0.113.41);
 2. runs ``ansible-playbook site.yml`` against them with a generated inventory: the GPU
    steps are faked (an ``nvidia-smi`` printing 8 RTX PRO 6000 rows, an ``nvidia-modprobe`` that logs, a
    ``mokutil`` saying Secure Boot is off, no driver install),
@@ -46,16 +46,20 @@ ROOT = HERE.parents[1]
 sys.path[:0] = [str(HERE.parent), str(ROOT)]  # run as a script: `lab` and the checkout's hs_patch importable
 
 from lab import wheelhouse_dir  # noqa: E402
+from lab.hostcmd import file_locked  # noqa: E402
 from lab.rootfs import CACHE_DIR  # noqa: E402
 from lab.testhosts import STOP_TIMEOUT_S, Lab  # noqa: E402
 
-GPU, STORAGE = ("gpu", "198.51.100.40"), ("storage", "198.51.100.41")
+# Its own network (not the molecule scenarios' 198.51.100.0/24): a demo or an end-to-end test can
+# run beside them (the suite's two workers do).
+GATEWAY = "203.0.113.1/26"
+GPU, STORAGE = ("gpu", "203.0.113.40"), ("storage", "203.0.113.41")
 SGLANG = "0.5.9"
 VENV = "/opt/hs-patch/venv"
 STANDIN_DIR = "/opt/hs-patch/standin"
 # the stand-in server and what it imports, copied as the package lab/ (run as {STANDIN_DIR}/lab/standin_server.py)
 STANDIN_FILES = ("__init__.py", "standin_server.py", "standin_engine.py", "standin_requests.py", "standin_spec.py",
-                 "sglang_sim.py", "hf_reference.py", "sglang_wheels.py")
+                 "sglang_sim.py", "hf_reference.py", "sglang_wheels.py", "hostcmd.py")
 STANDIN_NEEDS = ("torch==2.13.0", "transformers", "safetensors", "requests", "pyyaml")
 MODEL = "/models/tiny"
 EXAMPLE = ROOT / "examples" / "data" / "tiny_chat.jsonl"
@@ -101,7 +105,7 @@ class Demo:
     # ------------------------------------------------------------------ hosts
     def up(self) -> None:
         say("booting the test hosts")
-        self.lab.up([*self.gpus, self.storage])
+        self.lab.up([*self.gpus, self.storage], gateway=GATEWAY)
         self._write_inventory()
 
     def down(self) -> bool:
@@ -145,9 +149,10 @@ class Demo:
         say("wheels for the test hosts (cached)")
         wheelhouse_dir.build(CACHE_DIR / "wheelhouse", SGLANG)  # the builder's layout: <pin>/ with its lock
         standin = CACHE_DIR / "standin-wheels"
-        if not (standin / ".complete").exists():
-            run([sys.executable, "-m", "pip", "download", "-q", "-d", str(standin), *STANDIN_NEEDS])
-            (standin / ".complete").touch()
+        with file_locked(CACHE_DIR / ".standin-wheels.lock"):
+            if not (standin / ".complete").exists():
+                run([sys.executable, "-m", "pip", "download", "-q", "-d", str(standin), *STANDIN_NEEDS])
+                (standin / ".complete").touch()
         say("fake GPUs, the tiny model and the stand-in server on the GPU test host(s)")
         with tempfile.TemporaryDirectory() as tmp:
             from lab.tiny_model import make_tiny_model_dir

@@ -7,6 +7,7 @@ by name.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
 import subprocess
@@ -37,6 +38,19 @@ def umask(mask: int):
         yield
     finally:
         os.umask(old)
+
+
+@contextlib.contextmanager
+def file_locked(lock_file: Path):
+    """Hold an exclusive flock on ``lock_file`` (made with its directory): one builder of a shared
+    cache at a time, across processes (the suite's two workers, another checkout's CI)."""
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_file, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def log(msg: str) -> None:

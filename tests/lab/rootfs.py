@@ -5,14 +5,13 @@ Each host boots on its own overlay of this one tree (:mod:`lab.testhosts`).
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import shutil
 import time
 from pathlib import Path
 
-from lab.hostcmd import log, run
+from lab.hostcmd import file_locked, log, run
 
 CACHE_DIR = Path(os.environ.get("HS_TESTHOSTS_CACHE", "/var/cache/hs-patch-tests"))
 MIRROR = os.environ.get("HS_TESTHOSTS_MIRROR", "http://deb.debian.org/debian")
@@ -38,9 +37,7 @@ def ensure_rootfs() -> Path:
     final = rootfs_path()
     if (final / ".hs-rootfs-ok").exists():
         return final
-    CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    with open(CACHE_DIR / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with file_locked(CACHE_DIR / ".lock"):
         if (final / ".hs-rootfs-ok").exists():
             return final
         tmp = final.with_name(final.name + ".tmp")

@@ -13,6 +13,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+from lab.hostcmd import file_locked
+
 CACHE = Path(os.environ.get("HS_PATCH_TEST_CACHE", Path.home() / ".cache" / "hs-patch-tests"))
 
 # What the tests need from a wheel: the patched module, its neighbours the capture harness runs
@@ -29,12 +31,13 @@ MEMBERS = ("sglang/__init__.py", "sglang/version.py", "sglang/srt/models/deepsee
 def sglang_wheel(version: str) -> Path:
     """The real ``sglang==version`` wheel, downloaded once into the test cache."""
     wheels = CACHE / "wheels"
-    found = sorted(wheels.glob(f"sglang-{version}-*.whl"))
-    if not found:
-        wheels.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                        "-q", "-d", str(wheels), f"sglang=={version}"], check=True)
+    with file_locked(CACHE / ".wheels.lock"):  # pip writes in place: no reader may see a half file
         found = sorted(wheels.glob(f"sglang-{version}-*.whl"))
+        if not found:
+            wheels.mkdir(parents=True, exist_ok=True)
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                            "-q", "-d", str(wheels), f"sglang=={version}"], check=True)
+            found = sorted(wheels.glob(f"sglang-{version}-*.whl"))
     assert found, f"pip download gave no sglang {version} wheel"
     return found[0]
 

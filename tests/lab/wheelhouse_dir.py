@@ -25,6 +25,7 @@ sys.path[:0] = [str(HERE.parent), str(HERE.parents[1])]  # run as a script: `lab
 
 from hs_patch.releases import RELEASES  # noqa: E402
 from hs_patch.store import file_sha256, write_text_atomic  # noqa: E402
+from lab.hostcmd import file_locked  # noqa: E402
 from lab.sglang_wheels import sglang_wheel  # noqa: E402
 
 
@@ -55,20 +56,21 @@ def standin_wheel(dest: Path, requirement: str) -> Path:
 
 def build(dest: Path, pin: str) -> Path:
     """``dest/pin/`` with the sglang wheel, the overrides' and replacements' stand-ins and the lock; returns it."""
-    pin_dir = dest / pin
-    pin_dir.mkdir(parents=True, exist_ok=True)
-    real = sglang_wheel(pin)
-    wheel = pin_dir / real.name
-    if not wheel.exists() or file_sha256(wheel) != file_sha256(real):
-        tmp = wheel.with_suffix(".tmp")
-        tmp.write_bytes(real.read_bytes())
-        tmp.replace(wheel)
-    lines = [f"# sglang=={pin} for the test hosts: the real sglang wheel, stand-ins for the overrides and replacements"]
-    lines.append(f"sglang=={pin} --hash=sha256:{file_sha256(wheel)[1]}")
-    for req in RELEASES[pin].pip_overrides + RELEASES[pin].replaces:
-        lines.append(f"{req} --hash=sha256:{file_sha256(standin_wheel(pin_dir, req))[1]}")
-    write_text_atomic(pin_dir / "requirements.txt", "\n".join(lines) + "\n")
-    return pin_dir
+    with file_locked(dest.parent / f".{dest.name}.lock"):  # a molecule scenario and a demo may build it at once
+        pin_dir = dest / pin
+        pin_dir.mkdir(parents=True, exist_ok=True)
+        real = sglang_wheel(pin)
+        wheel = pin_dir / real.name
+        if not wheel.exists() or file_sha256(wheel) != file_sha256(real):
+            tmp = wheel.with_suffix(".tmp")
+            tmp.write_bytes(real.read_bytes())
+            tmp.replace(wheel)
+        lines = [f"# sglang=={pin} for the test hosts: the real sglang wheel, stand-ins for the overrides and replacements"]
+        lines.append(f"sglang=={pin} --hash=sha256:{file_sha256(wheel)[1]}")
+        for req in RELEASES[pin].pip_overrides + RELEASES[pin].replaces:
+            lines.append(f"{req} --hash=sha256:{file_sha256(standin_wheel(pin_dir, req))[1]}")
+        write_text_atomic(pin_dir / "requirements.txt", "\n".join(lines) + "\n")
+        return pin_dir
 
 
 if __name__ == "__main__":
