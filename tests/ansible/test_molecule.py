@@ -259,7 +259,6 @@ def test_testhosts_up_down_leaves_nothing(tmp_path):
     assert not ours[0], f"network namespaces left behind: {ours[0]}"
     assert not ours[1], f"network links left behind: {ours[1]}"
     assert not ours[2], f"mounts left behind: {ours[2]}"
-    assert {n for n in before[2] - after[2] if lab_id in n or str(tmp_path) in n} == set()
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
     assert not (tmp_path / "lab" / "lab.json").exists()

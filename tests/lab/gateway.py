@@ -13,14 +13,13 @@ boots, ``down`` while it removes, so a waiter never sees a lab half made or half
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import ipaddress
 import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from lab.hostcmd import LabError, log, run
+from lab.hostcmd import LabError, file_locked, log, run
 
 GATEWAY_WAIT_S = int(os.environ.get("HS_TESTHOSTS_WAIT_S", "1200"))
 OWNERS_DIR = Path("/run/hs-testhosts")
@@ -37,20 +36,16 @@ def gateway_owner(gw: ipaddress.IPv4Interface) -> tuple[str, Path | None]:
 
 def gateway_user(gw: ipaddress.IPv4Interface) -> str:
     """'' when no interface holds ``gw``'s address, else 'IFACE (lab in DIR)'."""
-    iface, state_dir = gateway_owner(gw)
+    return _named(*gateway_owner(gw))
+
+
+def _named(iface: str, state_dir: Path | None) -> str:
     return f"{iface} (lab in {state_dir})" if state_dir else iface
 
 
-@contextlib.contextmanager
-def labs_locked() -> Iterator[None]:
+def labs_locked() -> contextlib.AbstractContextManager:
     """The machine-wide lab lock (an flock: a killed holder releases it)."""
-    OWNERS_DIR.mkdir(parents=True, exist_ok=True)
-    with open(OWNERS_DIR / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    return file_locked(OWNERS_DIR / ".lock")
 
 
 @contextlib.contextmanager
@@ -71,7 +66,7 @@ def gateway_claimed(gw: ipaddress.IPv4Interface,
             if not iface:
                 yield
                 return
-            user = gateway_user(gw)
+            user = _named(iface, state_dir)
         now = time.monotonic()
         if now > deadline:
             raise LabError(f"gateway {gw.ip} is still configured here by {user} after {GATEWAY_WAIT_S}s:"
