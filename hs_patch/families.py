@@ -49,9 +49,9 @@ _INIT = Edit(
     '            self._hs_capture = _hs_attach(self, config, "<<release>>")\n',
 )
 
-_BEGIN = (
+_BEGIN = (  # hidden_states: the embedding the residual stream begins from (the first PP rank: PP is refused)
     "        _hs = (  # hs_patch: None unless this pass is a prefill to capture\n"
-    "            self._hs_capture.begin(forward_batch, input_ids)\n"
+    "            self._hs_capture.begin(forward_batch, input_ids, hidden_states)\n"
     "            if self._hs_capture is not None\n"
     "            else None\n"
     "        )\n"
@@ -101,6 +101,26 @@ ATTN_INPUT = (
 )
 ATTN_INPUT_LINE = "            captured_last_layer_outputs.hs_attn_input(hidden_states)\n"  # the layer-point form
 
+
+def _hands(method: str, value: str, why: str) -> str:
+    """The patch's lines that hand one of the additive relation's tensors to our collector (only ours has
+    ``method``): the attention's output before the step that all-reduces it and adds it to the residual,
+    and the residual after that step (hs_patch.server.fingerprint)."""
+    return ("        if captured_last_layer_outputs is not None and hasattr(  # hs_patch: " + why + "\n"
+            f'            captured_last_layer_outputs, "{method}"\n'
+            "        ):\n"
+            f"            captured_last_layer_outputs.{method}({value})\n")
+
+
+ATTN_OUTPUT = _hands("hs_attn_output", "hidden_states", "the attention's output")
+MID = _hands("hs_mid", "residual", "the residual after it")
+_PREPARE_MLP = ("        hidden_states, residual = self.layer_communicator.prepare_mlp(\n"
+                "            hidden_states, residual, forward_batch\n"
+                "        )\n")
+_AROUND_MLP = Edit(_PREPARE_MLP, ATTN_OUTPUT + _PREPARE_MLP + MID)  # the layer-point and communicator families
+_BOUNDARY_MLP = ("        hidden_states = self.attn_boundary.finish(hidden_states, forward_batch)\n"
+                 "        hidden_states = self.ffn_boundary.prepare(hidden_states, forward_batch)\n")
+
 # ------------------------------------------------------------------ families
 
 LAYER_POINT = Family(
@@ -139,6 +159,7 @@ LAYER_POINT = Family(
             "        if captured_last_layer_outputs is not None:  # hs_patch: the reduced input\n"
             "            captured_last_layer_outputs.capture(residual)\n" + ATTN_INPUT_LINE,
         ),
+        _AROUND_MLP,
         _INIT,
         Edit("        aux_hidden_states = []\n", "        aux_hidden_states = []\n" + _BEGIN),
         Edit(
@@ -188,6 +209,7 @@ COMMUNICATOR = Family(
     edits=(
         _INIT,
         Edit(_PREPARE_COMM, _PREPARE_COMM + ATTN_INPUT),
+        _AROUND_MLP,
         Edit("<<aux_init>>", "<<aux_init>>" + _BEGIN),
         Edit(
             "                    captured_last_layer_outputs=(\n"
@@ -210,6 +232,10 @@ LAYER_BOUNDARY = Family(
     edits=(
         _INIT,
         Edit(_PREPARE_BOUNDARY, _PREPARE_BOUNDARY + ATTN_INPUT),
+        # the residual after the attention's output was added: the stream's, once the FFN stage's prepare
+        # has consumed the pending contribution (layer_boundary/residual/stream.py: prepare writes it)
+        Edit(_BOUNDARY_MLP, ATTN_OUTPUT + _BOUNDARY_MLP
+             + _hands("hs_mid", "forward_batch.residual_stream.residual", "the residual after it")),
         Edit("        aux_hidden_states = AuxHiddenStatePacker(len(self.layers_to_capture))\n",
              "        aux_hidden_states = AuxHiddenStatePacker(len(self.layers_to_capture))\n" + _BEGIN),
         Edit(

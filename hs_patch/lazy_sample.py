@@ -2,7 +2,7 @@
 
 ``open_sample`` opens a sample as a memory map and makes the checks of
 :func:`hs_patch.reader.read_sample` on its header (format tag, every declared plane's dtype
-and shape, the fingerprint tensor's, that the token ids hash to the key; given its manifest
+and shape, the fingerprint and checksum tensors', that the token ids hash to the key; given its manifest
 entry, size and sha256 first); :class:`LazySample` then reads one tensor, or a few rows of a
 plane, at a time, so memory holds what was asked for, not the file.
 """
@@ -13,8 +13,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from hs_patch.reader import check_entry, fingerprint_shape
-from hs_patch.server import fingerprint
+from hs_patch.reader import check_entry, record_shapes
 from hs_patch.store import FORMATS_READ, SampleError, sample_key
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -97,8 +96,7 @@ def open_sample(path: str | os.PathLike, *, entry: Mapping[str, Any] | None = No
         want.update({p: (DTYPE_NAMES.get("torch." + meta.get("dtype", ""), "?"), [n, hidden]) for p in sample.planes})
         if sample.has("loss_mask"):
             want["loss_mask"] = ("U8", [n])
-        if (fp := fingerprint_shape(path, meta, n)) is not None:
-            want[fingerprint.TENSOR] = ("F32", fp)
+        want.update(record_shapes(path, meta, n))
         for name, (dtype, shape) in want.items():
             if not sample.has(name):
                 raise SampleError(f"{path}: {name!r} is missing")

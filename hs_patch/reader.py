@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
 from hs_patch.files import UNREADABLE, file_digest, json_lines
 from hs_patch.server import fingerprint
-from hs_patch.store import FORMATS_READ, MANIFEST, SUFFIX, SampleError, sample_key
+from hs_patch.store import DTYPE_NAMES, FORMATS_READ, MANIFEST, SUFFIX, SampleError, sample_key
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -107,9 +107,12 @@ def check_sample(path: Path, metadata: Mapping[str, str], tensors: Mapping[str, 
             raise SampleError(f"{path}: plane {name!r} is {t.dtype}, expected {dtype}")
     if "loss_mask" in tensors and tuple(tensors["loss_mask"].shape) != (n,):
         raise SampleError(f"{path}: loss_mask must have shape ({n},)")
-    want, got = fingerprint_shape(path, metadata, n), tensors.get(fingerprint.TENSOR)
-    if (None if got is None else [list(got.shape), str(got.dtype)]) != (want and [want, "torch.float32"]):
-        raise SampleError(f"{path}: the fingerprint tensor does not match its metadata ({want}, float32)")
+    records = record_shapes(path, metadata, n)
+    for name in (fingerprint.TENSOR, fingerprint.CHECKSUM_TENSOR):
+        got, want = tensors.get(name), records.get(name)
+        if (None if got is None else [list(got.shape), DTYPE_NAMES.get(str(got.dtype))]) != \
+                (want and [want[1], want[0]]):
+            raise SampleError(f"{path}: the {name} tensor does not match its metadata ({want})")
     if sample_key(ids) != metadata.get("key"):
         raise SampleError(f"{path}: token ids do not hash to the sample key {metadata.get('key')}")
 
@@ -138,13 +141,19 @@ def check_header(path: Path, entry: Mapping[str, Any]) -> None:
         raise SampleError(f"{path}: its tensors end at byte {8 + n + max(ends, default=0)}, the file has {size}")
 
 
-def fingerprint_shape(path: Path, metadata: Mapping[str, str], n: int) -> Optional[list[int]]:
-    """[n, streams, blocks] of the sample's fingerprint tensor as its metadata says (None: it has none)."""
-    try:
-        doc = fingerprint.parse(dict(metadata))
-    except ValueError as e:
-        raise SampleError(f"{path}: {e}") from None
-    return None if doc is None else [n, len(doc["streams"]), int(doc["blocks"])]
+def record_shapes(path: Path, metadata: Mapping[str, str], n: int) -> dict[str, tuple[str, list[int]]]:
+    """The sample's fingerprint and checksum tensors as its metadata says: name -> (safetensors dtype,
+    [n, streams, blocks]); absent ones (samples written before them) are left out."""
+    out = {}
+    for name, parse, dtype in ((fingerprint.TENSOR, fingerprint.parse, "F32"),
+                               (fingerprint.CHECKSUM_TENSOR, fingerprint.parse_checksums, "I32")):
+        try:
+            doc = parse(dict(metadata))
+        except ValueError as e:
+            raise SampleError(f"{path}: {e}") from None
+        if doc is not None:
+            out[name] = (dtype, [n, len(doc["streams"]), int(doc["blocks"])])
+    return out
 
 
 ADD_FIELDS = {"key": str, "file": str, "bytes": int, "sha256": str}
@@ -228,8 +237,7 @@ class Header:
         want = {"input_ids": [n], **{p: [n, hidden] for p in planes}}
         if "loss_mask" in self.tensors:
             want["loss_mask"] = [n]
-        if (fp := fingerprint_shape(path, m, n)) is not None:
-            want[fingerprint.TENSOR] = fp
+        want.update({name: shape for name, (_, shape) in record_shapes(path, m, n).items()})
         got = {k: v.get("shape") for k, v in self.tensors.items()}
         if got != want:
             raise SampleError(f"{path}: tensors {got} do not match the metadata ({want})")

@@ -52,8 +52,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["file_sha256", "write_text_atomic"]  # re-exported: the shared helpers of hs_patch.files
 
-FORMAT = "hs_patch.sample/3"
-FORMATS_READ = ("hs_patch.sample/1", "hs_patch.sample/2", FORMAT)
+FORMAT = "hs_patch.sample/4"  # 4: + the checksum tensor and the additive relation's streams (issue #33)
+FORMATS_READ = ("hs_patch.sample/1", "hs_patch.sample/2", "hs_patch.sample/3", FORMAT)
 SUFFIX = ".safetensors"
 MANIFEST = "manifest.jsonl"
 ERRORS = "errors.jsonl"
@@ -67,9 +67,10 @@ DTYPE_NAMES = {
     "torch.float32": "F32",
     "torch.int64": "I64",
     "torch.uint8": "U8",
+    "torch.int32": "I32",
     "torch.float8_e4m3fn": "F8_E4M3",
 }
-DTYPE_SIZES = {"BF16": 2, "F16": 2, "F32": 4, "I64": 8, "U8": 1, "F8_E4M3": 1}
+DTYPE_SIZES = {"BF16": 2, "F16": 2, "F32": 4, "I64": 8, "I32": 4, "U8": 1, "F8_E4M3": 1}
 
 
 class SampleError(ValueError):

@@ -2,7 +2,7 @@
 
 The planes (whole, or in place chunk by chunk: :mod:`hs_patch.server.inplace`), then the
 small tensors: ``input_ids``, the driver's ``loss_mask`` (from its intent: :mod:`hs_patch.intent`)
-and the ``fingerprint`` rows (:mod:`hs_patch.server.fingerprint`); the header metadata: the
+and the ``fingerprint`` and ``checksum`` rows (:mod:`hs_patch.server.fingerprint`); the header metadata: the
 hook's, the sample's own (key, length, parts and where each began, request id), and the
 intent's provenance. The manifest line's extra fields come from here too. Runs in the writer's
 threads inside the SGLang server: standard library and torch only.
@@ -33,6 +33,7 @@ class Contents:
     def __init__(self, directory: "Path", planes: Sequence[str], metadata: dict[str, str], *, fsync: bool):
         self.directory, self.planes, self.metadata, self.fsync = directory, list(planes), dict(metadata), fsync
         self.fingerprinted = fingerprint.META in metadata  # then every pass brings its fingerprint rows
+        self.checksummed = fingerprint.CHECKSUM_META in metadata  # and its checksum rows
 
     def start_open(self, ids: "torch.Tensor", full: int, rid: Optional[str], like: "torch.Tensor") -> OpenPrompt:
         """The in-place file of a prompt longer than this pass, laid out for all ``full`` tokens."""
@@ -47,12 +48,13 @@ class Contents:
             sample.put(k, start, store.raw_bytes(name, t))
 
     def write_whole(self, ids: "torch.Tensor", slices: list["torch.Tensor"], rid: Optional[str],
-                    fp: Optional["torch.Tensor"]) -> tuple[store.Written, dict[str, Any]]:
+                    fp: Optional["torch.Tensor"], cs: Optional["torch.Tensor"] = None
+                    ) -> tuple[store.Written, dict[str, Any]]:
         """A request prefilled in one pass: the whole file at once, its ranges written and hashed side by side."""
         key = store.sample_key(ids)
         n = int(ids.shape[0])
         found = self.intent(key, n)
-        tensors = [store.tensor_bytes(name, t) for name, t in zip(self.planes, slices)] + self.tail(ids, found, fp)
+        tensors = [store.tensor_bytes(name, t) for name, t in zip(self.planes, slices)] + self.tail(ids, found, fp, cs)
         meta = self.meta(key, n, str(slices[0].dtype).replace("torch.", ""), rid, [0], found)
         return store.write_temp(self.directory, key, tensors, meta, fsync=self.fsync, ranges=True), \
             self.extra(found, rid, 1, n)
@@ -66,8 +68,9 @@ class Contents:
         n = int(ids.shape[0])
         found = self.intent(key, n)
         fp = torch.cat(part.fingerprints) if part.fingerprints else None
+        cs = torch.cat(part.checksums) if part.checksums else None
         meta = self.meta(key, n, part.dtype, part.rid, part.starts, found)
-        return part.sample.finish(key, self.tail(ids, found, fp), meta, fsync=self.fsync), \
+        return part.sample.finish(key, self.tail(ids, found, fp, cs), meta, fsync=self.fsync), \
             self.extra(found, part.rid, part.parts, n)
 
     def meta(self, key: str, n: int, dtype: str, rid: Optional[str], starts: Sequence[int],
@@ -79,15 +82,17 @@ class Contents:
             meta.update({k: v for k, v in found.metadata.items() if k not in meta}, loss_tokens=str(found.loss_tokens))
         return meta
 
-    def tail(self, ids: "torch.Tensor", found: Optional[intents.Intent],
-             fp: Optional["torch.Tensor"]) -> list[store.TensorBytes]:
+    def tail(self, ids: "torch.Tensor", found: Optional[intents.Intent], fp: Optional["torch.Tensor"],
+             cs: Optional["torch.Tensor"] = None) -> list[store.TensorBytes]:
         tail = [store.tensor_bytes("input_ids", ids.contiguous())]
         if found is not None:
             tail.append(store.TensorBytes("loss_mask", "U8", (found.tokens,), [found.loss_mask()]))
-        if self.fingerprinted:
-            if fp is None or fp.shape[0] != ids.shape[0]:
-                raise RuntimeError("a pass came without the fingerprint rows of its samples (internal error)")
-            tail.append(store.tensor_bytes(fingerprint.TENSOR, fp.contiguous()))
+        for on, rows, name in ((self.fingerprinted, fp, fingerprint.TENSOR),
+                               (self.checksummed, cs, fingerprint.CHECKSUM_TENSOR)):
+            if on:
+                if rows is None or rows.shape[0] != ids.shape[0]:
+                    raise RuntimeError(f"a pass came without the {name} rows of its samples (internal error)")
+                tail.append(store.tensor_bytes(name, rows.contiguous()))
         return tail
 
     def extra(self, found: Optional[intents.Intent], rid: Optional[str], parts: int, n: int) -> dict[str, Any]:

@@ -2,16 +2,18 @@
 
 The patched ``DeepseekV2Model`` calls, per forward pass::
 
-    _hs = self._hs_capture.begin(forward_batch, input_ids)   # None: nothing to capture
+    _hs = self._hs_capture.begin(forward_batch, input_ids, <the embedded rows>)  # None: nothing to capture
     ... layer(..., captured_last_layer_outputs=_hs.collector(i, <SGLang's own collector>))
         # inside the decoder layer, after prepare_attn: the collector gets the residual and
-        # collector.hs_attn_input(<what the layer's attention reads>)
+        # collector.hs_attn_input(<what the layer's attention reads>); around prepare_mlp:
+        # collector.hs_attn_output(<the attention's output>), collector.hs_mid(<the residual after it>)
     ... _hs.final_prenorm(<output of the last layer, before the final norm>)
     _hs.finish(<hidden states after the final norm>)
 
 Rules it keeps: only plain prefill passes (``ForwardMode.EXTEND``), never decode, never
 while a CUDA graph is being captured or torch.compile traces; one tensor-parallel rank
-writes (under TP every rank holds the full residual stream); what the model computes
+writes (under TP every rank holds the full residual stream; the others add their share of
+each captured layer's attention-output fingerprints: ``ranks.py``); what the model computes
 and returns is never changed (captures are copies). On the GPU a captured tensor is
 snapshotted into one of the device buffers made at start (``device_ring.py``; its storage is
 updated in place later) on the compute stream, then copied to pinned host memory on a side
@@ -45,18 +47,20 @@ from hs_patch import files, serving, store
 from hs_patch.server import fingerprint, leftovers
 from hs_patch.server.device_ring import DeviceRing
 from hs_patch.server.passes import Pass, Slot
-from hs_patch.server.writer import Writer, skipped
+from hs_patch.server.ranks import RankHook, capturable, tp_all_reduce
+from hs_patch.server.records import PassRecord
+from hs_patch.server.writer import Writer
 
 log = logging.getLogger("hs_patch")
 WRITER_LOCK = ".hs-writer.lock"
 WAIT_LOG_SECONDS = 60.0  # back-pressure is logged at most this often (every wait is counted)
 
 
-def attach(model: torch.nn.Module, config: Any, release: str) -> Optional["CaptureHook"]:
+def attach(model: torch.nn.Module, config: Any, release: str) -> Optional["CaptureHook | RankHook"]:
     """Called by the patched ``DeepseekV2Model.__init__`` when HS_CAPTURE is set.
 
-    Refuses unsupported server settings (raises, so the server does not start), and
-    returns None on ranks that do not write.
+    Refuses unsupported server settings (raises, so the server does not start); on a rank that does
+    not write (tensor parallelism), a :class:`RankHook` that adds its share of the fingerprints.
     """
     cfg = capture_config.from_env()
     if not cfg.enabled:
@@ -67,13 +71,17 @@ def attach(model: torch.nn.Module, config: Any, release: str) -> Optional["Captu
     if problems:
         raise RuntimeError("hs_patch capture (HS_CAPTURE=1) cannot run with these settings:\n  - "
                            + "\n  - ".join(problems))
-    if settings["tp_rank"] != cfg.rank:
-        # said on every rank that does not write, so a TP=N server log shows N-1 of these and one "capturing"
-        log.info("hs_patch: rank %d of %d does not write (HS_CAPTURE_RANK=%d writes)",
-                 settings["tp_rank"], settings["tp_size"], cfg.rank)
-        return None
     if not cfg.slot_tokens:  # a pass holds at most --chunked-prefill-size tokens (refused above when unbounded)
         cfg = dataclasses.replace(cfg, slot_tokens=int(settings["chunked_prefill_size"]))
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    all_reduce = tp_all_reduce(int(settings["tp_size"]))
+    if settings["tp_rank"] != cfg.rank:
+        # said on every rank that does not write, so a TP=N server log shows N-1 of these and one "capturing"
+        rank = RankHook(cfg.layers, cfg.slot_tokens, cfg.skip_rid_prefix, device, all_reduce)
+        log.info("hs_patch: rank %d of %d does not write (HS_CAPTURE_RANK=%d writes); it adds its share of the "
+                 "captured layers' attention-output fingerprints (%.1f MB on %s, made at start)",
+                 settings["tp_rank"], settings["tp_size"], cfg.rank, rank.device_bytes / 1e6, device)
+        return rank
     meta = {
         "sglang_release": release,
         "model_type": str(getattr(config, "model_type", "")),
@@ -84,9 +92,8 @@ def attach(model: torch.nn.Module, config: Any, release: str) -> Optional["Captu
         "num_hidden_layers": str(int(config.num_hidden_layers)),
     }
     meta.update(_serving_ids(release, cfg.layers, int(config.num_hidden_layers), meta["architecture"]))
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     hook = CaptureHook(cfg, hidden_size=int(config.hidden_size), metadata=meta, dtype=torch.get_default_dtype(),
-                       pinned=device is not None, device=device)
+                       pinned=device is not None, device=device, all_reduce=all_reduce)
     _register(hook)
     log.info("hs_patch: capturing layers %s + final=%s into %s (rank %d of %d); made at start: %.2f GB of pinned "
              "host staging (%d x %d tokens) and %.2f GB on %s (%d device buffers + fingerprints), nothing on the "
@@ -109,16 +116,24 @@ class CaptureHook:
     """One per captured model; owns the staging buffers, the copy stream and the writer."""
 
     def __init__(self, cfg: capture_config.CaptureConfig, *, hidden_size: int, metadata: dict[str, str],
-                 dtype: torch.dtype = torch.bfloat16, pinned: bool = False, device: Optional[torch.device] = None):
+                 dtype: torch.dtype = torch.bfloat16, pinned: bool = False, device: Optional[torch.device] = None,
+                 all_reduce: Any = None):
+        """``all_reduce``: sums a tensor in place over the tensor-parallel ranks (None at TP=1): the
+        attention output's fingerprints (:mod:`hs_patch.server.ranks`)."""
         self.cfg = cfg
-        fingerprint.check_hidden(hidden_size)
+        itemsize = torch.empty((), dtype=dtype, device="cpu").element_size()
+        fingerprint.check_hidden(hidden_size, itemsize)
+        self.all_reduce = all_reduce
         self._lock_fd = _lock_capture_dir(cfg.directory)
         self.cleaned = leftovers.clean(cfg.directory)  # a dead server's files: no writer is alive (we hold the lock)
         self.hidden_size = hidden_size
         self.planes = store.plane_names(cfg.layers, cfg.final)
         self.streams = fingerprint.streams(cfg.layers, cfg.final)
         self.layer_index = {layer: k for k, layer in enumerate(cfg.layers)}
+        self.checksums = fingerprint.checksum_streams(cfg.layers, cfg.final)
         self.attn_index = [self.streams.index(fingerprint.attn_stream(layer)) for layer in cfg.layers]
+        self.additive_index = [tuple(self.streams.index(fingerprint.layer_stream(kind, layer))
+                                     for kind in fingerprint.ADDITIVE) for layer in cfg.layers]
         final = store.FINAL_PLANES[cfg.final]
         self.pre_index = self.planes.index("final.pre_norm") if "final.pre_norm" in final else None
         self.post_index = self.planes.index("final.post_norm") if "final.post_norm" in final else None
@@ -126,9 +141,8 @@ class CaptureHook:
         if cfg.slot_tokens < 1:
             raise capture_config.ConfigError("HS_CAPTURE_SLOT_TOKENS must be >= 1 (or unset: the server's "
                                              "--chunked-prefill-size)")
-        itemsize = torch.empty((), dtype=dtype, device="cpu").element_size()
-        slots = [Slot(cfg.slot_tokens, len(self.planes), len(self.streams), hidden_size, itemsize, pinned, device)
-                 for _ in range(cfg.slots)]  # all staging memory now: never an allocation on the forward path
+        slots = [Slot(cfg.slot_tokens, len(self.planes), len(self.streams), hidden_size, itemsize, pinned, device,
+                      nchecksums=len(self.checksums)) for _ in range(cfg.slots)]  # all staging memory now: never an allocation on the forward path
         for slot in slots:
             self._free.put(slot)
         self._ring = None if device is None else \
@@ -149,6 +163,7 @@ class CaptureHook:
             "convention": "layer.<i> = residual stream entering decoder layer i (output of layer i-1); "
                           "final.pre_norm = output of the last layer before the final norm",
             fingerprint.META: fingerprint.describe(self.streams),
+            fingerprint.CHECKSUM_META: fingerprint.describe_checksums(self.checksums),
             **metadata,
         }
         self.writer = Writer(cfg.directory, self.planes, meta, workers=cfg.writers,
@@ -158,14 +173,12 @@ class CaptureHook:
                                                    "host_bytes_at_start": self.host_bytes, "gpu": self._gpu_status()})
 
     # ------------------------------------------------------------------ per pass
-    def begin(self, forward_batch: Any, input_ids: Optional[torch.Tensor]) -> Optional[Pass]:
-        mode = forward_batch.forward_mode
-        name = getattr(mode, "name", str(mode))
-        if name != "EXTEND":
-            if name in ("MIXED", "SPLIT_PREFILL"):
-                raise RuntimeError(f"hs_patch: {name} prefill passes cannot be captured; see the startup checks")
-            return None
-        if torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+    def begin(self, forward_batch: Any, input_ids: Optional[torch.Tensor],
+              embedded: Optional[torch.Tensor] = None) -> Optional[Pass]:
+        """The capture of this forward pass (None: nothing to capture). ``embedded``: the rows the model's
+        residual stream begins from (its embedding of the ids); a patch older than #33 does not give it,
+        and its passes are then refused at ``finish``, saying to re-apply the patch."""
+        if not capturable(forward_batch, self.cfg.skip_rid_prefix):
             return None
         self._check_writer()
         if self._current is not None:  # the previous pass raised before finish(): give its buffer back
@@ -180,8 +193,6 @@ class CaptureHook:
         if prefix_lens is None:
             prefix_lens = forward_batch.extend_prefix_lens.tolist()
         rids = getattr(forward_batch, "rids", None)
-        if rids is not None and all(skipped(r, self.cfg.skip_rid_prefix) for r in rids):
-            return None  # e.g. a regeneration or health-check pass: nothing to copy
         tokens = int(ids.shape[0])
         if sum(seq_lens) != tokens:
             raise RuntimeError(f"hs_patch: the pass has {tokens} tokens but extend_seq_lens sum to "
@@ -198,8 +209,20 @@ class CaptureHook:
         slot = self._acquire()
         p = Pass(self, slot, tokens, list(seq_lens), list(prefix_lens), rids)
         p.copy_ids(ids, full)
+        p.embedded(embedded)
         self._current = p
         return p
+
+    # ------------------------------------------------------------------ what a pass asks of its hook
+    def ended(self, p: Pass) -> None:
+        """``p`` reached its ``finish``: the next pass begins afresh."""
+        self._current = None
+
+    def give_back(self, slot: Slot) -> None:
+        self._free.put(slot)
+
+    def submit(self, record: PassRecord) -> None:
+        self.writer.submit(record)
 
     def _check_writer(self) -> None:
         """Raise, with its cause, if the writer stopped (a failed write, or its coordinator thread ended)."""
@@ -264,11 +287,13 @@ class CaptureHook:
 
     def close(self, timeout: float = 60.0) -> None:
         """Drain the writer and let go of the capture directory (tests, benchmarks; the server just exits).
-        Once only: the exit handler's close of a hook closed already does nothing."""
+        Once only: the exit handler's close of a hook closed already does nothing. Raises if the writer had
+        failed: the passes it had taken after its failure were not written."""
         if self._lock_fd < 0:
             return
         try:
             self.writer.close(timeout)
+            self._check_writer()
         finally:
             if self._lock_fd >= 0:
                 os.close(self._lock_fd)

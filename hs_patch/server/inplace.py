@@ -120,6 +120,7 @@ class OpenPrompt:
     dtype: str
     starts: list[int] = field(default_factory=lambda: [0])  # where each part began
     fingerprints: list["torch.Tensor"] = field(default_factory=list)  # each part's rows [n, S, BLOCKS]
+    checksums: list["torch.Tensor"] = field(default_factory=list)  # each part's rows [n, C, BLOCKS]
     writes: list[Any] = field(default_factory=list)  # the writer's jobs writing its earlier parts (futures)
 
 

@@ -1,35 +1,62 @@
 """The capture of one prefill pass: its staging slot, the collectors SGLang's layers call, the copies.
 
 :class:`hs_patch.server.hook.CaptureHook` begins a :class:`Pass` per captured prefill pass.
-Each captured tensor is fingerprinted on the live tensor (:mod:`hs_patch.server.fingerprint`)
-and copied to the pass's pinned staging slot: on the GPU it is snapshotted into one of the
-device buffers made at start (:mod:`hs_patch.server.device_ring`; its storage is updated in place
-later) on the compute stream and copied from there to host memory on a side stream, so the
-forward pass never waits for PCIe or disk and allocates nothing sized by the pass; on the CPU it
-is copied into the slot at once. ``finish`` hands the pass to the writer once every plane and
-every fingerprint stream is in.
+Each captured tensor is fingerprinted on the live tensor (:mod:`hs_patch.server.fingerprint`:
+block sums, and for a stored plane the exact word sums of its bytes) and copied to the pass's
+pinned staging slot: on the GPU it is snapshotted into one of the device buffers made at start
+(:mod:`hs_patch.server.device_ring`; its storage is updated in place later) on the compute
+stream and copied from there to host memory on a side stream, so the forward pass never waits
+for PCIe or disk and allocates nothing sized by the pass; on the CPU it is copied into the slot
+at once. ``finish`` hands the pass to the writer once every plane and every fingerprint stream
+is in.
+
+What a pass needs of its hook is :class:`Owner` (the hook implements it; this module never
+imports the hook).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
 from hs_patch.server import fingerprint
 from hs_patch.server.records import PassRecord
 
-if TYPE_CHECKING:  # pragma: no cover
-    from hs_patch.server.hook import CaptureHook
+
+class Owner(Protocol):
+    """What a :class:`Pass` uses of the hook that began it."""
+
+    planes: list[str]
+    streams: list[str]
+    checksums: list[str]
+    hidden_size: int
+    layer_index: dict[int, int]
+    attn_index: list[int]
+    additive_index: list[tuple[int, int, int, int]]
+    pre_index: Optional[int]
+    post_index: Optional[int]
+    all_reduce: Optional[Callable[[torch.Tensor], None]]
+
+    def ring(self, device: torch.device) -> Any: ...
+
+    def stream(self, device: torch.device) -> Any: ...
+
+    def ended(self, p: "Pass") -> None: ...
+
+    def give_back(self, slot: "Slot") -> None: ...
+
+    def submit(self, record: PassRecord) -> None: ...
 
 
 class Slot:
     """Host staging memory for one pass, allocated once at startup (pinned on a GPU host): int64 ids and
-    int32 prompt lengths for ``capacity`` tokens, one [capacity, H] buffer per plane, and the fingerprints
-    [streams, capacity, BLOCKS] fp32, with their device twin on ``device`` (the GPU's, made now too)."""
+    int32 prompt lengths for ``capacity`` tokens, one [capacity, H] buffer per plane, the fingerprints
+    [streams, capacity, BLOCKS] fp32 and the checksums [checksums, capacity, BLOCKS] int32, with their
+    device twins on ``device`` (the GPU's, made now too)."""
 
     def __init__(self, capacity: int, nplanes: int, nstreams: int, hidden: int, itemsize: int, pinned: bool,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, nchecksums: int = 0):
         self.capacity, self.hidden, self.itemsize = capacity, hidden, itemsize
         # device="cpu" always: SGLang builds the model inside `with torch.device("cuda")`
         self.ids = torch.empty(capacity, dtype=torch.int64, device="cpu", pin_memory=pinned)
@@ -38,9 +65,13 @@ class Slot:
                      for _ in range(nplanes)]
         self.fp = torch.empty(nstreams, capacity, fingerprint.BLOCKS, dtype=torch.float32, device="cpu",
                               pin_memory=pinned)
+        self.cs = torch.empty(nchecksums, capacity, fingerprint.BLOCKS, dtype=torch.int32, device="cpu",
+                              pin_memory=pinned)
         self.fp_device = None if device is None else torch.empty(self.fp.shape, dtype=torch.float32, device=device)
-        self.host_bytes = sum(t.numel() * t.element_size() for t in (self.ids, self.lens, self.fp, *self._raw))
-        self.device_bytes = 0 if self.fp_device is None else self.fp_device.numel() * 4
+        self.cs_device = None if device is None else torch.empty(self.cs.shape, dtype=torch.int32, device=device)
+        self.host_bytes = sum(t.numel() * t.element_size()
+                              for t in (self.ids, self.lens, self.fp, self.cs, *self._raw))
+        self.device_bytes = 0 if device is None else (self.fp.numel() + self.cs.numel()) * 4
 
     def plane(self, idx: int, like: torch.Tensor, tokens: int) -> torch.Tensor:
         """Plane ``idx``'s first ``tokens`` rows, viewed with ``like``'s dtype."""
@@ -50,13 +81,28 @@ class Slot:
                                "startup); please report this with the server's --dtype and quantization flags")
         return self._raw[idx][: tokens * self.hidden * self.itemsize].view(like.dtype).view(tokens, self.hidden)
 
-    def fingerprints_on(self, device: torch.device) -> torch.Tensor:
-        """Where a GPU pass computes its fingerprints: the slot's device buffer (made at start)."""
-        if self.fp_device is None or self.fp_device.device != device:
-            raise RuntimeError(f"hs_patch: a captured state is on {device}, the capture's device buffers were made "
-                               f"on {None if self.fp_device is None else self.fp_device.device} at start (the current "
-                               "CUDA device when the model was built); please report this with the server's flags")
-        return self.fp_device
+    def on(self, t: torch.Tensor, host: torch.Tensor, dev: Optional[torch.Tensor]) -> torch.Tensor:
+        """Where a pass computes a record of ``t``: the host buffer (CPU), or its device twin made at start."""
+        if not t.is_cuda:
+            return host
+        if dev is None or dev.device != t.device:
+            raise RuntimeError(f"hs_patch: a captured state is on {t.device}, the capture's device buffers were made "
+                               f"on {None if dev is None else dev.device} at start (the current CUDA device when the "
+                               "model was built); please report this with the server's flags")
+        return dev
+
+
+def attention_output(fp: torch.Tensor, k_sum: int, k_sq: int, t: torch.Tensor, tokens: int,
+                     all_reduce: Optional[Callable[[torch.Tensor], None]]) -> None:
+    """Block sums and squares of one rank's share of a layer's attention output into ``fp[k_sum]``,
+    ``fp[k_sq]``, then summed over the tensor-parallel ranks (every rank calls this at the same point
+    of the same pass: the writing one from its :class:`Tee`, the others from
+    :class:`hs_patch.server.ranks.RankTee`)."""
+    fingerprint.block_sums(t, fp[k_sum, :tokens])
+    fingerprint.block_squares(t, fp[k_sq, :tokens])
+    if all_reduce is not None:
+        all_reduce(fp[k_sum, :tokens])
+        all_reduce(fp[k_sq, :tokens])
 
 
 class Tee:
@@ -85,6 +131,14 @@ class Tee:
         """What this layer's attention reads (the patch's line after ``prepare_attn``): fingerprinted only."""
         self._pass.fingerprint(self._pass.hook.attn_index[self._idx], t)
 
+    def hs_attn_output(self, t: torch.Tensor) -> None:
+        """This rank's share of the layer's attention output (the patch's line before ``prepare_mlp``)."""
+        self._pass.attention_output(self._idx, t)
+
+    def hs_mid(self, t: torch.Tensor) -> None:
+        """The residual after the attention output was added (the patch's line after ``prepare_mlp``)."""
+        self._pass.mid(self._idx, t)
+
     def __len__(self) -> int:
         return len(self._inner) if self._inner is not None else 0
 
@@ -92,13 +146,14 @@ class Tee:
 class Pass:
     """The capture of one prefill pass."""
 
-    def __init__(self, hook: "CaptureHook", slot: Slot, tokens: int, seq_lens: list[int],
+    def __init__(self, hook: Owner, slot: Slot, tokens: int, seq_lens: list[int],
                  prefix_lens: list[int], rids: Optional[list[str]]):
         self.hook, self.slot, self.tokens = hook, slot, tokens
         self.seq_lens, self.prefix_lens = seq_lens, prefix_lens
         self.rids = list(rids) if rids is not None else None
         self.done = [False] * len(hook.planes)
         self.fingerprinted = [False] * len(hook.streams)
+        self.checksummed = [False] * len(hook.checksums)
         self.like: list[Optional[torch.Tensor]] = [None] * len(hook.planes)
         self.cuda: Optional[torch.device] = None
 
@@ -130,19 +185,47 @@ class Pass:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise RuntimeError(f"hs_patch: {name} is {shape}, expected ({self.tokens}, hidden): a code path the "
                                "hook does not support")
-
-    def fingerprint(self, stream: int, t: torch.Tensor) -> None:
-        """Fingerprint stream ``stream`` from the live tensor, now (compute-stream order on a GPU)."""
-        name = self.hook.streams[stream]
-        if self.fingerprinted[stream]:
-            raise RuntimeError(f"hs_patch: {name} captured twice in one pass")
-        self._check_shape(name, t)
         if t.shape[1] != self.hook.hidden_size:
             raise RuntimeError(f"hs_patch: {name} has width {t.shape[1]}, the model's hidden size is "
                                f"{self.hook.hidden_size}: a code path the hook does not support")
-        self.fingerprinted[stream] = True
-        out = self.slot.fingerprints_on(t.device) if t.is_cuda else self.slot.fp
+
+    def _mark(self, done: list[bool], k: int, names: Sequence[str], t: torch.Tensor) -> None:
+        if done[k]:
+            raise RuntimeError(f"hs_patch: {names[k]} captured twice in one pass")
+        self._check_shape(names[k], t)
+        done[k] = True
+
+    def fingerprint(self, stream: int, t: torch.Tensor) -> None:
+        """Fingerprint stream ``stream`` from the live tensor, now (compute-stream order on a GPU)."""
+        self._mark(self.fingerprinted, stream, self.hook.streams, t)
+        out = self.slot.on(t, self.slot.fp, self.slot.fp_device)
         fingerprint.block_sums(t, out[stream, : self.tokens])
+
+    def checksum(self, k: int, t: torch.Tensor) -> None:
+        """Checksum stream ``k`` (the exact word sums of each row's bytes) from the live tensor, now."""
+        self._mark(self.checksummed, k, self.hook.checksums, t)
+        out = self.slot.on(t, self.slot.cs, self.slot.cs_device)
+        fingerprint.word_sums(t, out[k, : self.tokens])
+
+    def embedded(self, t: Optional[torch.Tensor]) -> None:
+        """The rows the residual stream begins from (the model's embedding of the pass's ids)."""
+        if t is not None:
+            self.checksum(len(self.hook.planes), t)
+
+    def attention_output(self, idx: int, t: torch.Tensor) -> None:
+        k_sum, k_sq, _, _ = self.hook.additive_index[idx]
+        for k in (k_sum, k_sq):
+            self._mark(self.fingerprinted, k, self.hook.streams, t)
+        attention_output(self.slot.on(t, self.slot.fp, self.slot.fp_device), k_sum, k_sq, t, self.tokens,
+                         self.hook.all_reduce)
+
+    def mid(self, idx: int, t: torch.Tensor) -> None:
+        _, _, k_sum, k_sq = self.hook.additive_index[idx]
+        for k in (k_sum, k_sq):
+            self._mark(self.fingerprinted, k, self.hook.streams, t)
+        out = self.slot.on(t, self.slot.fp, self.slot.fp_device)
+        fingerprint.block_sums(t, out[k_sum, : self.tokens])
+        fingerprint.block_squares(t, out[k_sq, : self.tokens])
 
     def put(self, idx: int, t: torch.Tensor, owned: bool) -> None:
         """Plane ``idx`` of this pass. ``owned`` (SGLang made this copy for us) changes nothing: every captured
@@ -152,7 +235,8 @@ class Pass:
         self._check_shape(self.hook.planes[idx], t)
         self.done[idx] = True
         self.like[idx] = t
-        self.fingerprint(idx, t)  # a plane's stream index is its plane index
+        self.fingerprint(idx, t)  # a plane's stream index is its plane index, in both records
+        self.checksum(idx, t)
         dst = self.slot.plane(idx, t, self.tokens)
         if t.is_cuda:  # snapshot now (SGLang updates its residual in place later), into memory made at start
             ring = self.hook.ring(t.device)
@@ -174,19 +258,20 @@ class Pass:
 
     def finish(self, post_norm: torch.Tensor) -> None:
         hook = self.hook
-        hook._current = None
+        hook.ended(self)
         try:
             if hook.post_index is not None:
                 self.put(hook.post_index, post_norm, owned=False)
             else:
                 self.fingerprint(hook.streams.index("final.post_norm"), post_norm)
-            missing = [hook.streams[k] for k, d in enumerate(self.fingerprinted) if not d]
+            missing = [n for n, d in zip(hook.streams, self.fingerprinted) if not d] + \
+                [n for n, d in zip(hook.checksums, self.checksummed) if not d]
             if missing:
                 raise RuntimeError(f"hs_patch: {missing} were not captured in this pass (a layer ran outside the "
                                    "patched loop, or the installed patch is older than this hs_patch: run hs-patch "
                                    "apply); refusing to write incomplete samples")
         except BaseException:
-            hook._free.put(self.slot)
+            hook.give_back(self.slot)
             raise
         n = self.tokens
         slot = self.slot
@@ -197,10 +282,13 @@ class Pass:
             with torch.cuda.stream(stream):  # one contiguous copy a stream: an asynchronous DMA each
                 for k in range(len(hook.streams)):
                     slot.fp[k, :n].copy_(slot.fp_device[k, :n], non_blocking=True)
+                for k in range(len(hook.checksums)):
+                    slot.cs[k, :n].copy_(slot.cs_device[k, :n], non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
             wait = event.synchronize
-        hook.writer.submit(PassRecord(
+        hook.submit(PassRecord(
             ids=slot.ids[:n], planes=[slot.plane(k, self.like[k], n) for k in range(len(hook.planes))],
             seq_lens=self.seq_lens, prefix_lens=self.prefix_lens, full_lens=slot.lens[: len(self.seq_lens)],
-            rids=self.rids, wait=wait, release=lambda: hook._free.put(slot), fingerprints=slot.fp[:, :n]))
+            rids=self.rids, wait=wait, release=lambda: hook.give_back(slot), fingerprints=slot.fp[:, :n],
+            checksums=slot.cs[:, :n]))

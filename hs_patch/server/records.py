@@ -26,6 +26,7 @@ class PassRecord:
     wait: Optional[Callable[[], None]] = None     # blocks until the copies have landed
     release: Optional[Callable[[], None]] = None  # gives the staging buffer back
     fingerprints: Optional["torch.Tensor"] = None  # F32 [streams, T, BLOCKS] (hs_patch.server.fingerprint)
+    checksums: Optional["torch.Tensor"] = None     # I32 [checksums, T, BLOCKS] (the same module)
     queued: float = field(default_factory=time.time)  # when the hook handed it over (its forward launched)
 
 

@@ -52,6 +52,7 @@ from hs_patch import files, store
 from hs_patch.server import inplace
 from hs_patch.server.contents import Contents
 from hs_patch.server.inplace import InPlaceSample, OpenPrompt
+from hs_patch.server.ranks import skipped
 from hs_patch.server.records import PassRecord, WriterStats, pass_timeline
 from hs_patch.server.status import StatusFile
 
@@ -59,13 +60,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 log = logging.getLogger("hs_patch")
-HEALTH_CHECK_PREFIX = "HEALTH_CHECK"  # SGLang's /health_generate probes (sglang.srt.constants)
 _ENDED = object()  # queued by a pass's last ending job: the coordinator can settle it
-
-
-def skipped(rid: Optional[str], prefix: str) -> bool:
-    """Requests the hook does not capture: the configured prefix and SGLang's health checks."""
-    return rid is not None and (str(rid).startswith(HEALTH_CHECK_PREFIX) or bool(prefix) and str(rid).startswith(prefix))
 
 
 @dataclass
@@ -105,6 +100,7 @@ class Writer:
         self._inflight: "deque[_InFlight]" = deque()
         self._queue: "queue.Queue[Any]" = queue.Queue()  # PassRecords, _ENDED markers, None (close)
         self._waiting = 0  # PassRecords in the queue
+        self._handling = False  # the coordinator holds a pass out of both the queue and the in-flight list
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hs_patch-write")
         self._status = StatusFile(self.directory, self._status_doc)
         self._closed = False
@@ -143,13 +139,16 @@ class Writer:
         self._write_status(force=True)
         if self._thread.is_alive():
             raise RuntimeError(f"hs_patch writer did not finish within {timeout:.0f}s")
+        if self.error is not None:
+            raise RuntimeError(f"hs_patch writer had failed, so passes after its failure were not written: "
+                               f"{self.error}") from self.error
 
     # ------------------------------------------------------------------ thread
     def _run(self) -> None:
         try:
             self._coordinate()
         except BaseException as e:  # noqa: BLE001 - capture stops loudly, with this cause
-            lost = self.pending()
+            lost = self.pending() + self._handling
             self._fail(RuntimeError(f"the writer's coordinator thread failed ({type(e).__name__}: {e}); the "
                                     f"{lost} prefill passes it had accepted are not written"), cause=e)
             store.log_error(self.directory, {"error": "writer_failed", "passes_lost": lost,
@@ -162,11 +161,15 @@ class Writer:
             if item is None:
                 closing = True
             elif item is not _ENDED:
+                self._handling = True  # counted as lost if what follows fails
                 with self._stats_lock:
                     self._waiting -= 1
                 self._inflight.append(self._start(item))
+                self._handling = False
             while self._inflight and self._inflight[0].ended:
+                self._handling = True
                 self._settle(self._inflight.popleft())
+                self._handling = False
             self._write_status(force=self._idle())
 
     def _start(self, rec: PassRecord) -> _InFlight:
@@ -257,8 +260,8 @@ class Writer:
         """Split the pass per request and submit each part's write."""
         if sum(int(n) for n in rec.seq_lens) != rec.ids.shape[0]:
             raise RuntimeError(f"extend_seq_lens sum to {sum(rec.seq_lens)} but the pass has {rec.ids.shape[0]} tokens")
-        fps = rec.fingerprints
-        if (fps is not None) != self.contents.fingerprinted:
+        fps, css = rec.fingerprints, rec.checksums
+        if (fps is not None) != self.contents.fingerprinted or (css is not None) != self.contents.checksummed:
             raise RuntimeError("a pass's fingerprints and the writer's metadata disagree (internal error)")
         touched = p.touched
         opened, self._open = self._open, None
@@ -277,8 +280,9 @@ class Writer:
             ids = rec.ids[s:e]
             slices = [p[s:e] for p in rec.planes]
             fp = None if fps is None else fps[:, s:e].permute(1, 0, 2)  # [n, streams, BLOCKS]
+            cs = None if css is None else css[:, s:e].permute(1, 0, 2)  # [n, checksums, BLOCKS]
             if prefix == 0 and n == full:
-                self._submit(p, self.contents.write_whole, ids, slices, rid, fp)
+                self._submit(p, self.contents.write_whole, ids, slices, rid, fp, cs)
                 continue
             if prefix == 0:
                 part = self.contents.start_open(ids, full, rid, slices[0])
@@ -294,10 +298,11 @@ class Writer:
             touched.append(part)
             part.hasher.update(store.ids_bytes(ids))
             part.ids.append(ids.clone())
-            if fp is not None:
-                # a copy (never a view: with one-row staging buffers the rows are contiguous already and
-                # .contiguous() would alias the buffer the next pass overwrites)
-                part.fingerprints.append(fp.clone() if fp.is_contiguous() else fp.contiguous())
+            for rows, into in ((fp, part.fingerprints), (cs, part.checksums)):
+                if rows is not None:
+                    # a copy (never a view: with one-row staging buffers the rows are contiguous already and
+                    # .contiguous() would alias the buffer the next pass overwrites)
+                    into.append(rows.clone() if rows.is_contiguous() else rows.contiguous())
             part.end = prefix + n
             if part.end == full:  # its last chunk: written, then the file finished in the same job
                 self._submit(p, self._put_and_finish, p, part, prefix, slices, list(part.writes), releases=True)

@@ -84,7 +84,10 @@ def test_a_sample_with_a_wrong_plane_is_not_kept_and_every_kept_one_records_its_
         undo()
     failed = [e for e in ledger(tmp_path / "state") if e["event"] == "failed"]
     assert [(e["sample_id"], e["stage"]) for e in failed] == [(ids[1], "fidelity")]
-    assert "layer.1: the stored rows, normalised with layer 1's input norm" in failed[0]["error"]
+    assert "layer.1+attn: layer 1's stored input plus its attention's output is not the residual" in failed[0]["error"]
+    (logged,) = [r for r in store.read_jsonl(tmp_path / "state" / "fidelity.jsonl") if not r["ok"]]
+    assert any(p.startswith("layer.1: the stored rows, normalised with layer 1's input norm")
+               for p in logged["rows"]["problems"]), "the norm relation sees it too"
     assert summary.status["fidelity"]["rejected"] == 1 and summary.status["fidelity"]["check"]["rows_per_chunk"] == 8
     kept = store.read_manifest(tmp_path / "samples")
     assert sorted(e["sample_id"] for e in kept.values()) == sorted(ids[:1] + ids[2:])

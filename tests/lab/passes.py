@@ -2,8 +2,9 @@
 
 For tests and benchmarks that drive :class:`hs_patch.server.hook.CaptureHook` without the
 SGLang simulation (``lab.sglang_sim``): a forward batch with the fields the hook reads, and
-:func:`play`, which hands the hook every captured layer's residual and what its attention
-read, the final norm's input and output, in the patch's order.
+:func:`play`, which hands the hook the embedded rows, every captured layer's residual, what its
+attention read and output and the residual after it, the final norm's input and output, in the
+patch's order.
 """
 
 from __future__ import annotations
@@ -38,13 +39,20 @@ def attention_input(x: torch.Tensor) -> torch.Tensor:
 
 
 def play(hook: Any, batch: Batch, ids: torch.Tensor, layers: Mapping[int, torch.Tensor], pre: torch.Tensor,
-         post: torch.Tensor, *, owned: bool = False) -> None:
+         post: torch.Tensor, *, owned: bool = False, embedded: Optional[torch.Tensor] = None,
+         attn_out: Optional[Mapping[int, torch.Tensor]] = None) -> None:
     """One pass: ``layers[i]`` is the residual entering layer i for every captured i (its attention
-    reads it normalised with weight one); ``pre``/``post`` the final norm's input and output."""
-    p = hook.begin(batch, ids)
+    reads it normalised with weight one, and outputs ``attn_out[i]``, zeros if not given: the residual
+    after it is their bf16 sum); ``pre``/``post`` the final norm's input and output; ``embedded`` the
+    rows the residual stream began from (default: the first captured layer's)."""
+    first = layers[hook.cfg.layers[0]]
+    p = hook.begin(batch, ids, first if embedded is None else embedded)
     for i in hook.cfg.layers:
         tee = p.collector(i, None)
         tee.capture(layers[i], owned=owned)
         tee.hs_attn_input(attention_input(layers[i]))
+        out = torch.zeros_like(layers[i]) if attn_out is None else attn_out[i]
+        tee.hs_attn_output(out)
+        tee.hs_mid(layers[i] + out)
     p.final_prenorm(pre, owned=owned)
     p.finish(post)

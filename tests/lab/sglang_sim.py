@@ -22,7 +22,12 @@ stand-in keeps SGLang's conventions that matter to the capture:
   (0.5.21: ``norm(..., capture_output=)``); from 0.5.17 ``AuxHiddenStatePacker`` is the
   release's own class, loaded from its wheel (``ReleaseCode``);
 - the patched ``DeepseekV2DecoderLayer.forward`` itself runs too, for every release (the
-  line the patch adds after ``prepare_attn``, handing the hook what the attention reads).
+  line the patch adds after ``prepare_attn``, handing the hook what the attention reads, and
+  the lines around ``prepare_mlp``: the attention's output, the residual after it);
+- with ``tp_rank`` set the harness plays one of two tensor-parallel ranks: the attention
+  returns that rank's share of its output and ``prepare_mlp`` adds the two shares' bf16 sum
+  (an all-reduce's result), so two harnesses in two threads, one per rank, run the pass as
+  SGLang's two ranks would.
 
 Each request in a pass is looked up by the id the test gives it, so batched, chunked
 and prefix-cached passes can be played exactly as SGLang's scheduler would send them.
@@ -103,9 +108,10 @@ class Sim:
 
     def __init__(self, release: str, patched_source: str, model: Any, refs: dict[str, Reference],
                  *, fusion: bool = False, layers_to_capture: tuple[int, ...] = (), hook: Any = None,
-                 code: Optional["ReleaseCode"] = None):
-        """``code``: the release's own files the harness runs besides ``patched_source`` (ReleaseCode.read)."""
-        self.release, self.refs, self.fusion = release, refs, fusion
+                 code: Optional["ReleaseCode"] = None, tp_rank: Optional[int] = None):
+        """``code``: the release's own files the harness runs besides ``patched_source`` (ReleaseCode.read);
+        ``tp_rank``: 0 or 1, this harness plays that rank of two (None: TP=1)."""
+        self.release, self.refs, self.fusion, self.tp_rank = release, refs, fusion, tp_rank
         self.family = RELEASES[release].family.name
         cfg = model.config
         self.n_layers = cfg.num_hidden_layers
@@ -157,7 +163,7 @@ class Sim:
         class _ResidualBatch:  # 0.5.23's residual stream API, as the model forward uses it
             @staticmethod
             def start(fb: ForwardBatch) -> None:
-                fb.residual_stream = {"residual": None, "pending": None}
+                fb.residual_stream = types.SimpleNamespace(residual=None, pending=None)
 
             @staticmethod
             def complete_output(h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
@@ -165,7 +171,7 @@ class Sim:
 
             @staticmethod
             def final_norm(h: torch.Tensor, fb: ForwardBatch, norm: FusedNorm, capture: Any = None) -> torch.Tensor:
-                residual = fb.residual_stream["residual"]
+                residual = fb.residual_stream.residual
                 fb.residual_stream = None
                 if residual is None:
                     if capture is not None:
@@ -222,6 +228,26 @@ class Sim:
     def _fuse(self, i: int) -> bool:
         return self.fusion and i < self.n_layers - 1
 
+    TP_SHARE = 0.3  # rank 0's share of the attention output; rank 1 holds the rest
+
+    def _attn_shares(self, fb: ForwardBatch, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        full = self._gather(fb, lambda r: r.attn_out[i])
+        first = (full.float() * self.TP_SHARE).to(full.dtype)
+        return first, (full.float() - first.float()).to(full.dtype)
+
+    def _attention(self, fb: ForwardBatch, i: int) -> torch.Tensor:
+        """What the attention returns: the whole output, or this rank's share of it."""
+        if self.tp_rank is None:
+            return self._gather(fb, lambda r: r.attn_out[i])
+        return self._attn_shares(fb, i)[self.tp_rank]
+
+    def _reduced(self, h: torch.Tensor, fb: ForwardBatch, i: int) -> torch.Tensor:
+        """The attention output after the all-reduce: both shares added in bf16 (NCCL's arithmetic)."""
+        if self.tp_rank is None:
+            return h
+        first, second = self._attn_shares(fb, i)
+        return first + second
+
     def _layer(self, i: int, layer_forward: Any, hf_layer: Any) -> Any:
         sim = self
 
@@ -235,6 +261,7 @@ class Sim:
             return rmsnorm(hf_layer.input_layernorm, residual), residual
 
         def prepare_mlp(h: torch.Tensor, residual: torch.Tensor, fb: ForwardBatch):
+            h = sim._reduced(h, fb, i)
             if sim.fusion:  # flashinfer's fused all-reduce + add + norm writes a fresh residual_out
                 residual = residual + h
             else:
@@ -242,7 +269,7 @@ class Sim:
             return rmsnorm(hf_layer.post_attention_layernorm, residual), residual
 
         def attention(**kw: Any) -> torch.Tensor:
-            return sim._gather(kw["forward_batch"], lambda r: r.attn_out[i])
+            return sim._attention(kw["forward_batch"], i)
 
         def mlp(h: torch.Tensor, fb: ForwardBatch, *a: Any) -> torch.Tensor:
             fuse = a[0] if len(a) == 3 else sim._fuse(i)  # through 0.5.15.post1 the layer passes its decision
@@ -275,9 +302,9 @@ class Sim:
                 if capture_gathered is None:  # 0.5.21's keyword (a collector can be falsy: it has a length)
                     capture_gathered = captured_last_layer_outputs
                 stream = fb.residual_stream
-                h, stream["residual"] = prepare_attn(h, stream["residual"], fb)
+                h, stream.residual = prepare_attn(h, stream.residual, fb)
                 if capture_gathered is not None:
-                    capture_gathered.capture(stream["residual"], owned=False)
+                    capture_gathered.capture(stream.residual, owned=False)
                 return h
 
             def finish(self, h, fb):
@@ -298,7 +325,7 @@ class Sim:
         class FfnBoundary:
             def prepare(self, h, fb):
                 stream = fb.residual_stream
-                h, stream["residual"] = prepare_mlp(h, stream["residual"], fb)
+                h, stream.residual = prepare_mlp(h, stream.residual, fb)
                 return h
 
             def exit(self, fb):

@@ -112,7 +112,7 @@ def test_unknown_release_is_refused(site: Path, capsys):
     # status says which known release's file is nearest: 0.5.8's has every anchor of 0.5.9's edits
     code, res = run_cli("status", "--site", str(site), capsys=capsys)
     assert code == 0 and res["state"] == "unknown"
-    assert res["nearest"]["release"] == "0.5.9" and res["nearest"]["anchors_found"] == res["nearest"]["anchors"] == 7
+    assert res["nearest"]["release"] == "0.5.9" and res["nearest"]["anchors_found"] == res["nearest"]["anchors"] == 8
     assert res["nearest"]["regions"]["DeepseekV2Model.__init__"] == "differs" and not res["nearest"]["anchor_diffs"]
 
 
@@ -132,14 +132,14 @@ def test_a_release_published_later_is_refused_and_status_shows_what_differs(site
     assert code == cli.EXIT_REFUSED and "SGLang 0.5.24 is installed" in res["error"] and target.read_bytes() == before
     code, res = run_cli("status", "--site", str(site), capsys=capsys)
     near = res["nearest"]
-    assert (near["release"], near["anchors_found"], near["anchors"]) == ("0.5.23", 5, 6)
+    assert (near["release"], near["anchors_found"], near["anchors"]) == ("0.5.23", 6, 7)
     assert near["regions"]["DeepseekV2Model.forward"] == "differs"
     assert near["regions"]["DeepseekV2DecoderLayer.forward"] == "same"
     (diff,) = near["anchor_diffs"]
-    assert diff["edit"] == 3 and f"-{old.rstrip()}" in diff["diff"] and f"+{new.rstrip()}" in diff["diff"]
+    assert diff["edit"] == 4 and f"-{old.rstrip()}" in diff["diff"] and f"+{new.rstrip()}" in diff["diff"]
     assert cli.main(["status", "--site", str(site)]) == 0
     out = capsys.readouterr().out
-    assert "nearest known release: SGLang 0.5.23 (layer-boundary family): 5 of 6 patch anchors found once" in out
+    assert "nearest known release: SGLang 0.5.23 (layer-boundary family): 6 of 7 patch anchors found once" in out
     assert "a reviewed step" in out
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hs_patch.server.ranks import RankHook
 from hs_patch.server import config, fingerprint, hook, checks as server_checks
 from hs_patch import reader, store
 from hs_patch.flags import REQUIRED_FLAGS
@@ -168,9 +169,12 @@ def test_chunked_prefill_is_written_once_in_place(version, release_sources, tiny
     assert h.writer.stats.merged == 1 and h.writer.stats.errors == 0
     plane_bytes = 23 * 64 * 2 * 5
     fingerprint_bytes = 23 * len(h.streams) * fingerprint.BLOCKS * 4  # 8 fp32 a row of each stream
-    assert len(h.streams) == 8  # 5 planes, what layers 0, 1 and 3's attention read
+    checksum_bytes = 23 * len(h.checksums) * fingerprint.BLOCKS * 4  # 8 int32 a row of each checksummed one
+    # 5 planes, what layers 0, 1 and 3's attention read, and their attention outputs and the residual after
+    # them, each as block sums and sums of squares; checksums: the 5 planes and the embedded rows
+    assert len(h.streams) == 5 + 3 + 3 * 4 and len(h.checksums) == 5 + 1
     assert store.read_manifest(tmp_path / "dump")[a.key]["bytes"] == \
-        InPlaceSample.HEADER_ROOM + plane_bytes + 23 * 8 + fingerprint_bytes
+        InPlaceSample.HEADER_ROOM + plane_bytes + 23 * 8 + fingerprint_bytes + checksum_bytes
     assert a.metadata["chunks"] == "0,8,17"
     assert not list((tmp_path / "dump" / store.TMPDIR).iterdir()), "no partial file may outlive its prompt"
     assert not (tmp_path / "dump" / store.ERRORS).exists()
@@ -265,11 +269,16 @@ def test_attach_refuses_unsupported_settings_and_gates_ranks(tiny_model, tmp_pat
     assert "--disable-radix-cache" in str(e.value) and "--pp-size 1" in str(e.value)
     assert "--disable-prefill-cuda-graph" in str(e.value)
     current.update(settings(tp_rank=3))
+    reduced = []  # SGLang's all-reduce, which the hook takes from sglang.srt.distributed at TP > 1
+    monkeypatch.setattr(hook, "tp_all_reduce", lambda n: (lambda t: reduced.append(n)) if n > 1 else None)
     with caplog.at_level("INFO", logger="hs_patch"):
-        assert hook.attach(None, tiny_model.config, "0.5.16") is None, "only the writing rank captures"
+        rank = hook.attach(None, tiny_model.config, "0.5.16")
+    assert isinstance(rank, RankHook) and rank.all_reduce is not None, \
+        "a rank that does not write adds its share of the attention outputs' fingerprints"
     # the TP proof counts these lines in the server log: N-1 silent ranks, one writer
     assert "hs_patch: rank 3 of 8 does not write (HS_CAPTURE_RANK=0 writes)" in caplog.text
     assert not (tmp_path / "dump").exists(), "a rank that does not write creates nothing"
+    assert rank.device_bytes == 2 * 8192 * fingerprint.BLOCKS * 4, "two [slot tokens, 8] fp32 buffers, no more"
     current.update(settings(tp_rank=0))
     h = hook.attach(None, tiny_model.config, "0.5.16")
     assert h.planes == ["layer.1", "layer.2", "final.pre_norm", "final.post_norm"]  # default HS_CAPTURE_FINAL=both
@@ -318,7 +327,8 @@ def test_patched_init_guard(version, release_sources, tmp_path):
     fake = tmp_path / "fake"
     files = {"sglang/__init__.py": "", "sglang/srt/__init__.py": "",
              "sglang/srt/distributed/__init__.py": "def get_tensor_model_parallel_rank():\n    return 0\n"
-             "def get_tensor_model_parallel_world_size():\n    return 8\n", **FAKE_SGLANG[version]}
+             "def get_tensor_model_parallel_world_size():\n    return 8\n"
+             "def tensor_model_parallel_all_reduce(t):\n    return t\n", **FAKE_SGLANG[version]}
     for rel, text in files.items():
         (fake / rel).parent.mkdir(parents=True, exist_ok=True)
         (fake / rel).write_text(text)

@@ -161,7 +161,8 @@ def test_a_failed_manifest_append_leaves_no_sample_in_place(tmp_path, monkeypatc
         while h.writer.error is None and time.monotonic() < deadline:
             time.sleep(0.01)
     finally:
-        h.close()
+        with pytest.raises(RuntimeError, match="writer had failed, so passes after its failure were not written"):
+            h.close()  # it tells the truth (issue #33): before, it returned normally
     assert isinstance(h.writer.error, OSError)
     assert not list(d.glob("*.safetensors")), "a sample in place that no manifest line describes"
 
@@ -195,6 +196,9 @@ def test_an_exception_in_the_writers_coordinator_stops_capture_at_once_with_its_
         assert "a bug in the coordinator" in json.loads((d / STATUS_FILE).read_text())["error"]
         (rec,) = failed_records()
         assert "KeyError" in rec["why"]
+        # the pass whose settling failed was lost: it is counted (issue #33: '0 prefill passes' was said)
+        assert rec["passes_lost"] >= 1 and "prefill passes it had accepted are not written" in \
+            json.loads((d / STATUS_FILE).read_text())["error"]
     finally:
         monkeypatch.undo()
         try:

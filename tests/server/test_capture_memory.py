@@ -115,8 +115,10 @@ def test_the_capture_states_what_it_made_at_start(tmp_path):
                                slot_tokens=128)
     h = hook.CaptureHook(cfg, hidden_size=64, metadata={"sglang_release": "t"})
     try:
-        planes, streams = 5, 5 + 3  # 3 layers + both finals; the attention inputs are fingerprinted only
-        per_slot = 128 * (8 + 4) + planes * 128 * 64 * 2 + streams * 128 * 8 * 4
+        # 3 layers + both finals; the attention inputs, outputs and the residuals after them are fingerprinted only
+        # (block sums and squares of the last two); the planes and the embedded rows are checksummed too
+        planes, streams, checksums = 5, 5 + 3 + 3 * 4, 5 + 1
+        per_slot = 128 * (8 + 4) + planes * 128 * 64 * 2 + (streams + checksums) * 128 * 8 * 4
         assert h.host_bytes == 3 * per_slot
         assert h.device_bytes == 0, "no GPU here: no device buffers"
     finally:

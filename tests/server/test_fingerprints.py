@@ -19,19 +19,27 @@ import torch
 
 from conftest import FAMILY_REPRESENTATIVES
 from hs_patch import lazy_sample, store
-from hs_patch.host.fidelity.rows import Norms, allowance, check_rows, chi2_bound, sample_rows, ulp
+from hs_patch.host.fidelity.relations import FALSE_FAILURE, allowance, ulp
+from hs_patch.host.fidelity.relations import chi2_bound as _bound
+from hs_patch.host.fidelity.rows import Norms, check_rows, sample_rows
 from hs_patch.host.model_files import rms_norm
 from hs_patch.releases import RELEASES, TARGET, apply_edits
 from hs_patch.server import config, fingerprint, hook, passes
 from lab import sabotage
 from lab.sglang_sim import Part, Reference, ReleaseCode, Sim, make_batch, reference
 
+
+def chi2_bound(n: int) -> float:
+    """The bound of a relation judged in one chunk."""
+    return _bound(n, math.log(1 / FALSE_FAILURE))
+
+
 LAYERS = (1, 2, 3)
 # what the check must say for each case (a substring of one of its problems)
 WHY = {"wrong_layer": "layer.1: the stored rows, normalised with layer 1's input norm",
        "partial": "layer.2: the stored rows, normalised with layer 2's input norm",
-       "zeros": "layer.3: rows [0, 1, 2, 3, 4] are all zeros",
-       "pre_zeros": "final.pre_norm: rows [0, 1, 2, 3, 4] are all zeros",
+       "zeros": "layer.3: 30 of 30 rows (e.g. [0, 1, 2, 3, 4]) are all zeros",
+       "pre_zeros": "final.pre_norm: 30 of 30 rows (e.g. [0, 1, 2, 3, 4]) are all zeros",
        "other_rows": "layer.1: the stored rows, normalised with layer 1's input norm",
        "post_is_pre": "final.pre_norm: the stored pre-norm state through the final norm is not what the LM head",
        "staging": "differ from what the forward pass held at capture",
@@ -210,4 +218,4 @@ def test_one_non_finite_element_anywhere_is_found_without_reading_the_planes(tmp
     with lazy_sample.open_sample(tmp_path / "d" / e["file"]) as s:
         r = check_rows(s, norms)
         assert 101 not in sample_rows(s.key, [0], 200, 8)
-    assert any(p.startswith("layer.1: NaN or Inf at rows [101]") for p in r.problems), r.problems
+    assert any(p.startswith("layer.1: NaN or Inf in 1 of 200 rows (e.g. [101])") for p in r.problems), r.problems

@@ -101,7 +101,8 @@ def test_a_staging_slot_is_not_reused_while_a_job_of_its_pass_still_reads_it(tmp
         time.sleep(0.01)
     with pytest.raises(RuntimeError, match="the sample writer failed"):
         _pass(h, [2], 2.0)
-    h.close()
+    with pytest.raises(RuntimeError, match="writer had failed"):
+        h.close()
     assert store.read_manifest(tmp_path) == {}, "a failed pass leaves nothing in any manifest"
     assert not list(tmp_path.glob("*.safetensors")) and not list((tmp_path / store.TMPDIR).iterdir())
 

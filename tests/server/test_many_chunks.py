@@ -13,7 +13,7 @@ from hs_patch.server import config, hook
 from hs_patch.server.inplace import InPlaceSample, header_room
 from lab.passes import Batch, play
 
-H = 8
+H = 16
 
 
 def test_the_room_covers_a_part_a_token():

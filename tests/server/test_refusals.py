@@ -91,16 +91,16 @@ def test_attach_derives_the_staging_size_from_the_chunked_prefill_size(tiny_mode
 
 def test_one_writing_server_per_capture_dir(tmp_path):
     c = cfg(directory=str(tmp_path), layers=(0,), final="none", slot_tokens=8)
-    first = hook.CaptureHook(c, hidden_size=8, metadata={})
+    first = hook.CaptureHook(c, hidden_size=16, metadata={})
     with pytest.raises(RuntimeError, match="give each server its own HS_CAPTURE_DIR"):
-        hook.CaptureHook(c, hidden_size=8, metadata={})
+        hook.CaptureHook(c, hidden_size=16, metadata={})
     first.close()
-    hook.CaptureHook(c, hidden_size=8, metadata={}).close()  # free again once the first let go
+    hook.CaptureHook(c, hidden_size=16, metadata={}).close()  # free again once the first let go
 
 
 def test_a_hook_closes_once_so_the_exit_handler_writes_nothing_after_a_tests_close(tmp_path, caplog):
     c = cfg(directory=str(tmp_path / "dump"), layers=(0,), final="none", slot_tokens=8)
-    h = hook.CaptureHook(c, hidden_size=8, metadata={})
+    h = hook.CaptureHook(c, hidden_size=16, metadata={})
     h.close()
     shutil.rmtree(tmp_path / "dump")  # as pytest removes a passing test's tmp_path before the exit handler runs
     with caplog.at_level("WARNING", logger="hs_patch"):
@@ -132,7 +132,7 @@ def test_staging_memory_is_on_the_host_even_inside_a_device_context(tmp_path):
 
     with torch.device("meta"):
         h = hook.CaptureHook(cfg(directory=str(tmp_path), layers=(0,), final="pre", slot_tokens=8),
-                             hidden_size=8, metadata={})
+                             hidden_size=16, metadata={})
     slot = h._free.get()
     assert slot.ids.device.type == "cpu" and all(r.device.type == "cpu" for r in slot._raw)
     h._free.put(slot)

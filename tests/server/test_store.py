@@ -152,7 +152,8 @@ def test_writer_failure_stops_capture_loudly(tmp_path):
         time.sleep(0.01)
     with pytest.raises(RuntimeError, match="the sample writer failed"):
         h.begin(Batch([3]), torch.tensor([1, 2, 3]))
-    h.writer.close()
+    with pytest.raises(RuntimeError, match="writer had failed"):
+        h.writer.close()
     status = json.loads((tmp_path / "d" / "hook_status.json").read_text())
     assert status["error"] and status["errors"] == 1
 

@@ -17,6 +17,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 import torch
 
 from hs_patch import reader, store
@@ -135,7 +137,8 @@ def test_a_failed_pass_removes_a_partial_file_only_after_a_later_pass_stopped_wr
     time.sleep(0.2)
     assert len(tmp_files(tmp_path)) == 1, "x's partial file is still being written: not closed under the write"
     gate.go.set()
-    w.close()
+    with pytest.raises(RuntimeError, match="writer had failed"):
+        w.close()
     assert not gate.errors, "no write ran into a closed file"
     assert store.read_manifest(tmp_path) == {} and not list(tmp_path.glob("*.safetensors"))
     assert not tmp_files(tmp_path) and w.stats.errors == 1

@@ -1,37 +1,33 @@
 """Every plane of a sample against what the forward pass held, on every sample: the row checks.
 
-The capture hook fingerprinted, on the GPU and at capture time, every stored plane, the
-final norm's input and output and, for every captured layer, what that layer's attention
-read (:mod:`hs_patch.server.fingerprint`). Per sample this module checks:
+The capture hook fingerprinted, on the GPU and at capture time, every stored plane, the final
+norm's input and output, the embedded rows and, for every captured layer, what its attention
+read, its attention's output and the residual after it (:mod:`hs_patch.server.fingerprint`).
+Per sample this module checks:
 
-1. every row of every stream (from the fingerprint tensor alone, no plane read): finite, and
-   not all zeros;
-2. rows sampled in EVERY chunk the prompt was prefilled in (its first and last row and a
-   key-seeded draw): each stored plane's row equals its fingerprint (what the forward held:
-   the copy, staging and writer path; another prompt's rows, a stale buffer, a shift fail);
-3. on those rows, what the model's own weights say the planes must be:
-   - ``layer.<i>`` normalised with layer i's input norm weight is what layer i's attention
-     read: the plane is layer i's input (not i+1's), fully reduced (not one rank's partial
-     sum), not zeros, this prompt's;
-   - ``final.pre_norm`` through the final norm is the LM head's input; a stored
-     ``final.post_norm`` is that input (bytes); a post-norm-only capture has rms(post / w) = 1.
-   Rounding is allowed exactly: our norm rounds to bf16 from the rounded residual, SGLang's
-   fused norm from the unrounded fp32 sum, so elements differ by at most one unit in the last
-   place (measured in #12: ~20% of them). Each block sum's difference, divided by the root sum
-   of squares of those units over its block, is sub-Gaussian with variance proxy <= 1; a
-   relation fails when the sum of squares over all its rows and blocks exceeds the chi-square
-   tail bound N + 2 sqrt(N t) + 2t (Laurent-Massart, t = ln 1e12: a right sample fails with
-   probability < 1e-12). A one per cent change of the rows' direction gives ~14 per block. An fp32
-   model's units are finer than the norm's own arithmetic: see :func:`allowance`.
+1. every row of every stream, from the fingerprints alone: finite (a NaN or Inf anywhere in a
+   row makes its block sums non-finite), and the states not all zeros;
+2. every row of every stored plane: its bytes in the file are the exact checksum the hook took
+   (:mod:`hs_patch.host.fidelity.checksums`; samples written before issue #33 have none: their
+   rows read below are compared with their block sums instead, within fp32 summation order);
+3. every row: the embedded rows are the embedding of the sample's token ids (given the model's
+   embedding weight): each row is this request's, at this position;
+4. every row of every chunk: the additive relation of each captured layer (layer + attention
+   output = the residual after it), from the fingerprints alone;
+5. rows read in EVERY chunk (its first and last row and a key-seeded draw): what the model's own
+   norm weights say the planes must be: ``layer.<i>`` normalised with layer i's input norm is what
+   layer i's attention read; ``final.pre_norm`` through the final norm is the LM head's input; a
+   post-norm-only capture has rms(post / w) = 1.
 
-What it cannot see, said where it is used: a row scaled by a constant (RMSNorm is
-scale-invariant); states SGLang itself computed wrong (the same-pass top-1 of
-:mod:`hs_patch.host.fidelity` and the GPU proof are about that).
+Every relation is judged chunk by chunk (:mod:`hs_patch.host.fidelity.relations`), and every
+comparison fails on a NaN (it tests that a value is within bounds, never that it is outside).
+What this cannot see: states SGLang itself computed wrong before the capture points (the same-pass
+top-1 and logit gaps of :mod:`hs_patch.host.fidelity.check`, and the GPU proof, are about that);
+the floors of each relation are in docs/verification.md.
 """
 
 from __future__ import annotations
 
-import math
 import random
 import threading
 from dataclasses import asdict, dataclass, field
@@ -39,19 +35,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from hs_patch import lazy_sample, store
+from hs_patch.host.fidelity import relations
+from hs_patch.host.fidelity.checksums import Embeddings, mismatched_rows
 from hs_patch.server import fingerprint
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-DEFAULT_ROWS = 8                  # rows checked per chunk (its first, its last, and a seeded draw)
-FALSE_FAILURE = 1e-12             # the chance that rounding alone fails one relation of a right sample
-BYTES_TOLERANCE = 1e-4            # of a block's L1 norm: fp32 summation order, GPU against host
+DEFAULT_ROWS = 8                  # rows read per chunk (its first, its last, and a seeded draw)
+BYTES_TOLERANCE = 1e-4            # of a block's L1 norm: fp32 summation order, GPU against host (no checksums)
 RMS_TOLERANCE = 0.01              # rms(post / w) of a post-norm-only capture: 1 within this
-FP32_ULPS = 2                     # fp32 elements: another formula of the same norm (x * rsqrt(ms) * w against
-                                  # x * w / sqrt(ms)) rounds each differently by up to about this many units
-SCALE_UNITS = 4                   # a row's scale: its mean square summed in another fp32 order is off by
-                                  # about sqrt(H) units of 2^-24; this many times that is allowed
+NOT_ZERO = ("layer.", "final.", fingerprint.ATTN_PREFIX, "mid.")  # streams of states: never a row of zeros
 
 
 class Norms:
@@ -91,10 +85,11 @@ class Norms:
 class RowCheck:
     """What the row checks found in one sample; ``problems`` empty means it passed."""
 
-    rows: int = 0
+    rows: int = 0                                                        # rows read of every plane
     chunks: int = 0
+    every_row: list[str] = field(default_factory=list)                   # what was checked on every row
     problems: list[str] = field(default_factory=list)
-    relations: dict[str, dict[str, float]] = field(default_factory=dict)  # name -> n, chi2, bound
+    relations: dict[str, dict[str, float]] = field(default_factory=dict)  # name -> its worst chunk
     log_norms: dict[str, float] = field(default_factory=dict)            # plane -> mean log row norm
 
     @property
@@ -118,7 +113,7 @@ def chunk_starts(metadata: dict[str, str], n: int) -> list[int]:
 
 
 def sample_rows(key: str, starts: Sequence[int], n: int, per_chunk: int) -> list[int]:
-    """Rows to check: in every chunk its first and last row and ``per_chunk - 2`` drawn by key (stable)."""
+    """Rows to read: in every chunk its first and last row and ``per_chunk - 2`` drawn by key (stable)."""
     rng = random.Random(key)
     rows: set[int] = set()
     for a, b in zip(starts, list(starts[1:]) + [n]):
@@ -126,42 +121,6 @@ def sample_rows(key: str, starts: Sequence[int], n: int, per_chunk: int) -> list
         inner = range(a + 1, b - 1)
         rows.update(rng.sample(inner, min(len(inner), max(0, per_chunk - 2))))
     return sorted(rows)
-
-
-def ulp(x: "torch.Tensor") -> "torch.Tensor":
-    """One unit in the last place of each element of ``x`` (in its dtype), as fp32."""
-    import torch
-
-    if x.dtype == torch.bfloat16:  # 2^(exponent - 7): the exponent bits alone, read as a number, times 2^-7
-        return (x.view(torch.int16) & 0x7F80).view(torch.bfloat16).float() * 2.0 ** -7
-    xf = x.float()
-    return torch.ldexp(torch.full_like(xf, torch.finfo(x.dtype).eps), torch.frexp(xf).exponent - 1)
-
-
-def allowance(predicted: "torch.Tensor") -> "torch.Tensor":
-    """How far rounding alone may move each block sum of ``predicted`` [rows, H] (one standard unit, fp32
-    [rows, BLOCKS]), the server having computed the same rows its own way:
-
-    - each element by one unit in the last place of its dtype (bf16: SGLang's fused norm rounds from the
-      unrounded fp32 sum, ours from the stored residual), and by at least FP32_ULPS units of fp32 (an
-      fp32 model, where the formula's own rounding is what differs: bf16 and fp16 units are larger);
-    - the whole row by one common factor (its mean square summed in another order), which moves each
-      block sum by that factor: SCALE_UNITS x sqrt(H) x 2^-24 of the block sum. Negligible next to the
-      bf16 units; in fp32 it and the floor above are what let a right sample of a chunked prompt pass
-      (16 blocks and more a relation, where one fp32 unit alone gave 1.6 per block against a bound that
-      tends to 1: review of 2026-12-05); a 1% change of the rows' direction still exceeds the bound by
-      orders of magnitude."""
-    import torch
-
-    elem = torch.maximum(ulp(predicted), predicted.float().abs() * (FP32_ULPS * 2.0 ** -24))
-    var = elem.pow(2).unflatten(-1, (fingerprint.BLOCKS, -1)).sum(-1)
-    scale = SCALE_UNITS * math.sqrt(predicted.shape[-1]) * 2.0 ** -24 * fingerprint.block_sums(predicted).abs()
-    return (var + scale.pow(2)).sqrt()
-
-
-def chi2_bound(n: int) -> float:
-    t = math.log(1 / FALSE_FAILURE)
-    return n + 2 * math.sqrt(n * t) + 2 * t
 
 
 def _rows(sample: lazy_sample.LazySample, name: str, rows: Sequence[int]) -> "torch.Tensor":
@@ -178,46 +137,83 @@ def _rows(sample: lazy_sample.LazySample, name: str, rows: Sequence[int]) -> "to
     return torch.cat(out)
 
 
+def _listed(rows: Sequence[int], total: int) -> str:
+    return f"{len(rows)} of {total} rows (e.g. {list(rows[:5])})"
+
+
 class _Checker:
-    def __init__(self, sample: lazy_sample.LazySample, fp: "torch.Tensor", streams: list[str], rows: list[int]):
-        self.sample, self.fp, self.streams, self.rows = sample, fp, streams, rows
-        self.result = RowCheck(rows=len(rows))
+    def __init__(self, sample: lazy_sample.LazySample, fp: "torch.Tensor", streams: list[str], rows: list[int],
+                 starts: list[int]):
+        self.sample, self.fp, self.streams, self.rows, self.starts = sample, fp, streams, rows, starts
+        self.n = sample.num_tokens
+        self.result = RowCheck(rows=len(rows), chunks=len(starts))
+        self.chunks = relations.chunk_of(rows, starts)
 
     def stream(self, name: str) -> "torch.Tensor":
         return self.fp[self.rows, self.streams.index(name)]
 
+    def every_row(self, fp_meta_checksums: Optional[dict], embeddings: Optional[Embeddings]) -> bool:
+        """Checks 1-3; True when the planes' bytes were checked on every row (by checksum)."""
+        import torch
+
+        fp, n, res = self.fp, self.n, self.result
+        finite, zero = fp.isfinite().all(-1), (fp == 0).all(-1)
+        for k, name in enumerate(self.streams):
+            if not bool(finite[:, k].all()):
+                bad = finite[:, k].logical_not().nonzero()[:, 0].tolist()
+                res.problems.append(f"{name}: NaN or Inf in {_listed(bad, n)}")
+            if name.startswith(NOT_ZERO) and bool(zero[:, k].any()):
+                res.problems.append(f"{name}: {_listed(zero[:, k].nonzero()[:, 0].tolist(), n)} are all zeros")
+        res.every_row.append("finite and not zero (fingerprints)")
+        if fp_meta_checksums is None:
+            return False
+        names = list(fp_meta_checksums["streams"])
+        cs = self.sample.tensor(fingerprint.CHECKSUM_TENSOR)
+        for plane, bad in mismatched_rows(self.sample.path, cs, names, self.sample.planes, n).items():
+            res.problems.append(f"{plane}: the bytes of {_listed(bad, n)} differ from what the forward pass held at "
+                                "capture: rows misplaced, replaced, shifted or corrupted between the GPU and the file")
+        res.every_row.append("bytes = checksums (every stored plane)")
+        if embeddings is not None and fingerprint.EMBED in names:
+            dtype = getattr(torch, self.sample.metadata.get("dtype", "bfloat16"))
+            bad = embeddings.mismatched(self.sample.tensor("input_ids"), cs[:, names.index(fingerprint.EMBED)], dtype)
+            if bad:
+                res.problems.append(f"embed: the rows the residual stream began from are not the embedding of this "
+                                    f"sample's tokens at {_listed(bad, n)}: the states are another request's, or "
+                                    "shifted against the token ids")
+            res.every_row.append("embedded rows = embedding of input_ids")
+        return True
+
     def bytes(self, name: str, data: "torch.Tensor") -> None:
-        """The stored rows of ``name`` are what the forward held (deterministic tolerance)."""
+        """(No checksums: a sample written before #33.) The stored rows read are what the forward held."""
         got = fingerprint.block_sums(data)
         l1 = data.float().abs().unflatten(-1, (fingerprint.BLOCKS, -1)).sum(-1)
-        bad = ((got - self.stream(name)).abs() > BYTES_TOLERANCE * l1 + 1e-30).any(-1)
-        if bool(bad.any()):
-            rows = [r for r, b in zip(self.rows, bad.tolist()) if b]
+        ok = ((got - self.stream(name)).abs() <= BYTES_TOLERANCE * l1 + 1e-30) & got.isfinite()
+        bad = [r for r, good in zip(self.rows, ok.all(-1).tolist()) if not good]
+        if bad:
             self.result.problems.append(
-                f"{name}: {len(rows)} of {len(self.rows)} checked rows (e.g. {rows[:5]}) differ from what the forward "
+                f"{name}: {len(bad)} of {len(self.rows)} checked rows (e.g. {bad[:5]}) differ from what the forward "
                 "pass held at capture: the rows were misplaced, replaced or corrupted between the GPU and the file")
 
+    def judged(self, what: str, z2: "torch.Tensor", chunks: Sequence[int], meaning: str) -> None:
+        record, failed = relations.judge(z2, chunks, len(self.starts))
+        self.result.relations[what] = record
+        if failed:
+            self.result.problems.append(relations.describe_failures(what, meaning, failed, self.starts, self.n))
+
     def relation(self, what: str, predicted: "torch.Tensor", stream: str, meaning: str) -> None:
-        """``predicted`` (bf16 rows computed here from the stored ones) against the stream, within rounding."""
-        got = fingerprint.block_sums(predicted)
-        sigma = allowance(predicted)
-        z2 = ((got - self.stream(stream)) / sigma.clamp_min(1e-30)).pow(2)
-        n = z2.numel()
-        chi2 = float(z2.sum()) if bool(z2.isfinite().all()) else math.inf
-        bound = chi2_bound(n)
-        self.result.relations[what] = {"n": n, "chi2": round(chi2, 3), "bound": round(bound, 3)}
-        if not chi2 <= bound:
-            self.result.problems.append(f"{what}: {meaning} (chi-square {chi2:.3g} over {n} block sums, a right "
-                                        f"sample stays under {bound:.3g})")
+        """``predicted`` (rows computed here from the stored ones read) against the stream, chunk by chunk."""
+        self.judged(what, relations.standardised(predicted, self.stream(stream)), self.chunks, meaning)
 
 
-def check_rows(sample: lazy_sample.LazySample, norms: Optional[Norms], *, per_chunk: int = DEFAULT_ROWS) -> RowCheck:
-    """Run the row checks on one opened sample (see the module's doc); ``norms`` None skips the relations."""
+def check_rows(sample: lazy_sample.LazySample, norms: Optional[Norms], *, per_chunk: int = DEFAULT_ROWS,
+               embeddings: Optional[Embeddings] = None) -> RowCheck:
+    """Run the row checks on one opened sample (see the module's doc); ``norms`` None skips the norm
+    relations, ``embeddings`` None the embedded rows' check."""
     from hs_patch.host.model_files import rms_norm
 
     meta = sample.metadata
     try:
-        doc = fingerprint.parse(meta)
+        doc, cdoc = fingerprint.parse(meta), fingerprint.parse_checksums(meta)
     except ValueError as e:
         raise store.SampleError(f"{sample.path}: {e}") from None
     if doc is None:
@@ -227,20 +223,31 @@ def check_rows(sample: lazy_sample.LazySample, norms: Optional[Norms], *, per_ch
     fp = sample.tensor(fingerprint.TENSOR)
     starts = chunk_starts(meta, n)
     rows = sample_rows(sample.key, starts, n, per_chunk)
-    c = _Checker(sample, fp, streams, rows)
-    c.result.chunks = len(starts)
-    finite = fp.isfinite().all(-1)
-    zero = (fp == 0).all(-1)
-    for k, name in enumerate(streams):
-        if not bool(finite[:, k].all()):
-            c.result.problems.append(f"{name}: NaN or Inf at rows {finite[:, k].logical_not().nonzero()[:5, 0].tolist()}")
-        if bool(zero[:, k].any()):
-            r = zero[:, k].nonzero()[:5, 0].tolist()
-            c.result.problems.append(f"{name}: rows {r} are all zeros ({int(zero[:, k].sum())} of {n})")
+    c = _Checker(sample, fp, streams, rows, starts)
+    checksummed = c.every_row(cdoc, embeddings)
+    every = list(range(n))
+    every_chunk = relations.chunk_of(every, starts)
+    tp = int(meta.get("tp_size", "1") or 1)
+    hidden = int(meta.get("hidden_size", fp.shape[-1]))
+    additive = False
+    for layer in (int(p.split(".", 1)[1]) for p in sample.planes if p.startswith("layer.")):
+        z2 = relations.additive(fp, streams, layer, tp, hidden)
+        if z2 is not None:
+            additive = True
+            c.judged(f"layer.{layer}+attn", z2, every_chunk,
+                     f"layer {layer}'s stored input plus its attention's output is not the residual after it: the "
+                     "plane is scaled, one tensor-parallel rank's partial sum, another layer's state, or another "
+                     "prompt's rows")
+    if additive:
+        c.result.every_row.append("additive relation (layer + attention output = residual after it)")
     planes = {p: _rows(sample, p, rows) for p in sample.planes}
     for p, data in planes.items():
-        c.bytes(p, data)
-        c.result.log_norms[p] = round(float(data.float().norm(dim=-1).clamp_min(1e-30).log().mean()), 4)
+        if not checksummed:
+            c.bytes(p, data)
+        norms_ = data.float().norm(dim=-1)
+        finite = norms_[norms_.isfinite() & (norms_ > 0)]
+        if len(finite):
+            c.result.log_norms[p] = round(float(finite.log().mean()), 4)
     if norms is not None:
         for p, data in planes.items():
             if p.startswith("layer."):
@@ -258,8 +265,9 @@ def check_rows(sample: lazy_sample.LazySample, norms: Optional[Norms], *, per_ch
             w = norms.final.float()
             use = w.abs() > 1e-6
             rms = (post[:, use] / w[use]).pow(2).mean(-1).sqrt()
-            c.result.relations["final.post_norm"] = {"n": len(rows), "max_rms_error": round(float((rms - 1).abs().max()), 6)}
-            if bool(((rms - 1).abs() > RMS_TOLERANCE).any()):
+            err = (rms - 1).abs()
+            c.result.relations["final.post_norm"] = {"n": len(rows), "max_rms_error": round(float(err.max()), 6)}
+            if not bool((err <= RMS_TOLERANCE).all()):
                 c.result.problems.append("final.post_norm: the stored rows are not normalised (rms of post / norm "
                                          f"weight is {rms.min():.4g}..{rms.max():.4g}, not 1): not the final "
                                          "norm's output")
