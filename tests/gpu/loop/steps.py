@@ -154,7 +154,9 @@ class Steps(Measuring):
 
         st = hs_patch_cli("apply", "--site", self.a.site)
         assert st["exit_code"] == 0 and st["state"] == "patched", st
-        with_sf = self.a.sf_shards > 0   # 0: no SpecForge capture (the CPU rehearsal)
+        # SpecForge's capture starts here when its 0.5.14 delta came with this call, else in the specforge phase
+        # (the kit and the delta may not fit one call's 64 MiB); --sf-shards 0: none (the CPU rehearsal)
+        with_sf = self.a.sf_shards > 0 and (self.carry / "site514.tar.xz").exists()
         site514 = ThreadPoolExecutor(1).submit(self._site514) if with_sf else None   # beside the server's start
         cap, samples = self.shm / "loop-capture", self.shm / "loop-samples"
         for d in (cap, samples, self.work / "drive-state"):
@@ -194,7 +196,7 @@ class Steps(Measuring):
             drafters.draft_config(json.loads((self.target / "config.json").read_text()), ids, self.work / "draft.json")
             if site514 is not None:
                 site514.result()
-            res["specforge_started"] = self._start_specforge(chats) if with_sf else {"shards": [], "t": time.time()}
+            res["specforge_started"] = self._start_specforge(chats) if with_sf else None
             t = time.time()
             p = self.hs_extract("drive", "--run", "loop", "--data", str(self.work / "drafter_chats.jsonl"),
                                 "--model", str(self.target), "--server", server.url, "--capture-dir", str(cap),
@@ -290,7 +292,14 @@ class Steps(Measuring):
         return {"made": made, "order": {k: self.state["order"].get(k) for k in kinds}}
 
     def specforge(self) -> dict:
-        shards = self.state["done"]["extract"]["specforge_started"]["shards"]
+        ext = self.state["done"]["extract"]
+        if not ext.get("specforge_started"):
+            if not (self.carry / "site514.tar.xz").exists():
+                raise RuntimeError(f"SpecForge's capture needs {self.carry / 'site514.tar.xz'}: carry .loopcarry")
+            self._site514()
+            ext["specforge_started"] = self._start_specforge(corpus.read_jsonl(self.work / "drafter_chats.jsonl"))
+            self.save()
+        shards = ext["specforge_started"]["shards"]
         rcs = {}
         while True:
             rcs = {s["shard"]: (self.work / "sfcap" / f"shard{s['shard']}" / "rc") for s in shards}
