@@ -139,7 +139,9 @@ class Steps(Measuring):
         t = time.time()
         try:
             target.save(DeepseekV3ForCausalLM(cfg).to(__import__("torch").bfloat16), tok, d)
-            s = Server("warm", str(d), self.a.port + 1, 4096, None, ["--context-length", "4096"], mem_fraction=0.9)
+            # a small pool (the target trains beside it): --max-total-tokens bounds it, not the fraction
+            s = Server("warm", str(d), self.a.port + 1, 4096, None, ["--context-length", "4096", "--max-total-tokens",
+                                                                     "16384"], mem_fraction=0.9)
             try:
                 s.wait_ready()
                 s.generate(list(range(10, 300)), "nocap-warm", max_new=64)
