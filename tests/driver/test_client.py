@@ -136,7 +136,7 @@ def test_credentials_in_the_url_are_sent_but_never_shown():
         srv.server_close()
     import base64
 
-    assert Recorder.seen[0] == ("/get_server_info?token=tok-123", "Basic " + base64.b64encode(b"alice:s3cr@t").decode())
+    assert Recorder.seen[0] == ("/server_info?token=tok-123", "Basic " + base64.b64encode(b"alice:s3cr@t").decode())
     for text in (str(e.value), c.display_url):
         assert "s3cr" not in text and "tok-123" not in text and "alice" not in text
     assert c.display_url == f"http://***@127.0.0.1:{srv.server_address[1]}?token=***"
@@ -160,3 +160,45 @@ def test_a_server_given_without_http_is_refused_at_once_saying_how_to_write_it(u
     with pytest.raises(ClientError, match="give it as http://HOST:PORT"):
         SGLangClient(url)
     assert time.monotonic() - t < 1
+
+
+class OneInfoPath(BaseHTTPRequestHandler):
+    """Serves the server info on ``path`` alone (404 elsewhere), as a release that has only that name."""
+
+    path_served = "/server_info"
+    seen: list[str] = []
+
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):  # noqa: N802
+        OneInfoPath.seen.append(self.path)
+        ok = self.path == OneInfoPath.path_served
+        data = json.dumps({"version": "x", "served_from": self.path} if ok else {"detail": "Not Found"}).encode()
+        self.send_response(200 if ok else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.mark.parametrize("served, asked", [("/server_info", ["/server_info"]),
+                                           ("/get_server_info", ["/server_info", "/get_server_info"])])
+def test_server_info_reads_server_info_and_falls_back_to_the_older_name(served, asked):
+    """SGLang 0.5.9-0.5.23 serve both names and warn on every /get_server_info call (deprecated, to be
+    removed): /server_info is read first; a server without it (404) is read at /get_server_info; other
+    refusals are not retried under the other name."""
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), OneInfoPath)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    OneInfoPath.path_served, OneInfoPath.seen = served, []
+    try:
+        c = SGLangClient(f"http://127.0.0.1:{srv.server_address[1]}", policy=RetryPolicy(retries=0))
+        assert c.server_info()["served_from"] == served
+        assert OneInfoPath.seen == asked
+        OneInfoPath.path_served, OneInfoPath.seen = "/nowhere", []
+        with pytest.raises(ServerRejected, match="404"):
+            c.server_info()
+        assert OneInfoPath.seen == ["/server_info", "/get_server_info"]
+    finally:
+        srv.shutdown()
+        srv.server_close()

@@ -33,6 +33,7 @@ def servers(tiny_model_dir, tmp_path_factory):
         "good": Speculative(str(_draft(tmp, "good")), 3, 1, 4, accuracy=0.9),
         "poor": Speculative(str(_draft(tmp, "poor")), 3, 1, 4, accuracy=0.2),
         "flip": Speculative(str(_draft(tmp, "flip")), 3, 1, 4, accuracy=0.9, flip_at=2),
+        "never": Speculative(str(_draft(tmp, "never")), 3, 1, 4, accuracy=0.0),
     }
     srv = {k: StandinServer(Engine(str(tiny_model_dir), None, chunked_prefill_size=256, speculative=v)).start()
            for k, v in made.items()}
@@ -87,6 +88,92 @@ def test_accept_length_is_completion_over_verify_passes_and_greedy_output_is_unc
     assert per[5]["prompt_tokens"] < per[5]["prompt_tokens"] + 12
 
 
+def test_both_accept_lengths_acceptance_by_position_output_digests_and_the_cap(
+        servers, tiny_model_dir, heldout, tmp_path, capsys):
+    """The gauge (1 + correct drafts / passes: SGLang's avg_spec_accept_length, no prefill token) beside the
+    accept length that counts the prefill's token; acceptance by draft position from the per-request
+    histograms; every output's sha256 kept (the ids with --output-ids); answers at the cap counted."""
+    import hashlib
+
+    report = tmp_path / "r.json"
+    rc, s = _accept(servers, "good", tiny_model_dir, heldout, capsys, "--out", str(report), "--output-ids")
+    assert rc == 0
+    per = json.loads(report.read_text())["by_conversation"]
+    correct = sum(c["correct_drafts"] for c in per)
+    assert s["correct_drafts"] == correct and s["accept_length_gauge"] == round(1 + correct / s["verify_ct"], 4)
+    # the prefill's token: one more token than passes x (1 + correct) per conversation, none cut at a stop here
+    assert s["completion_tokens"] == s["verify_ct"] + correct + len(per)
+    assert s["accept_length_gauge"] < s["accept_length"]
+    for c in per:
+        assert sum(c["histogram"]) == c["verify_ct"] and sum(k * n for k, n in enumerate(c["histogram"])) == \
+            c["correct_drafts"]
+        assert len(c["output_ids"]) == 12 and c["finish"] == "length"
+        assert c["output_sha256"] == hashlib.sha256(",".join(map(str, c["output_ids"])).encode()).hexdigest()
+    pos = s["by_position"]
+    hist = [sum(c["histogram"][k] if k < len(c["histogram"]) else 0 for c in per) for k in range(4)]
+    assert pos["histogram"][:4] == hist[:len(pos["histogram"])] and pos["passes"] == s["verify_ct"]
+    assert len(pos["accepted_at"]) == 3, "positions 1..draft tokens - 1"
+    assert pos["accepted_at"][0] == round(sum(hist[1:]) / s["verify_ct"], 5)
+    assert pos["accepted_at"] == sorted(pos["accepted_at"], reverse=True)
+    assert s["at_cap"] == 6 and s["finish"] == {"length": 6}, "--ignore-eos: every answer ran to the cap"
+    rc, s2 = _accept(servers, "good", tiny_model_dir, heldout, capsys, "--out", str(report))
+    assert "output_ids" not in json.loads(report.read_text())["by_conversation"][0], "ids only with --output-ids"
+    assert [c["output_sha256"] for c in json.loads(report.read_text())["by_conversation"]] == \
+        [c["output_sha256"] for c in per], "the same greedy outputs, the same digests"
+
+    rc, never = _accept(servers, "never", tiny_model_dir, heldout, capsys)
+    assert never["accept_length_gauge"] == 1.0 and never["accept_length"] == round(72 / 66, 4)
+    assert never["by_position"]["accepted_at"] == [0.0, 0.0, 0.0]
+    _, poor = _accept(servers, "poor", tiny_model_dir, heldout, capsys)
+    assert poor["by_position"]["accepted_at"][0] < pos["accepted_at"][0]
+
+    rc = main(["accept", "--server", servers["good"].url, "--data", str(heldout), "--model", str(tiny_model_dir),
+               "--max-new-tokens", "12", "--ignore-eos"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "the prefill's first token counted" in text and "SGLang's gauge avg_spec_accept_length" in text
+    assert "accepted at draft position 1..: " in text and "answers at the --max-new-tokens cap (12): 6/6" in text
+
+
+def test_older_and_newer_metric_names_are_read_and_metrics_that_do_not_add_up_fail(
+        servers, tiny_model_dir, heldout, capsys):
+    """SGLang 0.5.9 names the correct drafts spec_accept_token_num and the histogram spec_accept_histogram
+    (0.5.16: spec_num_correct_drafts, spec_correct_drafts_histogram); a server without a histogram gives no
+    positions; a histogram whose passes are not spec_verify_ct fails the conversation."""
+    def rename(meta: dict, keep: dict) -> dict:
+        drop = ("spec_num_correct_drafts", "spec_accepted_drafts", "spec_correct_drafts_histogram",
+                "spec_accept_histogram")
+        return {**{k: v for k, v in meta.items() if k not in drop}, **keep}
+
+    def proxied(edit):
+        def post(n, body):
+            status, data = _Front.forward(servers["good"].url + "/generate", body)
+            out = json.loads(data)
+            out["meta_info"] = edit(out["meta_info"])
+            return status, json.dumps(out).encode()
+        return _Front(servers["good"].url, post)
+
+    _, new = _accept(servers, "good", tiny_model_dir, heldout, capsys)
+    for edit, gauge, positions in (
+            (lambda m: rename(m, {"spec_accept_token_num": m["spec_num_correct_drafts"],
+                                  "spec_accept_histogram": m["spec_correct_drafts_histogram"]}), True, True),
+            (lambda m: rename(m, {"spec_num_correct_drafts": m["spec_num_correct_drafts"]}), True, False),
+            (lambda m: rename(m, {}), False, False)):
+        front = proxied(edit)
+        try:
+            rc, s = _accept({**servers, "x": front}, "x", tiny_model_dir, heldout, capsys)
+        finally:
+            front.close()
+        assert rc == 0 and s["accept_length"] == new["accept_length"]
+        assert s["accept_length_gauge"] == (new["accept_length_gauge"] if gauge else None)
+        assert s["by_position"] == (new["by_position"] if positions else None)
+    front = proxied(lambda m: {**m, "spec_correct_drafts_histogram": [m["spec_verify_ct"] + 1]})
+    try:
+        rc, s, err = _accept_err({**servers, "x": front}, "x", tiny_model_dir, heldout, capsys)
+    finally:
+        front.close()
+    assert rc == 1 and s["failed"] == 6 and "do not add up" in s["first_error"]
+
+
 def test_a_better_drafter_measures_a_longer_accept_length(servers, tiny_model_dir, heldout, capsys):
     _, good = _accept(servers, "good", tiny_model_dir, heldout, capsys)
     _, poor = _accept(servers, "poor", tiny_model_dir, heldout, capsys)
@@ -124,6 +211,9 @@ def test_wrong_servers_and_bad_input_are_refused_with_what_to_do(servers, tiny_m
     assert rc == 1 and "is not JSON" in capsys.readouterr().err
     rc = main(["accept", "--server", "http://127.0.0.1:9", "--data", str(heldout), "--model", str(tiny_model_dir)])
     assert rc == 1 and "failed after" in capsys.readouterr().err
+    rc = main(["accept", "--server", servers["good"].url, "--plain", servers["plain"].url, "--data", str(heldout),
+               "--model", str(tiny_model_dir), "--temperature", "1"])
+    assert rc == 1 and "needs --temperature 0" in capsys.readouterr().err
 
 
 class _Front:

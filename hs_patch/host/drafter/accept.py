@@ -3,15 +3,20 @@ EAGLE-3 server on held-out chats.
 
 Each conversation's prompt is every turn before its last assistant turn (the whole
 conversation when it has none), rendered with the model's chat template and generation prompt
-and sent as token ids, greedy (temperature 0). SGLang reports per request
-``meta_info.completion_tokens`` and ``spec_verify_ct`` (verification passes); the accept length
-is their ratio (it counts the bonus token, so an untrained drafter gives 1.0), per conversation
-and in total (sum over sum, as SGLang's own ``avg_spec_accept_length``, but for exactly these
-requests). With ``--plain`` (the same target without speculative decoding) every output is
-compared token by token; where the two differ, the plain server's log-probabilities at the
-first difference tell whether it is a near-tie (the two tokens within ``--tie-margin`` nats:
-batch-dependent bf16 rounding may flip it) or a real mismatch (a drafter must never change a
-greedy output).
+and sent as token ids (temperature 0 unless --temperature). SGLang reports per request
+``completion_tokens``, ``spec_verify_ct`` (verification passes), the correct drafts and their
+histogram per pass. Two accept lengths are printed, both sums over exactly these requests:
+``accept_length`` = Σ completion_tokens / Σ spec_verify_ct, which counts the first token (it
+comes from the prefill pass; SGLang's per-request ``spec_accept_length`` and SpecForge's
+bench_eagle3.py count it too), and ``accept_length_gauge`` = 1 + Σ correct drafts / Σ
+spec_verify_ct, without it: SGLang's own gauge, ``avg_spec_accept_length`` of /server_info (which
+sums every request since the server started). An untrained drafter gives 1 + 1/passes and 1.0.
+Acceptance by draft position comes from the per-request histograms; the share of answers that
+ran to --max-new-tokens (finish_reason length) is counted. With ``--plain`` (the same target
+without speculative decoding; greedy only) every output is compared token by token; where the two
+differ, the plain server's log-probabilities at the first difference tell whether it is a
+near-tie (the two tokens within ``--tie-margin`` nats: batch-dependent bf16 rounding may flip it)
+or a real mismatch (a drafter must never change a greedy output).
 """
 
 from __future__ import annotations
@@ -23,12 +28,15 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional
+from dataclasses import asdict
+from typing import Any, Callable
+
+from hs_patch.host.drafter.accept_report import Conversation, read_answer, summarize
 
 DESCRIPTION = __doc__.split("\n\n", 1)[1] + """
-output: a summary line (--json: one JSON object) and, with --out FILE, the whole report (every
-conversation, every difference) as JSON, written atomically.
+output: the summary (--json: one JSON object) and, with --out FILE, the whole report as JSON, written
+atomically: every conversation (tokens, verification passes, correct drafts, their histogram, finish
+reason, the output ids' sha256; the ids too with --output-ids), every difference.
 
 exit codes: 0 every conversation measured (and, with --plain, every output compared and every
 difference a near-tie); 1 error, a conversation failed (the summary still covers the others),
@@ -38,19 +46,6 @@ stopped after --max-consecutive-failures, or with --plain a comparison that coul
 EXIT_OK, EXIT_ERROR, EXIT_MISMATCH, EXIT_INTERRUPTED = 0, 1, 3, 130
 SPEC_KEYS = ("speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
              "speculative_num_draft_tokens", "speculative_draft_model_path")
-
-
-@dataclass
-class Conversation:
-    sample_id: str
-    prompt_tokens: int
-    completion_tokens: int = 0
-    verify_ct: int = 0
-    accept_length: Optional[float] = None
-    output_ids: list[int] = field(default_factory=list)
-    error: str = ""
-    greedy: dict[str, Any] = field(default_factory=dict)
-    unreachable: bool = False   # the server did not answer at all (not in the report)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,6 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="tokens generated per "
                    "conversation (default: %(default)s; generation also stops at the model's end of turn)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="sampling temperature (default: "
+                   "%(default)s, greedy; above 0 the accept length measures sampled decoding, and --plain, a "
+                   "greedy check, is refused)")
+    p.add_argument("--output-ids", action="store_true", help="keep every output's token ids in --out (their sha256 "
+                   "is always kept)")
     p.add_argument("--limit", type=int, default=0, metavar="N", help="only the first N conversations (0: all)")
     p.add_argument("--concurrency", type=int, default=16, metavar="N", help="requests in flight (default: "
                    "%(default)s; SGLang batches them as it would in production)")
@@ -125,15 +125,7 @@ def measure_one(client: Any, sid: str, ids: list[int], params: dict[str, Any], k
     except ClientError as e:
         c.error, c.unreachable = str(e), not isinstance(e, ServerRejected)
         return c
-    meta = out.get("meta_info") or {}
-    c.output_ids = [int(t) for t in out.get("output_ids") or []]
-    c.completion_tokens = int(meta.get("completion_tokens") or len(c.output_ids))
-    c.verify_ct = int(meta.get("spec_verify_ct") or 0)
-    c.accept_length = round(c.completion_tokens / c.verify_ct, 4) if c.verify_ct else None
-    if not c.verify_ct and c.completion_tokens > 1:
-        # SGLang leaves spec_verify_ct out only when no verify pass ran (one token, from the prefill)
-        c.error = (f"{c.completion_tokens} tokens without spec_verify_ct: not an EAGLE-3 answer (its tokens would "
-                   "count with no verify pass and inflate the accept length)")
+    read_answer(c, out)
     return c
 
 
@@ -164,30 +156,6 @@ def compare(plain: Any, c: Conversation, ids: list[int], params: dict[str, Any],
         c.greedy = {"error": str(e)}
 
 
-def summarize(convs: list[Conversation], settings: dict[str, Any], rejects: list[dict], plain: bool,
-              seconds: float) -> dict[str, Any]:
-    ok = [c for c in convs if not c.error]
-    comp, ver = sum(c.completion_tokens for c in ok), sum(c.verify_ct for c in ok)
-    s: dict[str, Any] = {"server_settings": settings, "conversations": len(convs), "measured": len(ok),
-                         "failed": len(convs) - len(ok), "rejected_lines": len(rejects),
-                         "completion_tokens": comp, "verify_ct": ver,
-                         "accept_length": round(comp / ver, 4) if ver else None, "seconds": round(seconds, 1)}
-    if len(ok) < len(convs):
-        s["first_error"] = next(c.error for c in convs if c.error)
-    per = sorted(c.accept_length for c in ok if c.accept_length is not None)
-    if per:
-        s["per_conversation"] = {"min": per[0], "median": per[len(per) // 2], "max": per[-1]}
-    if plain:
-        g = [c.greedy for c in ok]
-        diff = [x for x in g if x.get("identical") is False]
-        s["greedy"] = {"compared": len([x for x in g if "identical" in x]), "identical": sum(1 for x in g if x.get(
-            "identical")), "differing": len(diff), "near_tie": sum(1 for x in diff if x.get("near_tie")),
-            "mismatch": sum(1 for x in diff if not x.get("near_tie")), "errors": sum(1 for x in g if "error" in x)}
-        if s["greedy"]["errors"]:
-            s["greedy"]["first_error"] = next(x["error"] for x in g if "error" in x)
-    return s
-
-
 def run(a: argparse.Namespace, progress: Callable[[int, int], None] = lambda done, total: None) -> dict[str, Any]:
     from hs_patch.host.driver.chat import load_tokenizer
     from hs_patch.host.driver.client import SGLangClient, read_api_key
@@ -215,7 +183,7 @@ def run(a: argparse.Namespace, progress: Callable[[int, int], None] = lambda don
     work, rejects = prompts(a.data, load_tokenizer(a.model, a.trust_remote_code), kwargs, a.limit)
     if not work:
         raise ValueError(f"no usable conversation in {', '.join(a.data)} ({len(rejects)} rejected lines)")
-    params = {"max_new_tokens": a.max_new_tokens, "temperature": 0.0, "ignore_eos": a.ignore_eos}
+    params = {"max_new_tokens": a.max_new_tokens, "temperature": a.temperature, "ignore_eos": a.ignore_eos}
     t0 = time.time()
     lock, in_a_row = threading.Lock(), [0]
 
@@ -238,10 +206,10 @@ def run(a: argparse.Namespace, progress: Callable[[int, int], None] = lambda don
     summary = summarize(convs, settings, rejects, plain is not None, time.time() - t0)
     if why:
         summary["stopped"] = why[0]
+    dropped = ("unreachable",) if a.output_ids else ("output_ids", "unreachable")
     report = {**summary, "server": spec.display_url, "plain": plain.display_url if plain else None,
-              "max_new_tokens": a.max_new_tokens, "tie_margin": a.tie_margin,
-              "by_conversation": [{k: v for k, v in asdict(c).items() if k not in ("output_ids", "unreachable")}
-                                  for c in convs],
+              "max_new_tokens": a.max_new_tokens, "temperature": a.temperature, "tie_margin": a.tie_margin,
+              "by_conversation": [{k: v for k, v in asdict(c).items() if k not in dropped} for c in convs],
               "rejects": rejects}
     if a.out:
         from hs_patch.files import write_text_atomic
@@ -284,9 +252,12 @@ def run_args(a: argparse.Namespace) -> int:
     from hs_patch.host.driver.client import ClientError
     from hs_patch.host.driver.datafile import DataFileError
 
-    if a.max_new_tokens < 1 or a.concurrency < 1 or a.limit < 0 or a.max_consecutive_failures < 0:
-        print("hs-extract accept: --max-new-tokens and --concurrency must be >= 1, --limit and "
-              "--max-consecutive-failures >= 0", file=sys.stderr)
+    if a.max_new_tokens < 1 or a.concurrency < 1 or a.limit < 0 or a.max_consecutive_failures < 0 or a.temperature < 0:
+        print("hs-extract accept: --max-new-tokens and --concurrency must be >= 1, --limit, "
+              "--max-consecutive-failures and --temperature >= 0", file=sys.stderr)
+        return EXIT_ERROR
+    if a.plain and a.temperature > 0:
+        print("hs-extract accept: --plain compares greedy outputs: it needs --temperature 0", file=sys.stderr)
         return EXIT_ERROR
     try:
         json.loads(a.chat_template_kwargs)
@@ -310,17 +281,34 @@ def run_args(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(s, sort_keys=True))
     else:
-        st = s["server_settings"]
-        print(f"accept length {s['accept_length']} over {s['measured']} conversations "
-              f"({s['completion_tokens']} tokens in {s['verify_ct']} verify passes) at steps "
-              f"{st['speculative_num_steps']}, topk {st['speculative_eagle_topk']}, draft tokens "
-              f"{st['speculative_num_draft_tokens']}; {s['failed']} failed, {s['rejected_lines']} lines rejected")
+        _print_summary(s, a.max_new_tokens)
         if "greedy" in s:
             g = s["greedy"]
             print(f"greedy: {g['identical']}/{g['compared']} identical to the plain server, {g['near_tie']} "
                   f"near-ties, {g['mismatch']} mismatches, {g['errors']} not compared"
                   + (f" (see {a.out})" if a.out and (g["mismatch"] or g["errors"]) else ""))
     return _verdict(s)
+
+
+def _print_summary(s: dict[str, Any], cap: int) -> None:
+    st = s["server_settings"]
+    print(f"accept length {s['accept_length']} over {s['measured']} conversations "
+          f"({s['completion_tokens']} tokens in {s['verify_ct']} verify passes, the prefill's first token counted, "
+          f"as SGLang's per-request spec_accept_length and SpecForge's bench_eagle3) at steps "
+          f"{st['speculative_num_steps']}, topk {st['speculative_eagle_topk']}, draft tokens "
+          f"{st['speculative_num_draft_tokens']}; {s['failed']} failed, {s['rejected_lines']} lines rejected")
+    gauge = s.get("accept_length_gauge")
+    print(f"accept length without the prefill's token (SGLang's gauge avg_spec_accept_length: 1 + correct drafts / "
+          f"verify passes): {gauge if gauge is not None else 'not reported by this server (no correct-draft count)'}")
+    pos = s.get("by_position")
+    if pos:
+        print("accepted at draft position 1..: " + " ".join(f"{x:.3f}" for x in pos["accepted_at"])
+              + " (share of verify passes; given the previous: "
+              + " ".join("-" if x is None else f"{x:.3f}" for x in pos["accepted_given_previous"]) + ")")
+    else:
+        print("acceptance by draft position: no per-request histogram from this server")
+    if s["measured"]:
+        print(f"answers at the --max-new-tokens cap ({cap}): {s['at_cap']}/{s['measured']}")
 
 
 def _verdict(s: dict[str, Any]) -> int:

@@ -95,7 +95,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: %(default)s)")
     g.add_argument("--on-too-long", choices=("skip", "truncate"), default=D["on_too_long"],
                    help="a longer sample is rejected (skip) or cut to --max-tokens (truncate); the server's own "
-                   "limit (/get_server_info max_req_input_len) applies when smaller (default: %(default)s)")
+                   "limit (/server_info max_req_input_len) applies when smaller (default: %(default)s)")
     g.add_argument("--max-line-chars", type=int, default=D["max_line_chars"], metavar="N",
                    help="a longer input line is rejected as too_long without being read whole (0: 256 x "
                    "--max-tokens, at least 1Mi) (default: %(default)s)")

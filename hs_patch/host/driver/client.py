@@ -1,5 +1,5 @@
 """HTTP client for the SGLang server's native API: ``/generate``, ``/health``,
-``/health_generate``, ``/get_server_info``.
+``/health_generate``, ``/server_info`` (``/get_server_info`` where a server has no ``/server_info``).
 
 Transient failures (connection refused or reset, timeouts, HTTP 5xx, 429) are retried
 with exponential backoff and full jitter; every retry is reported to ``on_retry`` so
@@ -198,6 +198,14 @@ class SGLangClient:
             return False
 
     def server_info(self, timeout: Optional[float] = None) -> dict[str, Any]:
+        """``/server_info``; on a 404, ``/get_server_info``. Every release from 0.5.9 to 0.5.23 serves both
+        (the same JSON) and logs a deprecation warning for each call of ``/get_server_info``, which a
+        later release may remove; a server that has only the older name is still read."""
+        try:
+            return self._request("GET", "/server_info", timeout=timeout).json()
+        except ServerRejected as e:
+            if e.status != 404:
+                raise
         return self._request("GET", "/get_server_info", timeout=timeout).json()
 
     def wait_healthy(self, timeout: float, poll: float = 2.0) -> None:

@@ -1,7 +1,7 @@
 """How long a sample may be, and cheap checks that refuse longer ones before the costly work.
 
 - :func:`server_limit`: the longest prompt the SGLang server accepts for a prefill with
-  ``max_new_tokens`` 1, from ``/get_server_info`` (same fields in 0.5.9, 0.5.16, 0.5.23):
+  ``max_new_tokens`` 1, from ``/server_info`` (same fields in 0.5.9, 0.5.16, 0.5.23):
   ``max_req_input_len`` (the scheduler's ``min(context_len - 1, token pool - 1) - 5``; it
   aborts a prompt of that many tokens or more: ``managers/utils.validate_input_length``)
   and ``context_length`` when the server was started with one (the tokenizer manager

