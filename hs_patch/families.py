@@ -31,6 +31,7 @@ class Family:
     prepare: str              # the decoder layer's input step, after which the hook gets the attention input
     edits: tuple[Edit, ...]   # with <<piece>> slots
     pieces: Mapping[str, str] = field(default_factory=dict)  # the family's own spelling of each slot
+    final_add: bool = True    # the patch hands the final norm's inputs (hs_patch.server.fingerprint.FINAL_ADD)
 
 
 
@@ -64,11 +65,13 @@ _FINISH = Edit(
     "            _hs.finish(hidden_states)\n" + _RETURN + "        return hidden_states, <<aux_return>>\n",
 )
 
-_NORM = Edit(
+_NORM = Edit(  # the norm's inputs are handed first: the fused norm adds them into ``residual`` in place
     "                if residual is None:\n"
     "                    hidden_states = self.norm(hidden_states)\n"
     "                else:\n"
     "                    hidden_states, _ = self.norm(hidden_states, residual)\n",
+    "                if _hs is not None:  # hs_patch: the final norm's inputs\n"
+    "                    _hs.final_inputs(hidden_states, residual)\n"
     "                if residual is None:\n"
     "                    if _hs is not None:  # hs_patch: last layer's output, pre-norm\n"
     "                        _hs.final_prenorm(hidden_states)\n"
@@ -224,6 +227,7 @@ COMMUNICATOR = Family(
 
 LAYER_BOUNDARY = Family(
     name="layer-boundary",
+    final_add=False,  # the residual stream adds inside residual_batch.final_norm: its inputs are out of reach
     where="the collector layer_boundary/stage.py hands the gathered residual to, capture(value, owned=) (the "
           "residual is carried in forward_batch.residual_stream)",
     prepare="self.attn_boundary.prepare",

@@ -42,7 +42,8 @@ PKG = ROOT / "hs_patch"
 STDLIB = set(sys.stdlib_module_names)
 SHARED = ("hs_patch.families", "hs_patch.files", "hs_patch.flags", "hs_patch.intent", "hs_patch.kv_cache",
           "hs_patch.names", "hs_patch.releases", "hs_patch.serving", "hs_patch.shard", "hs_patch.store")
-SERVER_SHARED = {"hs_patch", "hs_patch.files", "hs_patch.flags", "hs_patch.intent", "hs_patch.serving",
+SERVER_SHARED = {"hs_patch", "hs_patch.families", "hs_patch.files", "hs_patch.flags", "hs_patch.intent",
+                 "hs_patch.releases", "hs_patch.serving",
                  "hs_patch.store"}
 
 

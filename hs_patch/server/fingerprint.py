@@ -31,7 +31,12 @@ Streams (S of them, in this order):
   within the rounding of that addition (bounded from the squares): the additive relation. It
   sees what the norm relation cannot: a scaled plane, a rank's partial sum and the neighbouring
   layer whatever the size of the layer's update, down to bf16's own resolution, on every row
-  and from the fingerprints alone.
+  and from the fingerprints alone;
+- ``final.residual_in`` / ``final.update_in``: the two inputs of the final norm's fused
+  addition (the residual and the last layer's output), and ``final.pre_norm_sq`` the squares of
+  their sum: ``final.pre_norm = residual_in + update_in`` the same way, which ties the stored
+  pre-norm state's scale (layer-point and communicator families; the layer-boundary family adds
+  inside SGLang's residual stream, where the patch cannot reach the inputs).
 
 Checksums (tensor ``checksum`` I32 [L, C, BLOCKS], metadata ``checksum``): the exact bytes of a
 row, as the sum modulo 2^32 of its little-endian 32-bit words over each of BLOCKS contiguous
@@ -64,6 +69,7 @@ CHECKSUM_META = "checksum"
 EMBED = "embed"          # the checksum stream of the rows the residual stream began from
 ATTN_PREFIX = "attn_in."
 ADDITIVE = ("attn_out", "attn_out_sq", "mid", "mid_sq")  # per captured layer, in this order
+FINAL_ADD = ("final.residual_in", "final.update_in", "final.pre_norm_sq")  # the final norm's addition
 
 
 def attn_stream(layer: int) -> str:
@@ -76,12 +82,13 @@ def layer_stream(kind: str, layer: int) -> str:
     return f"{kind}.{layer}"
 
 
-def streams(layers: Sequence[int], final: str) -> list[str]:
-    """The fingerprinted streams of a capture of ``layers`` and ``final`` (HS_CAPTURE_FINAL), in order."""
+def streams(layers: Sequence[int], final: str, final_add: bool = True) -> list[str]:
+    """The fingerprinted streams of a capture of ``layers`` and ``final`` (HS_CAPTURE_FINAL), in order;
+    ``final_add``: the patch hands the final norm's inputs (not the layer-boundary family)."""
     planes = store.plane_names(layers, final)
     finals = [p for p in store.FINAL_PLANES["both"] if p not in planes]
     return planes + finals + [attn_stream(i) for i in layers] + \
-        [layer_stream(kind, i) for i in layers for kind in ADDITIVE]
+        [layer_stream(kind, i) for i in layers for kind in ADDITIVE] + (list(FINAL_ADD) if final_add else [])
 
 
 def checksum_streams(layers: Sequence[int], final: str) -> list[str]:

@@ -44,6 +44,7 @@ import torch
 from hs_patch.server import config as capture_config
 from hs_patch.server import checks as server_checks
 from hs_patch import files, serving, store
+from hs_patch.releases import RELEASES
 from hs_patch.server import fingerprint, leftovers
 from hs_patch.server.device_ring import DeviceRing
 from hs_patch.server.passes import Pass, Slot
@@ -93,7 +94,7 @@ def attach(model: torch.nn.Module, config: Any, release: str) -> Optional["Captu
     }
     meta.update(_serving_ids(release, cfg.layers, int(config.num_hidden_layers), meta["architecture"]))
     hook = CaptureHook(cfg, hidden_size=int(config.hidden_size), metadata=meta, dtype=torch.get_default_dtype(),
-                       pinned=device is not None, device=device, all_reduce=all_reduce)
+                       pinned=device is not None, device=device, all_reduce=all_reduce, release=release)
     _register(hook)
     log.info("hs_patch: capturing layers %s + final=%s into %s (rank %d of %d); made at start: %.2f GB of pinned "
              "host staging (%d x %d tokens) and %.2f GB on %s (%d device buffers + fingerprints), nothing on the "
@@ -117,9 +118,11 @@ class CaptureHook:
 
     def __init__(self, cfg: capture_config.CaptureConfig, *, hidden_size: int, metadata: dict[str, str],
                  dtype: torch.dtype = torch.bfloat16, pinned: bool = False, device: Optional[torch.device] = None,
-                 all_reduce: Any = None):
+                 all_reduce: Any = None, release: str = ""):
         """``all_reduce``: sums a tensor in place over the tensor-parallel ranks (None at TP=1): the
-        attention output's fingerprints (:mod:`hs_patch.server.ranks`)."""
+        attention output's fingerprints (:mod:`hs_patch.server.ranks`). What the patch hands the hook depends
+        on its ``release``'s family (default: ``metadata['sglang_release']``; the final norm's inputs where its
+        family's ``final_add``; an unknown release: everything)."""
         self.cfg = cfg
         itemsize = torch.empty((), dtype=dtype, device="cpu").element_size()
         fingerprint.check_hidden(hidden_size, itemsize)
@@ -128,7 +131,8 @@ class CaptureHook:
         self.cleaned = leftovers.clean(cfg.directory)  # a dead server's files: no writer is alive (we hold the lock)
         self.hidden_size = hidden_size
         self.planes = store.plane_names(cfg.layers, cfg.final)
-        self.streams = fingerprint.streams(cfg.layers, cfg.final)
+        known = RELEASES.get(release or metadata.get("sglang_release", ""))
+        self.streams = fingerprint.streams(cfg.layers, cfg.final, known is None or known.family.final_add)
         self.layer_index = {layer: k for k, layer in enumerate(cfg.layers)}
         self.checksums = fingerprint.checksum_streams(cfg.layers, cfg.final)
         self.attn_index = [self.streams.index(fingerprint.attn_stream(layer)) for layer in cfg.layers]

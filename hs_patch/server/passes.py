@@ -249,12 +249,31 @@ class Pass:
         else:  # CPU (tests, the stand-in, benchmarks): the copy into the slot is the snapshot
             dst.copy_(t)
 
+    def final_inputs(self, update: torch.Tensor, residual: Optional[torch.Tensor]) -> None:
+        """The final norm's two inputs, before its fused addition overwrites ``residual`` (None: no addition)."""
+        streams = self.hook.streams
+        if fingerprint.FINAL_ADD[0] not in streams:
+            return
+        k_res, k_upd = streams.index(fingerprint.FINAL_ADD[0]), streams.index(fingerprint.FINAL_ADD[1])
+        self._mark(self.fingerprinted, k_upd, streams, update)
+        self._mark(self.fingerprinted, k_res, streams, update if residual is None else residual)
+        out = self.slot.on(update, self.slot.fp, self.slot.fp_device)
+        fingerprint.block_sums(update, out[k_upd, : self.tokens])
+        if residual is None:
+            out[k_res, : self.tokens].zero_()
+        else:
+            fingerprint.block_sums(residual, out[k_res, : self.tokens])
+
     def final_prenorm(self, t: torch.Tensor, owned: bool = False) -> None:
         hook = self.hook
         if hook.pre_index is not None:
             self.put(hook.pre_index, t, owned)
         else:  # not stored: its fingerprint still is (the final-norm relation)
             self.fingerprint(hook.streams.index("final.pre_norm"), t)
+        if fingerprint.FINAL_ADD[2] in hook.streams:  # the squares: the final addition's rounding
+            k = hook.streams.index(fingerprint.FINAL_ADD[2])
+            self._mark(self.fingerprinted, k, hook.streams, t)
+            fingerprint.block_squares(t, self.slot.on(t, self.slot.fp, self.slot.fp_device)[k, : self.tokens])
 
     def finish(self, post_norm: torch.Tensor) -> None:
         hook = self.hook

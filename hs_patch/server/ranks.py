@@ -90,6 +90,9 @@ class RankPass:
     def collector(self, layer_id: int, inner: Any) -> Any:
         return inner if layer_id not in self.hook.layer_index else RankTee(self, inner)
 
+    def final_inputs(self, update: torch.Tensor, residual: Optional[torch.Tensor]) -> None:
+        return None
+
     def final_prenorm(self, t: torch.Tensor, owned: bool = False) -> None:
         return None
 

@@ -121,8 +121,8 @@ def test_input_ids_0_is_never_swept_as_sglangs_health_probe_while_in_flight(tiny
     srv = start_standin(tiny_model_dir, tmp_path / "capture", "0.5.9")
     real = SGLangClient.generate
 
-    def generate_then_health_check(self, ids, params, rid, context=None):
-        out = real(self, ids, params, rid, context)
+    def generate_then_health_check(self, ids, params, rid, context=None, **kw):
+        out = real(self, ids, params, rid, context, **kw)
         if ids == [0]:  # SGLang's health probe of the same tokens lands while the sample is in flight,
             SGLangClient(srv.url).health_generate()
             time.sleep(1.0)  # and the driver's sweeps run meanwhile (every status interval, 0.2 s)

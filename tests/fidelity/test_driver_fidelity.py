@@ -93,9 +93,11 @@ def test_a_sample_with_a_wrong_plane_is_not_kept_and_every_kept_one_records_its_
     assert sorted(e["sample_id"] for e in kept.values()) == sorted(ids[:1] + ids[2:])
     for e in kept.values():
         assert e["fidelity"]["ok"] and e["fidelity"]["check"] == settings.VERSION and e["fidelity"]["rows"] >= 2
+        assert e["fidelity"]["gaps"] == 16, "every sample's final state tied to its request at its last 16 positions"
         meta = reader.read_header(tmp_path / "samples" / e["file"]).metadata
         assert json.loads(meta["fidelity_check"]) == {"version": settings.VERSION, "on": True, "rows_per_chunk": 8,
-                                                      "fraction": 0.01, "positions": 32, "tie_tolerance": 0.02}
+                                                      "fraction": 0.01, "positions": 32, "tie_tolerance": 0.02,
+                                                      "gap_positions": 16}
     rejected = [r for r in runstate.read_jsonl(tmp_path / "state" / fidelity.FIDELITY_LOG) if not r["ok"]]
     assert [r["sample_id"] for r in rejected] == [ids[1]] and rejected[0]["rows"]["relations"]["layer.1"]["chi2"] > \
         rejected[0]["rows"]["relations"]["layer.1"]["bound"]

@@ -177,7 +177,11 @@ def test_sampled_fraction_is_stable_and_about_right():
     frac = sum(wants_positions(k, 0.01) for k in keys) / len(keys)
     assert 0.007 < frac < 0.013
     assert [wants_positions(k, 0.01) for k in keys[:500]] == [wants_positions(k, 0.01) for k in keys[:500]]
-    assert request_fields(keys[0], 100, fraction=0.0) == {}
+    assert request_fields(keys[0], 100, fraction=0.0, gaps=0) == {}
+    # every sample: the server's best two at its last 16 positions (the logit gaps); a sampled one: 32
+    assert request_fields(keys[0], 100, fraction=0.0) == {"return_logprob": True, "logprob_start_len": 84,
+                                                          "top_logprobs_num": 2}
+    assert request_fields(keys[0], 100, fraction=1.0)["logprob_start_len"] == 68
     assert request_fields(keys[0], 100, fraction=1.0, positions=32) == {
         "return_logprob": True, "logprob_start_len": 68, "top_logprobs_num": 2}
 

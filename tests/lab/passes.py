@@ -54,5 +54,6 @@ def play(hook: Any, batch: Batch, ids: torch.Tensor, layers: Mapping[int, torch.
         out = torch.zeros_like(layers[i]) if attn_out is None else attn_out[i]
         tee.hs_attn_output(out)
         tee.hs_mid(layers[i] + out)
+    p.final_inputs(pre, None)  # a last layer whose output is the whole pre-norm state
     p.final_prenorm(pre, owned=owned)
     p.finish(post)

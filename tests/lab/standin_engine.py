@@ -74,7 +74,7 @@ class Engine:
         meta = {"sglang_release": f"{release} (stand-in)", "model_type": str(cfg.model_type),
                 "model": self.model_dir, "architecture": ",".join(cfg.architectures or []), "tp_size": "1",
                 "tp_rank": "0"}
-        self.hook = capture_hook.CaptureHook(cap, hidden_size=int(cfg.hidden_size), metadata=meta) \
+        self.hook = capture_hook.CaptureHook(cap, hidden_size=int(cfg.hidden_size), metadata=meta, release=release) \
             if capture_dir else None  # no capture dir: a pristine-behaving server (the patched forward, no hook)
         if self.hook:  # the line hook.attach logs on the writing rank (tests/gpu/tp_compare.py counts them)
             logging.getLogger("hs_patch").info("hs_patch: capturing layers %s + final=%s into %s (rank 0 of 1); "

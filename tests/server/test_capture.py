@@ -44,10 +44,11 @@ def patched_source(release_sources: dict[str, Path], version: str) -> str:
     return apply_edits(RELEASES[version], (release_sources[version] / TARGET).read_text())
 
 
-def make_hook(tmp_path: Path, layers=(0, 1, 3), final="both", **kw) -> hook.CaptureHook:
+def make_hook(version: str, tmp_path: Path, layers=(0, 1, 3), final="both", **kw) -> hook.CaptureHook:
+    """A hook as ``version``'s patched server makes it (what the patch hands it depends on its family)."""
     cfg = config.CaptureConfig(enabled=True, directory=str(tmp_path / "dump"), layers=tuple(layers), final=final,
                                slots=2, slot_tokens=kw.pop("slot_tokens", 64), **kw)
-    return hook.CaptureHook(cfg, hidden_size=64, metadata={"sglang_release": "test"})
+    return hook.CaptureHook(cfg, hidden_size=64, metadata={"sglang_release": version})
 
 
 def make_sim(release_sources, version, tiny_model, refs, h, **kw) -> Sim:
@@ -79,7 +80,7 @@ def assert_matches(sample: reader.Sample, ref: Reference, layers, final: str) ->
 @pytest.mark.parametrize("version", RELEASE_IDS)
 def test_batched_prefill_split_per_request_exactly(version, fusion, release_sources, tiny_model, refs, tmp_path):
     """Three requests in one pass: each sample holds exactly its request's states."""
-    h = make_hook(tmp_path)
+    h = make_hook(version, tmp_path)
     sim = make_sim(release_sources, version, tiny_model, refs, h, fusion=fusion)
     out = sim.forward(make_batch(refs, [Part("b", 0, 5), Part("c", 0, 11), Part("d", 0, 7)], rids=rids(version)))
     h.close()
@@ -102,7 +103,7 @@ def test_every_release_captures_exactly(version, release_sources, tiny_model, re
     output is untouched, and SGLang's own capture is exact except in the layer-point family."""
     sim = make_sim(release_sources, version, tiny_model, refs, None, fusion=True, layers_to_capture=(2,))
     for final in ("pre", "post", "both", "none"):
-        h = make_hook(tmp_path / final, final=final)
+        h = make_hook(version, tmp_path / final, final=final)
         sim.m._hs_capture = h
         out = sim.forward(make_batch(refs, [Part("b", 0, 5), Part("c", 0, 11), Part("a", 0, 8)], rids=rids(version)))
         assert torch.equal(out, torch.cat([refs["b"].post_norm, refs["c"].post_norm, refs["a"].post_norm[:8]]))
@@ -122,7 +123,7 @@ def test_every_release_captures_exactly(version, release_sources, tiny_model, re
 def test_sglang_own_eagle3_capture_still_works(version, release_sources, tiny_model, refs, tmp_path):
     """SGLang's layers_to_capture (EAGLE-3) runs alongside ours; under the deferred all-reduce
     its own capture in the layer-point family's model loop is a partial sum, ours the reduced state."""
-    h = make_hook(tmp_path, layers=(2,), final="pre")
+    h = make_hook(version, tmp_path, layers=(2,), final="pre")
     sim = make_sim(release_sources, version, tiny_model, refs, h, fusion=True, layers_to_capture=(2,))
     sim.forward(make_batch(refs, [Part("c", 0, 11)], rids=rids(version)))
     h.close()
@@ -156,7 +157,7 @@ def test_capture_off_returns_the_same_as_pristine(version, release_sources, tiny
 def test_chunked_prefill_is_written_once_in_place(version, release_sources, tiny_model, refs, tmp_path):
     """A 23-token prompt prefilled in three chunks ends as ONE complete sample, each chunk's
     rows written once at their final place: no partial sample is ever visible."""
-    h = make_hook(tmp_path)
+    h = make_hook(version, tmp_path)
     sim = make_sim(release_sources, version, tiny_model, refs, h)
     for parts in ([Part("b", 0, 5), Part("a", 0, 8)], [Part("a", 8, 9)], [Part("a", 17, 6), Part("c", 0, 11)]):
         sim.forward(make_batch(refs, parts, rids=rids(version)))
@@ -171,8 +172,10 @@ def test_chunked_prefill_is_written_once_in_place(version, release_sources, tiny
     fingerprint_bytes = 23 * len(h.streams) * fingerprint.BLOCKS * 4  # 8 fp32 a row of each stream
     checksum_bytes = 23 * len(h.checksums) * fingerprint.BLOCKS * 4  # 8 int32 a row of each checksummed one
     # 5 planes, what layers 0, 1 and 3's attention read, and their attention outputs and the residual after
-    # them, each as block sums and sums of squares; checksums: the 5 planes and the embedded rows
-    assert len(h.streams) == 5 + 3 + 3 * 4 and len(h.checksums) == 5 + 1
+    # them, each as block sums and sums of squares, and the final norm's two inputs and its squares where the
+    # patch reaches them (not the layer-boundary family); checksums: the 5 planes and the embedded rows
+    final_add = 0 if RELEASES[version].family.name == "layer-boundary" else 3
+    assert len(h.streams) == 5 + 3 + 3 * 4 + final_add and len(h.checksums) == 5 + 1
     assert store.read_manifest(tmp_path / "dump")[a.key]["bytes"] == \
         InPlaceSample.HEADER_ROOM + plane_bytes + 23 * 8 + fingerprint_bytes + checksum_bytes
     assert a.metadata["chunks"] == "0,8,17"
@@ -189,7 +192,7 @@ def test_a_prompt_that_is_the_first_chunk_of_another(version, release_sources, t
     x = {"x": Reference(ids=a.ids[:8], layer_in=[t[:8] for t in a.layer_in], attn_out=[t[:8] for t in a.attn_out],
                         mlp_out=[t[:8] for t in a.mlp_out], pre_norm=a.pre_norm[:8], post_norm=a.post_norm[:8])}
     both = {**refs, **x}
-    h = make_hook(tmp_path)
+    h = make_hook(version, tmp_path)
     sim = make_sim(release_sources, version, tiny_model, both, h)
     sim.forward(make_batch(both, [Part("x", 0, 8), Part("a", 0, 8)], rids=rids(version)))
     sim.forward(make_batch(both, [Part("a", 8, 15)], rids=rids(version)))
@@ -203,7 +206,7 @@ def test_a_prompt_that_is_the_first_chunk_of_another(version, release_sources, t
 
 def test_a_pass_larger_than_the_staging_buffers_fails_loudly(release_sources, tiny_model, refs, tmp_path):
     """Staging memory is allocated once at startup; a larger pass is refused, never allocated for."""
-    h = make_hook(tmp_path, slot_tokens=16)
+    h = make_hook("0.5.16", tmp_path, slot_tokens=16)
     sim = make_sim(release_sources, "0.5.16", tiny_model, refs, h)
     with pytest.raises(RuntimeError, match="HS_CAPTURE_SLOT_TOKENS"):
         sim.forward(make_batch(refs, [Part("a", 0, 23)]))
@@ -215,7 +218,7 @@ def test_a_pass_larger_than_the_staging_buffers_fails_loudly(release_sources, ti
 @pytest.mark.parametrize("version", RELEASE_IDS)
 def test_prefix_cache_hit_is_never_a_sample(version, release_sources, tiny_model, refs, tmp_path):
     """A request whose first tokens were not computed (radix hit) is refused loudly."""
-    h = make_hook(tmp_path)
+    h = make_hook(version, tmp_path)
     sim = make_sim(release_sources, version, tiny_model, refs, h)
     sim.forward(make_batch(refs, [Part("c", 4, 7), Part("d", 0, 7)], rids=rids(version)))
     h.close()
@@ -228,7 +231,7 @@ def test_prefix_cache_hit_is_never_a_sample(version, release_sources, tiny_model
 
 @pytest.mark.parametrize("version", RELEASE_IDS)
 def test_decode_is_never_captured(version, release_sources, tiny_model, refs, tmp_path):
-    h = make_hook(tmp_path)
+    h = make_hook(version, tmp_path)
     sim = make_sim(release_sources, version, tiny_model, refs, h)
     for mode in ("DECODE", "TARGET_VERIFY", "DRAFT_EXTEND"):
         sim.forward(make_batch(refs, [Part("d", 0, 7)], mode=mode, rids=False))
@@ -239,7 +242,7 @@ def test_decode_is_never_captured(version, release_sources, tiny_model, refs, tm
 
 
 def test_skip_prefix_requests_are_not_captured(release_sources, tiny_model, refs, tmp_path):
-    h = make_hook(tmp_path)
+    h = make_hook("0.5.16", tmp_path)
     sim = make_sim(release_sources, "0.5.16", tiny_model, refs, h)
     batch = make_batch(refs, [Part("b", 0, 5), Part("d", 0, 7)])
     batch.rids = ["nocap-gen-1", "d"]

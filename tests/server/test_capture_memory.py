@@ -59,7 +59,7 @@ def forward_bytes(release_sources: dict, version: str, tiny_model, tokens: int, 
     if capture:
         cfg = config.CaptureConfig(enabled=True, directory=str(tmp_path / f"dump-{version}-{tokens}"), layers=LAYERS,
                                    final="both", slots=2, slot_tokens=64)
-        h = hook.CaptureHook(cfg, hidden_size=int(tiny_model.config.hidden_size), metadata={"sglang_release": "t"})
+        h = hook.CaptureHook(cfg, hidden_size=int(tiny_model.config.hidden_size), metadata={"sglang_release": version})
     source = apply_edits(RELEASES[version], (release_sources[version] / TARGET).read_text())
     sim = Sim(version, source, tiny_model, refs, hook=h, code=ReleaseCode.read(release_sources[version]))
     batch = make_batch(refs, [Part("a", 0, tokens)], rids=version != "0.5.9")
@@ -116,8 +116,9 @@ def test_the_capture_states_what_it_made_at_start(tmp_path):
     h = hook.CaptureHook(cfg, hidden_size=64, metadata={"sglang_release": "t"})
     try:
         # 3 layers + both finals; the attention inputs, outputs and the residuals after them are fingerprinted only
-        # (block sums and squares of the last two); the planes and the embedded rows are checksummed too
-        planes, streams, checksums = 5, 5 + 3 + 3 * 4, 5 + 1
+        # (block sums and squares of the last two), and the final norm's inputs and squares (a release "t": no
+        # family, so every stream); the planes and the embedded rows are checksummed too
+        planes, streams, checksums = 5, 5 + 3 + 3 * 4 + 3, 5 + 1
         per_slot = 128 * (8 + 4) + planes * 128 * 64 * 2 + (streams + checksums) * 128 * 8 * 4
         assert h.host_bytes == 3 * per_slot
         assert h.device_bytes == 0, "no GPU here: no device buffers"

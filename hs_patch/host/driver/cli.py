@@ -133,11 +133,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "/health (default: %(default)s)")
     g = p.add_argument_group("fidelity check (every sample, before it is kept)")
     g.add_argument("--no-fidelity-check", dest="fidelity_check", action="store_false",
-                   help="do not check the dumped states (by default every plane of every sample is checked: each "
-                        "row against the fingerprints the hook took on the GPU, rows of every chunk against the "
-                        "model's norm weights (layer identity, full reduction, the final norm), and argmax of the "
+                   help="do not check the dumped states (by default every plane of every sample is checked: every "
+                        "row's bytes against the exact checksums the hook took on the GPU, every row against the "
+                        "embedding of its token and the additive relation of each captured layer, rows of every "
+                        "chunk against the model's norm weights (layer identity, full reduction, the final norm), "
+                        "the server's logit gaps at the last --fidelity-gap-positions positions, and argmax of the "
                         "model's lm_head over the final state at its last position against the token the server "
-                        "generated in that pass)")
+                        "generated in that pass; docs/verification.md)")
     g.add_argument("--fidelity-rows", type=int, default=D["fidelity_rows"], metavar="N",
                    help="rows of every chunk of a sample read and checked against the fingerprints and the "
                         "norm weights: its first, its last and N-2 drawn by key (default: %(default)s)")
@@ -146,6 +148,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "against the server's own top-1 of the same pass (return_logprob) (default: %(default)s)")
     g.add_argument("--fidelity-positions", type=int, default=D["fidelity_positions"], metavar="N",
                    help="positions checked per sampled sample (default: %(default)s)")
+    g.add_argument("--fidelity-gap-positions", type=int, default=D["fidelity_gap_positions"], metavar="N",
+                   help="last positions of EVERY sample where the server's two best logits' gap (return_logprob) "
+                        "must equal ours from the stored final state: ties each sample to its own request however "
+                        "its template ends it; 0: off (default: %(default)s)")
     g.add_argument("--fidelity-tie-tolerance", type=float, default=D["fidelity_tie_tolerance"], metavar="STD",
                    help="a disagreement whose logit margin is below this many standard deviations of the row's "
                         "logits is a near-tie, not a mismatch (measured on an H200: all same-pass disagreements "
@@ -188,6 +194,9 @@ def drive_config(a: argparse.Namespace) -> Any:
         raise SystemExit("--fidelity-tie-tolerance must be a finite number of standard deviations >= 0")
     if a.fidelity_positions < 1:
         raise SystemExit("--fidelity-positions must be >= 1")
+    if not 0 <= a.fidelity_gap_positions < a.fidelity_positions:
+        raise SystemExit("--fidelity-gap-positions must be >= 0 (0: off) and below --fidelity-positions (the sampled "
+                         "samples are asked for more positions than every sample)")
     if a.awaiting < 0:
         raise SystemExit("--awaiting must be >= 0")
     if a.limit < 0:  # itertools.islice refused it with a ValueError once the run had started

@@ -251,6 +251,12 @@ def server_top1(out: dict[str, Any], num_tokens: int, start: int) -> dict[int, i
     ``[logprob, token_id, text]`` best first; the last position's is
     ``output_top_logprobs[0]``.
     """
+    return {pos: found[0][1] for pos, found in server_top(out, num_tokens, start).items()}
+
+
+def server_top(out: dict[str, Any], num_tokens: int, start: int) -> dict[int, list[tuple[float, int]]]:
+    """Position -> the server's top-K next tokens there as (logprob, token id), best first, for positions
+    ``start .. num_tokens-1`` (the shape :func:`server_top1` reads)."""
     meta = out.get("meta_info") or {}
     inp, outp = meta.get("input_top_logprobs"), meta.get("output_top_logprobs")
     if inp is None or not outp or not outp[0]:
@@ -259,6 +265,10 @@ def server_top1(out: dict[str, Any], num_tokens: int, start: int) -> dict[int, i
     if len(inp) != num_tokens - start:
         raise ClientError(f"{len(inp)} input_top_logprobs for positions {start}..{num_tokens - 1}: expected "
                           f"{num_tokens - start} (was logprob_start_len {start} sent?)")
-    top = {start + j - 1: int(entry[0][1]) for j, entry in enumerate(inp) if j >= 1 and entry}
-    top[num_tokens - 1] = int(outp[0][0][1])
+
+    def pairs(entry: Any) -> list[tuple[float, int]]:
+        return [(float(e[0]), int(e[1])) for e in entry]
+
+    top = {start + j - 1: pairs(entry) for j, entry in enumerate(inp) if j >= 1 and entry}
+    top[num_tokens - 1] = pairs(outp[0])
     return top

@@ -57,6 +57,7 @@ class DriveConfig:
     fidelity_tie_tolerance: float = 0.02
     fidelity_max_consecutive: int = 5
     fidelity_rows: int = 8              # rows of every chunk checked against the fingerprints and the norms
+    fidelity_gap_positions: int = 16    # last positions of every sample whose server logit gaps are compared
     accept_weaker_check: bool = False   # resume under a weaker fidelity check than the run's (recorded)
 
     def fidelity_settings(self) -> dict[str, Any]:
@@ -64,7 +65,8 @@ class DriveConfig:
         from hs_patch.host.fidelity.settings import settings
 
         return settings(self.fidelity_check, rows=self.fidelity_rows, fraction=self.fidelity_fraction,
-                        positions=self.fidelity_positions, tie_tolerance=self.fidelity_tie_tolerance)
+                        positions=self.fidelity_positions, tie_tolerance=self.fidelity_tie_tolerance,
+                        gap_positions=self.fidelity_gap_positions)
 
     def __post_init__(self) -> None:
         check_run_name(self.run)  # it names directories: never '../x', '' or '.'

@@ -49,7 +49,7 @@ class SampleSteps:
                                     "--no-fidelity-check (then nothing checks the dumped states)") from None
         self.checker = fidelity.FidelityChecker(head, self.state_dir, tie_tolerance=cfg.fidelity_tie_tolerance,
                                                 positions=cfg.fidelity_positions, batch=cfg.concurrency,
-                                                rows=cfg.fidelity_rows)
+                                                rows=cfg.fidelity_rows, gaps=cfg.fidelity_gap_positions)
         self.monitor = FidelityMonitor(cfg.fidelity_max_consecutive)
 
     def _stop_fidelity(self) -> None:
@@ -73,8 +73,14 @@ class SampleSteps:
         if chk.ok:
             return settings.result(chk)
         self.watcher.remove(key, reason="fidelity mismatch", run=self.cfg.run, sample_id=rec.sample_id)
-        what = chk.problems[0] if chk.problems else (f"the dumped final state gives other tokens than the server's "
-                                                     f"at {chk.mismatches} of {chk.checked} {chk.kind} position(s)")
+        if chk.problems:
+            what = chk.problems[0]
+        elif chk.mismatches:
+            what = (f"the dumped final state gives other tokens than the server's at {chk.mismatches} of "
+                    f"{chk.checked} {chk.kind} position(s)")
+        else:
+            what = (f"the server's logit gaps differ from the dumped final state's at {len(chk.gap_mismatches)} of "
+                    f"{chk.gaps} of its last positions: the final state is another request's, shifted or scaled")
         self._failed(rec, key, "fidelity", f"{what} (see {self.state_dir}/{fidelity.FIDELITY_LOG}); sample not kept")
         if reason:
             self.request_stop(reason + "; fix the cause, then run the same command again", EXIT_FAILURES)
@@ -214,7 +220,8 @@ class SampleSteps:
         adopted = False
         try:
             extra = fidelity.request_fields(key, len(ids), fraction=cfg.fidelity_fraction,
-                                            positions=cfg.fidelity_positions) if self.checker else {}
+                                            positions=cfg.fidelity_positions,
+                                            gaps=cfg.fidelity_gap_positions) if self.checker else {}
             try:
                 out = self.client.generate(ids, CAPTURE_PARAMS, rid, context={"sample_id": rec.sample_id}, **extra)
             except ClientError as e:

@@ -1,9 +1,13 @@
 """Production fidelity check: is every plane of a sample what the server computed in that pass?
 
-Two checks per sample, both on every sample. The row checks (:mod:`hs_patch.host.fidelity.rows`):
-every row of every plane against the fingerprints the capture hook took on the GPU (finite, not
-zeros), and rows of every chunk against them and against what the model's own norm weights say
-(layer identity, full reduction, the final norm). And the same-pass top-1, below: argmax of an fp32 ``lm_head`` over the dumped final state at the last prompt
+Three checks per sample, all on every sample. The row checks (:mod:`hs_patch.host.fidelity.rows`):
+every row of every plane against what the capture hook took on the GPU (finite, not zeros, its
+exact bytes, the embedding of its token, the additive relation of every captured layer), and
+rows of every chunk against what the model's own norm weights say (layer identity, full
+reduction, the final norm). The server's logit gaps at the last ``gap_positions`` positions
+against ours from the stored final state (:mod:`hs_patch.host.fidelity.gaps`): every sample's
+final state is tied to its own request however its template ends it. And the same-pass top-1,
+below: argmax of an fp32 ``lm_head`` over the dumped final state at the last prompt
 position must equal the token the server generated in the SAME pass (greedy,
 ``max_new_tokens`` 1). On a sampled fraction (chosen by key, so a resumed run samples the
 same ones) the last N positions are compared with the server's own top-1 of that pass
@@ -43,7 +47,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from hs_patch import lazy_sample, store
-from hs_patch.host.driver.client import generated_token, server_top1
+from hs_patch.host.driver.client import generated_token, server_top
+from hs_patch.host.fidelity.checksums import Embeddings
+from hs_patch.host.fidelity.gaps import DEFAULT_GAP_POSITIONS, Gap, compare_gaps
 from hs_patch.host.fidelity.rows import DEFAULT_ROWS, Norms, check_rows
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -78,6 +84,8 @@ class Check:
     details: list[Position] = field(default_factory=list)   # disagreements only
     hints: dict[str, float] = field(default_factory=dict)   # alternative explanations that fit better
     rows: dict[str, Any] = field(default_factory=dict)      # the row checks (rows.RowCheck.record())
+    gaps: int = 0                                           # positions whose server logit gap was compared
+    gap_mismatches: list[Gap] = field(default_factory=list)  # those that disagree beyond rounding
 
     @property
     def problems(self) -> list[str]:
@@ -86,7 +94,7 @@ class Check:
 
     @property
     def ok(self) -> bool:
-        return self.mismatches == 0 and not self.problems
+        return self.mismatches == 0 and not self.problems and not self.gap_mismatches
 
     def record(self, **extra: Any) -> dict[str, Any]:
         d = asdict(self)
@@ -186,11 +194,13 @@ def wants_positions(key: str, fraction: float) -> bool:
 
 
 def request_fields(key: str, num_tokens: int, *, fraction: float = DEFAULT_FRACTION,
-                   positions: int = DEFAULT_POSITIONS) -> dict[str, Any]:
-    """Extra keyword arguments of ``SGLangClient.generate`` for this sample ({} unless sampled)."""
-    if not wants_positions(key, fraction):
+                   positions: int = DEFAULT_POSITIONS, gaps: int = DEFAULT_GAP_POSITIONS) -> dict[str, Any]:
+    """Extra keyword arguments of ``SGLangClient.generate`` for this sample: the server's best two at its last
+    ``gaps`` positions (every sample), or ``positions`` (the sampled fraction); {} when neither is asked."""
+    last = positions if wants_positions(key, fraction) else gaps
+    if last < 1:
         return {}
-    return {"return_logprob": True, "logprob_start_len": max(0, num_tokens - positions), "top_logprobs_num": 2}
+    return {"return_logprob": True, "logprob_start_len": max(0, num_tokens - last), "top_logprobs_num": 2}
 
 
 @dataclass
@@ -198,9 +208,9 @@ class _Job:
     key: str
     path: Path
     response: dict[str, Any]
-    states: Any = None
-    positions: list[int] = field(default_factory=list)
-    server: list[int] = field(default_factory=list)
+    states: Any = None                                   # the post-norm rows whose argmax is compared
+    positions: list[int] = field(default_factory=list)  # their positions
+    server: list[int] = field(default_factory=list)     # the server's top-1 there
     check: Optional[Check] = None
     error: Optional[BaseException] = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -215,10 +225,17 @@ class FidelityChecker:
 
     def __init__(self, head: LMHead, log_dir: str | Path, *, tie_tolerance: float = DEFAULT_TIE_TOLERANCE,
                  positions: int = DEFAULT_POSITIONS, batch: int = 32, norms: Optional[Norms] = None,
-                 rows: int = DEFAULT_ROWS):
+                 rows: int = DEFAULT_ROWS, gaps: int = DEFAULT_GAP_POSITIONS,
+                 embeddings: Optional[Embeddings] = None):
+        """``gaps``: the positions every request asked the server's best two for (:func:`request_fields`); an
+        answer with more is a sampled one, whose argmax is compared at all of them. ``embeddings``: the
+        embedding weight's row checksums (default: read from the head's model directory when a sample first
+        needs them; None there and no directory: the embedded rows are not checked)."""
         self.head, self.tol, self.positions, self.batch = head, tie_tolerance, positions, batch
         self.norms = norms if norms is not None else Norms(head.norm, head.eps, head.directory)
-        self.rows = rows
+        self.rows, self.gaps = rows, gaps
+        self.embeddings = embeddings if embeddings is not None or head.directory is None else \
+            Embeddings(head.directory)
         self.log = store.Manifest(log_dir, FIDELITY_LOG)
         self._q: list[_Job] = []
         self._cv = threading.Condition()
@@ -229,7 +246,7 @@ class FidelityChecker:
     def prepare(self, job: _Job) -> None:
         """Run the row checks; read the final states to check and the server's tokens for them."""
         with lazy_sample.open_sample(job.path) as s:
-            rows = check_rows(s, self.norms, per_chunk=self.rows).record()
+            rows = check_rows(s, self.norms, per_chunk=self.rows, embeddings=self.embeddings).record()
             n = s.num_tokens
             if not (s.has("final.post_norm") or s.has("final.pre_norm")):
                 # HS_CAPTURE_FINAL=none: no final state to give the server's token; every stored plane is
@@ -241,17 +258,26 @@ class FidelityChecker:
                 job.check = Check(job.key, "rows", checked=0, parts=int(s.metadata.get("parts", 1)), plane="",
                                   rows=rows)
                 return
-            if "input_top_logprobs" in (job.response.get("meta_info") or {}):
-                start = max(0, n - self.positions)
-                top = server_top1(job.response, n, start)
-                job.positions = sorted(top)
-                job.server = [top[p] for p in job.positions]
-                kind = "positions"
+            meta = job.response.get("meta_info") or {}
+            top: dict[int, list[tuple[float, int]]] = {}
+            if meta.get("input_top_logprobs") is not None:
+                top = server_top(job.response, n, n - len(meta["input_top_logprobs"]))
+            if len(top) > self.gaps:  # asked for more than every sample's gap positions: a sampled one
+                job.positions, kind = sorted(top), "positions"
+                job.server = [top[p][0][1] for p in job.positions]
             else:
                 job.positions, job.server, kind = [n - 1], [generated_token(job.response)], "last"
-            job.states, plane = self.head.post_norm(s, job.positions[0], n)
+            covered = sorted(set(top) | set(job.positions))
+            states, plane = self.head.post_norm(s, covered[0], n)
+            job.states = states[[p - covered[0] for p in job.positions]]
+            gaps = compare_gaps(states[[p - covered[0] for p in sorted(top)]], self.head.weight, sorted(top), top,
+                                self.head.logit_dtype, self._derived if plane == DERIVED else None)
             job.check = Check(job.key, kind, checked=len(job.positions), parts=int(s.metadata.get("parts", 1)),
-                              plane=plane, rows=rows)
+                              plane=plane, rows=rows, gaps=len(gaps), gap_mismatches=[g for g in gaps if not g.ok])
+
+    def _derived(self, state: "torch.Tensor", a: int, b: int) -> float:
+        """What our norm's rounding (a state derived from final.pre_norm) may move a logit difference."""
+        return rounding_allowance(state, self.head.weight, a, b)
 
     def check(self, key: str, path: str | Path, response: dict[str, Any], **log_extra: Any) -> Check:
         """Check one final sample against the server's answer to its request; logged."""

@@ -56,7 +56,8 @@ class FidelityMonitor:
             self.rejected += 1
             self.consecutive += 1
             self.last_mismatch = {"key": check.key, "kind": check.kind, "mismatches": check.mismatches,
-                                  "checked": check.checked, "problems": check.problems[:3]}
+                                  "checked": check.checked, "problems": check.problems[:3],
+                                  "gap_mismatches": len(check.gap_mismatches)}
             self._recent.append((check, dict(metadata)))
             if self.consecutive < self.max_consecutive:
                 return None
@@ -69,6 +70,8 @@ class FidelityMonitor:
     def _statistics(self, check: Check) -> None:
         """Welford's running mean and variance of each plane's log norm; a far-off sample is a warning."""
         for plane, value in check.rows.get("log_norms", {}).items():
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                continue  # a non-finite sample is rejected by the row checks; it must not poison the run's statistics
             n, mean, m2 = self.stats.setdefault(plane, [0, 0.0, 0.0])
             if n >= OUTLIER_AFTER and m2 > 0 and abs(value - mean) > OUTLIER_STD * math.sqrt(m2 / (n - 1)):
                 self.warnings += 1
@@ -100,6 +103,14 @@ def diagnose(recent: list[tuple[Check, dict[str, str]]], *, ever_passed: bool, p
     if any("differ from what the forward pass held" in p for p in problems):
         causes.append("rows changed between the GPU and the file (the staging copy or the writer): report it with "
                       "the server log and hook_status.json")
+    if any("+attn:" in p for p in problems):
+        causes.append("a stored layer.<i> plus its attention's output is not the residual after it: the plane is "
+                      "scaled, a partial sum, another layer's or another prompt's state (run hs-patch verify; a "
+                      "changed SGLang)")
+    if any("are not the embedding of this sample's tokens" in p for p in problems) or \
+            any(c.gap_mismatches for c, _ in recent):
+        causes.append("the states are another request's or shifted against the tokens (the embedded rows or the "
+                      "server's logit gaps disagree): where passes are sliced per request or chunks are joined")
     if any("all zeros" in p or "NaN or Inf" in p for p in problems):
         causes.append("the captured states are zeros or not finite: the capture point reads a buffer SGLang has "
                       "not filled (run hs-patch verify)")

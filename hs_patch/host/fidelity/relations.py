@@ -161,3 +161,18 @@ def additive(fp: "torch.Tensor", streams: Sequence[str], layer: int, tp_size: in
     var = BF16_HALF_ULP ** 2 * (e_mid + (tp_size - 1) * tp_size * e_attn)
     var = var + (math.log2(n) * FP32_SUM) ** 2 * n * 3 * 2 * (e_mid + e_attn)  # three sums; |layer|^2 <= 2(mid + attn)
     return ((s + a - m) / var.sqrt().clamp_min(1e-30)).pow(2)
+
+
+def final_additive(fp: "torch.Tensor", streams: Sequence[str], hidden: int) -> Optional["torch.Tensor"]:
+    """The final norm's addition on every row: z^2 [L, BLOCKS] of ``residual_in + update_in - final.pre_norm``
+    over its rounding, bounded by 2^-16 sum pre^2 as for :func:`additive` (None: no such streams: the
+    layer-boundary family, or a sample written before issue #33). Not scale-invariant: a stored
+    ``final.pre_norm`` that is scaled, or misses the last layer's output, fails it."""
+    res, upd, sq = fingerprint.FINAL_ADD
+    if not all(name in streams for name in (res, upd, sq, "final.pre_norm")):
+        return None
+    n = hidden // fingerprint.BLOCKS
+    e_pre = fp[:, streams.index(sq)]
+    var = BF16_HALF_ULP ** 2 * e_pre + (math.log2(n) * FP32_SUM) ** 2 * n * 3 * 2 * e_pre
+    diff = fp[:, streams.index(res)] + fp[:, streams.index(upd)] - fp[:, streams.index("final.pre_norm")]
+    return (diff / var.sqrt().clamp_min(1e-30)).pow(2)

@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # pragma: no cover
 DEFAULT_ROWS = 8                  # rows read per chunk (its first, its last, and a seeded draw)
 BYTES_TOLERANCE = 1e-4            # of a block's L1 norm: fp32 summation order, GPU against host (no checksums)
 RMS_TOLERANCE = 0.01              # rms(post / w) of a post-norm-only capture: 1 within this
-NOT_ZERO = ("layer.", "final.", fingerprint.ATTN_PREFIX, "mid.")  # streams of states: never a row of zeros
+NOT_ZERO = ("layer.", "final.pre_norm", "final.post_norm", fingerprint.ATTN_PREFIX, "mid.")  # states: never zeros
 
 
 class Norms:
@@ -162,7 +162,7 @@ class _Checker:
             if not bool(finite[:, k].all()):
                 bad = finite[:, k].logical_not().nonzero()[:, 0].tolist()
                 res.problems.append(f"{name}: NaN or Inf in {_listed(bad, n)}")
-            if name.startswith(NOT_ZERO) and bool(zero[:, k].any()):
+            if name.startswith(NOT_ZERO) and not name.endswith("_sq") and bool(zero[:, k].any()):
                 res.problems.append(f"{name}: {_listed(zero[:, k].nonzero()[:, 0].tolist(), n)} are all zeros")
         res.every_row.append("finite and not zero (fingerprints)")
         if fp_meta_checksums is None:
@@ -238,8 +238,15 @@ def check_rows(sample: lazy_sample.LazySample, norms: Optional[Norms], *, per_ch
                      f"layer {layer}'s stored input plus its attention's output is not the residual after it: the "
                      "plane is scaled, one tensor-parallel rank's partial sum, another layer's state, or another "
                      "prompt's rows")
+    final = relations.final_additive(fp, streams, hidden)
+    if final is not None:
+        additive = True
+        c.judged("final.pre_norm+add", final, every_chunk,
+                 "the stored pre-norm state is not the final norm's addition of the residual and the last layer's "
+                 "output: it is scaled, or misses the last layer's output")
     if additive:
-        c.result.every_row.append("additive relation (layer + attention output = residual after it)")
+        c.result.every_row.append("additive relations (layer + attention output = residual after it; the final "
+                                  "norm's addition)")
     planes = {p: _rows(sample, p, rows) for p in sample.planes}
     for p, data in planes.items():
         if not checksummed:

@@ -17,15 +17,18 @@ from typing import Any, Mapping
 # 1: the same-pass top-1 of the final state only (before issue #25); 2: + every plane's rows;
 # 3: + a top-1 disagreement within one bf16 unit of the server's logits is a tie (#26: SGLang's argmax over
 #    its bf16 logits takes the lower id of two equal ones; 2 failed such samples on every run)
-VERSION = 3
+# 4: + every row's bytes by checksum, every row's embedding, the additive relation, relations judged per chunk,
+#    the server's logit gaps at the last positions of every sample (#33)
+VERSION = 4
 
 
-def settings(on: bool, *, rows: int, fraction: float, positions: int, tie_tolerance: float) -> dict[str, Any]:
+def settings(on: bool, *, rows: int, fraction: float, positions: int, tie_tolerance: float,
+             gap_positions: int = 0) -> dict[str, Any]:
     """The check as a record (what ``--no-fidelity-check`` and the ``--fidelity-*`` options made it)."""
     if not on:
         return {"version": VERSION, "on": False}
     return {"version": VERSION, "on": True, "rows_per_chunk": rows, "fraction": fraction, "positions": positions,
-            "tie_tolerance": tie_tolerance}
+            "tie_tolerance": tie_tolerance, "gap_positions": gap_positions}
 
 
 def weaker(new: Mapping[str, Any], old: Mapping[str, Any]) -> list[str]:
@@ -38,6 +41,7 @@ def weaker(new: Mapping[str, Any], old: Mapping[str, Any]) -> list[str]:
     if int(new.get("version", 1)) < int(old.get("version", 1)):
         out.append(f"check version {new.get('version')} < {old.get('version')}")
     for name, flag, less in (("rows_per_chunk", "--fidelity-rows", True), ("positions", "--fidelity-positions", True),
+                             ("gap_positions", "--fidelity-gap-positions", True),
                              ("fraction", "--fidelity-fraction", True),
                              ("tie_tolerance", "--fidelity-tie-tolerance", False)):
         # "not as strict": a value that compares false both ways (nan) is weaker too
@@ -50,4 +54,4 @@ def result(check: Any) -> dict[str, Any]:
     """The few fields of a check's result that go on the sample's manifest line."""
     rows = check.rows or {}
     return {"check": VERSION, "ok": check.ok, "rows": rows.get("rows", 0), "chunks": rows.get("chunks", 0),
-            "kind": check.kind, "positions": check.checked, "ties": check.ties}
+            "kind": check.kind, "positions": check.checked, "ties": check.ties, "gaps": check.gaps}
