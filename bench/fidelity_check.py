@@ -2,11 +2,13 @@
 """CPU cost of the fidelity check's row checks (issue #25) per GB of states, on the GPU host's CPUs.
 
 Samples of Kimi-K2.5's width (hidden 7168, bf16) with the default capture (layer.2/30/58 and
-both final planes: 5 planes, 8 fingerprint streams) are written by the real capture hook and
+both final planes: 5 planes, 23 fingerprint and 6 checksum streams) are written by the real capture hook and
 writer (``lab.passes``: every plane, what each layer's attention read, the final norm's input
 and output), whole or prefilled in chunks, then checked by the driver's own code
 (``hs_patch.host.fidelity.rows.check_rows`` on the opened sample: the fingerprint tensor read
-whole, finite and non-zero rows, and for rows of every chunk the bytes and the norm relations),
+whole, finite and non-zero rows, every row's bytes against its checksum (the whole file read:
+the part that grows with the states, issue #33), the additive relations on every row, and for
+rows of every chunk the norm relations),
 ``--reps`` times each. Reported: CPU seconds (process time, one thread) per sample and per GB of
 states, at each rows-per-chunk setting, side by side in one run. The same-pass top-1 (one row of
 an fp32 lm_head) is not part of it: its cost is the production phase's ``kimi_head_cpu``.

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
 from hs_patch.files import UNREADABLE, file_digest, json_lines
 from hs_patch.server import fingerprint
-from hs_patch.store import DTYPE_NAMES, FORMATS_READ, MANIFEST, SUFFIX, SampleError, sample_key
+from hs_patch.store import (CHECK_ROWS, CHECK_TENSOR, DTYPE_NAMES, FORMATS_READ, MANIFEST, SUFFIX, SampleError,
+                             sample_key)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -108,7 +109,7 @@ def check_sample(path: Path, metadata: Mapping[str, str], tensors: Mapping[str, 
     if "loss_mask" in tensors and tuple(tensors["loss_mask"].shape) != (n,):
         raise SampleError(f"{path}: loss_mask must have shape ({n},)")
     records = record_shapes(path, metadata, n)
-    for name in (fingerprint.TENSOR, fingerprint.CHECKSUM_TENSOR):
+    for name in (fingerprint.TENSOR, fingerprint.CHECKSUM_TENSOR, CHECK_TENSOR):
         got, want = tensors.get(name), records.get(name)
         if (None if got is None else [list(got.shape), DTYPE_NAMES.get(str(got.dtype))]) != \
                 (want and [want[1], want[0]]):
@@ -143,7 +144,7 @@ def check_header(path: Path, entry: Mapping[str, Any]) -> None:
 
 def record_shapes(path: Path, metadata: Mapping[str, str], n: int) -> dict[str, tuple[str, list[int]]]:
     """The sample's fingerprint and checksum tensors as its metadata says: name -> (safetensors dtype,
-    [n, streams, blocks]); absent ones (samples written before them) are left out."""
+    [n, streams, blocks]), and its check rows' ([rows, hidden]); absent ones are left out."""
     out = {}
     for name, parse, dtype in ((fingerprint.TENSOR, fingerprint.parse, "F32"),
                                (fingerprint.CHECKSUM_TENSOR, fingerprint.parse_checksums, "I32")):
@@ -153,6 +154,14 @@ def record_shapes(path: Path, metadata: Mapping[str, str], n: int) -> dict[str, 
             raise SampleError(f"{path}: {e}") from None
         if doc is not None:
             out[name] = (dtype, [n, len(doc["streams"]), int(doc["blocks"])])
+    if CHECK_ROWS in metadata:  # HS_CAPTURE_FINAL=none: the LM head's input at the last positions
+        try:
+            rows, hidden = int(metadata[CHECK_ROWS]), int(metadata["hidden_size"])
+        except (KeyError, ValueError):
+            raise SampleError(f"{path}: check_rows={metadata.get(CHECK_ROWS)!r} is not a row count") from None
+        if not 0 < rows <= n:
+            raise SampleError(f"{path}: check_rows={rows} does not fit its {n} tokens")
+        out[CHECK_TENSOR] = (DTYPE_NAMES.get("torch." + metadata.get("dtype", ""), "?"), [rows, hidden])
     return out
 
 

@@ -59,6 +59,9 @@ MANIFEST = "manifest.jsonl"
 ERRORS = "errors.jsonl"
 TMPDIR = ".tmp"
 KEY_HEX = 32  # 128 bits of sha256: collisions are not a practical concern
+# HS_CAPTURE_FINAL=none: the LM head's input at the prompt's last CHECK_ROWS positions, for the fidelity check only
+CHECK_TENSOR = "check.post_norm"
+CHECK_ROWS = "check_rows"
 
 # safetensors dtype names for the dtypes we store
 DTYPE_NAMES = {

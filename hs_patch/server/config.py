@@ -48,6 +48,10 @@ ENV_DOCS = (
      "request ids in the forward batch: 0.5.10 and later)."),
     ("HS_CAPTURE_RANK", "0", "The tensor-parallel rank that writes (after the all-reduce every rank holds the "
      "full residual stream)."),
+    ("HS_CAPTURE_CHECK_ROWS", "16", "With HS_CAPTURE_FINAL=none only: the LM head's input at each prompt's last N "
+     "positions is kept in the sample (tensor check.post_norm, N x hidden x 2 bytes) for the fidelity check's "
+     "logit gaps, which tie every sample to its own request (hs-extract drive --fidelity-gap-positions, "
+     "default 16); 0: none kept, and nothing ties such a sample to its request."),
 )
 
 ENV_PREFIX = "HS_CAPTURE"
@@ -73,6 +77,7 @@ class CaptureConfig:
     stall_seconds: float = 120.0
     skip_rid_prefix: str = "nocap-"
     rank: int = 0
+    check_rows: int = 16  # HS_CAPTURE_FINAL=none: the LM head's input kept at each prompt's last positions
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -160,4 +165,5 @@ def from_env(env: Mapping[str, str] | None = None) -> CaptureConfig:
         stall_seconds=stall_seconds,
         skip_rid_prefix=env.get("HS_CAPTURE_SKIP_RID_PREFIX", "nocap-"),
         rank=_int(env, "HS_CAPTURE_RANK", 0, 0),
+        check_rows=_int(env, "HS_CAPTURE_CHECK_ROWS", 16, 0),
     )

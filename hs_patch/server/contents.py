@@ -48,14 +48,15 @@ class Contents:
             sample.put(k, start, store.raw_bytes(name, t))
 
     def write_whole(self, ids: "torch.Tensor", slices: list["torch.Tensor"], rid: Optional[str],
-                    fp: Optional["torch.Tensor"], cs: Optional["torch.Tensor"] = None
-                    ) -> tuple[store.Written, dict[str, Any]]:
+                    fp: Optional["torch.Tensor"], cs: Optional["torch.Tensor"] = None,
+                    check: Optional["torch.Tensor"] = None) -> tuple[store.Written, dict[str, Any]]:
         """A request prefilled in one pass: the whole file at once, its ranges written and hashed side by side."""
         key = store.sample_key(ids)
         n = int(ids.shape[0])
         found = self.intent(key, n)
-        tensors = [store.tensor_bytes(name, t) for name, t in zip(self.planes, slices)] + self.tail(ids, found, fp, cs)
-        meta = self.meta(key, n, str(slices[0].dtype).replace("torch.", ""), rid, [0], found)
+        tensors = [store.tensor_bytes(name, t) for name, t in zip(self.planes, slices)] + \
+            self.tail(ids, found, fp, cs, check)
+        meta = self.meta(key, n, str(slices[0].dtype).replace("torch.", ""), rid, [0], found, check)
         return store.write_temp(self.directory, key, tensors, meta, fsync=self.fsync, ranges=True), \
             self.extra(found, rid, 1, n)
 
@@ -69,22 +70,26 @@ class Contents:
         found = self.intent(key, n)
         fp = torch.cat(part.fingerprints) if part.fingerprints else None
         cs = torch.cat(part.checksums) if part.checksums else None
-        meta = self.meta(key, n, part.dtype, part.rid, part.starts, found)
-        return part.sample.finish(key, self.tail(ids, found, fp, cs), meta, fsync=self.fsync), \
+        meta = self.meta(key, n, part.dtype, part.rid, part.starts, found, part.check)
+        return part.sample.finish(key, self.tail(ids, found, fp, cs, part.check), meta, fsync=self.fsync), \
             self.extra(found, part.rid, part.parts, n)
 
     def meta(self, key: str, n: int, dtype: str, rid: Optional[str], starts: Sequence[int],
-             found: Optional[intents.Intent]) -> dict[str, str]:
+             found: Optional[intents.Intent], check: Optional["torch.Tensor"] = None) -> dict[str, str]:
         meta = dict(self.metadata, key=key, num_tokens=str(n), parts=str(len(starts)), dtype=dtype,
                     chunks=",".join(map(str, starts)), rid="" if rid is None else str(rid),
                     created=f"{time.time():.3f}")
+        if check is not None:
+            meta[store.CHECK_ROWS] = str(check.shape[0])  # the prompt's last positions the tensor holds
         if found is not None:
             meta.update({k: v for k, v in found.metadata.items() if k not in meta}, loss_tokens=str(found.loss_tokens))
         return meta
 
     def tail(self, ids: "torch.Tensor", found: Optional[intents.Intent], fp: Optional["torch.Tensor"],
-             cs: Optional["torch.Tensor"] = None) -> list[store.TensorBytes]:
+             cs: Optional["torch.Tensor"] = None, check: Optional["torch.Tensor"] = None) -> list[store.TensorBytes]:
         tail = [store.tensor_bytes("input_ids", ids.contiguous())]
+        if check is not None:
+            tail.append(store.tensor_bytes(store.CHECK_TENSOR, check.contiguous()))
         if found is not None:
             tail.append(store.TensorBytes("loss_mask", "U8", (found.tokens,), [found.loss_mask()]))
         for on, rows, name in ((self.fingerprinted, fp, fingerprint.TENSOR),

@@ -145,8 +145,9 @@ class CaptureHook:
         if cfg.slot_tokens < 1:
             raise capture_config.ConfigError("HS_CAPTURE_SLOT_TOKENS must be >= 1 (or unset: the server's "
                                              "--chunked-prefill-size)")
+        self.check_rows = cfg.check_rows if cfg.final == "none" else 0
         slots = [Slot(cfg.slot_tokens, len(self.planes), len(self.streams), hidden_size, itemsize, pinned, device,
-                      nchecksums=len(self.checksums)) for _ in range(cfg.slots)]  # all staging memory now: never an allocation on the forward path
+                      nchecksums=len(self.checksums), check=bool(self.check_rows)) for _ in range(cfg.slots)]  # all staging memory now: never an allocation on the forward path
         for slot in slots:
             self._free.put(slot)
         self._ring = None if device is None else \

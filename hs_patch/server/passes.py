@@ -16,6 +16,7 @@ imports the hook).
 
 from __future__ import annotations
 
+from contextlib import nullcontext as _nothing
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
@@ -36,6 +37,7 @@ class Owner(Protocol):
     additive_index: list[tuple[int, int, int, int]]
     pre_index: Optional[int]
     post_index: Optional[int]
+    check_rows: int
     all_reduce: Optional[Callable[[torch.Tensor], None]]
 
     def ring(self, device: torch.device) -> Any: ...
@@ -56,7 +58,7 @@ class Slot:
     device twins on ``device`` (the GPU's, made now too)."""
 
     def __init__(self, capacity: int, nplanes: int, nstreams: int, hidden: int, itemsize: int, pinned: bool,
-                 device: Optional[torch.device] = None, nchecksums: int = 0):
+                 device: Optional[torch.device] = None, nchecksums: int = 0, check: bool = False):
         self.capacity, self.hidden, self.itemsize = capacity, hidden, itemsize
         # device="cpu" always: SGLang builds the model inside `with torch.device("cuda")`
         self.ids = torch.empty(capacity, dtype=torch.int64, device="cpu", pin_memory=pinned)
@@ -67,10 +69,13 @@ class Slot:
                               pin_memory=pinned)
         self.cs = torch.empty(nchecksums, capacity, fingerprint.BLOCKS, dtype=torch.int32, device="cpu",
                               pin_memory=pinned)
+        # HS_CAPTURE_FINAL=none: the LM head's input at each part's last rows (at most every row of the pass)
+        self._check = torch.empty(capacity * hidden * itemsize if check else 0, dtype=torch.uint8, device="cpu",
+                                  pin_memory=pinned)
         self.fp_device = None if device is None else torch.empty(self.fp.shape, dtype=torch.float32, device=device)
         self.cs_device = None if device is None else torch.empty(self.cs.shape, dtype=torch.int32, device=device)
         self.host_bytes = sum(t.numel() * t.element_size()
-                              for t in (self.ids, self.lens, self.fp, self.cs, *self._raw))
+                              for t in (self.ids, self.lens, self.fp, self.cs, self._check, *self._raw))
         self.device_bytes = 0 if device is None else (self.fp.numel() + self.cs.numel()) * 4
 
     def plane(self, idx: int, like: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -80,6 +85,10 @@ class Slot:
                                f"were sized for {self.itemsize}-byte values x {self.hidden} (the model's dtype at "
                                "startup); please report this with the server's --dtype and quantization flags")
         return self._raw[idx][: tokens * self.hidden * self.itemsize].view(like.dtype).view(tokens, self.hidden)
+
+    def check(self, like: torch.Tensor, rows: int) -> torch.Tensor:
+        """The first ``rows`` rows of the check buffer, viewed with ``like``'s dtype."""
+        return self._check[: rows * self.hidden * like.element_size()].view(like.dtype).view(rows, self.hidden)
 
     def on(self, t: torch.Tensor, host: torch.Tensor, dev: Optional[torch.Tensor]) -> torch.Tensor:
         """Where a pass computes a record of ``t``: the host buffer (CPU), or its device twin made at start."""
@@ -294,6 +303,8 @@ class Pass:
             raise
         n = self.tokens
         slot = self.slot
+        counts = [min(hook.check_rows, int(k)) for k in self.seq_lens] if hook.check_rows else None
+        check = None if counts is None else self.keep_check_rows(post_norm, counts)
         wait = None
         if self.cuda is not None:
             stream = hook.stream(self.cuda)
@@ -310,4 +321,26 @@ class Pass:
             ids=slot.ids[:n], planes=[slot.plane(k, self.like[k], n) for k in range(len(hook.planes))],
             seq_lens=self.seq_lens, prefix_lens=self.prefix_lens, full_lens=slot.lens[: len(self.seq_lens)],
             rids=self.rids, wait=wait, release=lambda: hook.give_back(slot), fingerprints=slot.fp[:, :n],
-            checksums=slot.cs[:, :n]))
+            checksums=slot.cs[:, :n], check_rows=check, check_counts=counts))
+
+    def keep_check_rows(self, post_norm: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """HS_CAPTURE_FINAL=none: each part's last ``counts[j]`` rows of the LM head's input, one after another,
+        into the slot's check buffer (on a GPU snapshotted into a device buffer made at start, then only those
+        rows copied to the host on the side stream)."""
+        self._check_shape("the LM head's input", post_norm)
+        dst = self.slot.check(post_norm, sum(counts))
+        ends = [sum(self.seq_lens[: j + 1]) for j in range(len(counts))]
+        src, stream, k = post_norm, None, None
+        if post_norm.is_cuda:
+            ring = self.hook.ring(post_norm.device)
+            k, src = ring.snapshot(post_norm)
+            stream = self.hook.stream(post_norm.device)
+            stream.wait_stream(torch.cuda.current_stream(post_norm.device))
+        at = 0
+        with torch.cuda.stream(stream) if stream is not None else _nothing():
+            for m, end in zip(counts, ends):
+                dst[at:at + m].copy_(src[end - m:end], non_blocking=stream is not None)
+                at += m
+        if stream is not None:
+            ring.read_by(k, stream)
+        return dst

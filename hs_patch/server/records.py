@@ -27,6 +27,8 @@ class PassRecord:
     release: Optional[Callable[[], None]] = None  # gives the staging buffer back
     fingerprints: Optional["torch.Tensor"] = None  # F32 [streams, T, BLOCKS] (hs_patch.server.fingerprint)
     checksums: Optional["torch.Tensor"] = None     # I32 [checksums, T, BLOCKS] (the same module)
+    check_rows: Optional["torch.Tensor"] = None    # HS_CAPTURE_FINAL=none: [sum of check_counts, H], part by part
+    check_counts: Optional[Sequence[int]] = None   # each part's last rows of the LM head's input kept
     queued: float = field(default_factory=time.time)  # when the hook handed it over (its forward launched)
 
 

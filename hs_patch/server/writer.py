@@ -267,11 +267,14 @@ class Writer:
         opened, self._open = self._open, None
         if opened is not None:
             touched.append(opened)  # if this pass fails, the open prompt goes with it
-        offset = 0
+        offset, at = 0, 0
         for j, (n, prefix, full) in enumerate(zip(rec.seq_lens, rec.prefix_lens, rec.full_lens)):
             n, prefix, full = int(n), int(prefix), int(full)
             s, e = offset, offset + n
             offset = e
+            ck = None
+            if rec.check_rows is not None and rec.check_counts is not None:
+                ck, at = rec.check_rows[at:at + rec.check_counts[j]], at + rec.check_counts[j]
             rid = rec.rids[j] if rec.rids is not None else None
             if skipped(rid, self.skip_rid_prefix):
                 with self._stats_lock:
@@ -282,7 +285,7 @@ class Writer:
             fp = None if fps is None else fps[:, s:e].permute(1, 0, 2)  # [n, streams, BLOCKS]
             cs = None if css is None else css[:, s:e].permute(1, 0, 2)  # [n, checksums, BLOCKS]
             if prefix == 0 and n == full:
-                self._submit(p, self.contents.write_whole, ids, slices, rid, fp, cs)
+                self._submit(p, self.contents.write_whole, ids, slices, rid, fp, cs, ck)
                 continue
             if prefix == 0:
                 part = self.contents.start_open(ids, full, rid, slices[0])
@@ -304,6 +307,8 @@ class Writer:
                     # .contiguous() would alias the buffer the next pass overwrites)
                     into.append(rows.clone() if rows.is_contiguous() else rows.contiguous())
             part.end = prefix + n
+            if part.end == full and ck is not None:
+                part.check = ck.clone()  # the staging buffer is given back before the file is finished
             if part.end == full:  # its last chunk: written, then the file finished in the same job
                 self._submit(p, self._put_and_finish, p, part, prefix, slices, list(part.writes), releases=True)
                 continue

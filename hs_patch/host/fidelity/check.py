@@ -132,7 +132,18 @@ class LMHead:
             return sample.rows("final.post_norm", start, stop), "final.post_norm"
         if sample.has("final.pre_norm"):
             return rms_norm(sample.rows("final.pre_norm", start, stop), self.norm, self.eps), DERIVED
-        raise store.SampleError(f"{sample.path}: no final state stored (HS_CAPTURE_FINAL=none): nothing to check")
+        first = check_from(sample)
+        if first is not None and start >= first:  # HS_CAPTURE_FINAL=none: the rows kept for the check
+            return sample.rows(store.CHECK_TENSOR, start - first, stop - first), store.CHECK_TENSOR
+        raise store.SampleError(f"{sample.path}: no final state stored (HS_CAPTURE_FINAL=none) at positions "
+                                f"{start}..{stop - 1}: nothing to check")
+
+
+def check_from(sample: lazy_sample.LazySample) -> Optional[int]:
+    """The first position of the LM head's input kept for the check (HS_CAPTURE_FINAL=none), or None."""
+    if not sample.has(store.CHECK_TENSOR):
+        return None
+    return sample.num_tokens - int(sample.metadata[store.CHECK_ROWS])
 
 
 def compare(logits: "torch.Tensor", server: Sequence[int], positions: Sequence[int], tol: float, *,
@@ -248,9 +259,10 @@ class FidelityChecker:
         with lazy_sample.open_sample(job.path) as s:
             rows = check_rows(s, self.norms, per_chunk=self.rows, embeddings=self.embeddings).record()
             n = s.num_tokens
-            if not (s.has("final.post_norm") or s.has("final.pre_norm")):
-                # HS_CAPTURE_FINAL=none: no final state to give the server's token; every stored plane is
-                # still checked by the row checks (fingerprints, layer identity), which decide alone
+            first = 0 if s.has("final.post_norm") or s.has("final.pre_norm") else check_from(s)
+            if first is None:
+                # HS_CAPTURE_FINAL=none with HS_CAPTURE_CHECK_ROWS=0: no final state to give the server's token;
+                # every stored plane is still checked by the row checks (fingerprints, layer identity)
                 import torch
 
                 job.positions, job.server = [], []
@@ -262,6 +274,7 @@ class FidelityChecker:
             top: dict[int, list[tuple[float, int]]] = {}
             if meta.get("input_top_logprobs") is not None:
                 top = server_top(job.response, n, n - len(meta["input_top_logprobs"]))
+                top = {pos: best for pos, best in top.items() if pos >= first}  # where a final state is kept
             if len(top) > self.gaps:  # asked for more than every sample's gap positions: a sampled one
                 job.positions, kind = sorted(top), "positions"
                 job.server = [top[p][0][1] for p in job.positions]

@@ -6,8 +6,9 @@ little-endian 32-bit words summed modulo 2^32 over 8 blocks (:func:`hs_patch.ser
 - for every stored plane, so the file's bytes are compared here with what the forward pass held,
   every row of every plane, with no tolerance: a row misplaced, replaced, stale, shifted, NaN'd or
   garbled anywhere between the GPU and the file fails (issue #33: the row checks read 8 rows a
-  chunk). numpy's wrapping uint32 reduction reads the memory-mapped file at memory speed (about
-  27 GB/s a core on the dev VM: a 1.2 GB sample of 16K tokens in ~50 ms);
+  chunk). numpy's wrapping uint32 reduction reads the memory-mapped file at the speed of memory (on
+  the 2-core dev VM 4-5 GB/s from tmpfs, mapping included: about 0.2 CPU s per GB of states;
+  bench/fidelity_check.py measures it where it runs);
 - for ``embed``, the rows the model's residual stream began from (its embedding of the pass's
   ids, in the order the model holds its rows): recomputed here from the embedding weight and
   the sample's ``input_ids``, so every row of the sample is tied to the token the engine ran
@@ -71,7 +72,9 @@ def mismatched_rows(path: Path, checksums: "torch.Tensor", names: Sequence[str],
             del got
         return bad
 
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+    # MAP_POPULATE: the pages mapped up front, not faulted in one at a time (1.5x faster on tmpfs, dev VM)
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ) as m:
         for plane in planes:
             if plane in names and (bad := bad_rows(m, plane)):
                 out[plane] = bad
