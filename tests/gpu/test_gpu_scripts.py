@@ -107,13 +107,13 @@ def test_sabotage_phase_rejects_every_case_on_a_standin_started_as_the_gpu_phase
     import sabotage
 
     a = argparse.Namespace(site=str(standin_site), work=str(tmp_path / "work"), dump_root=str(tmp_path / "dumps"),
-                           port=free_port_block(1), mem_fraction=0.3, tp_size=1)
-    res = sabotage.sabotage(a, str(tiny_model_dir), "cpu")
-    assert res["server_log_has_sabotage"]
-    assert res["all_clean_pass"] and len(res["clean"]) == len(sabotage.CASES), res["clean"]
-    assert res["all_cases_rejected"], {c: r["problems"] for c, r in res["cases"].items()}
+                           port=free_port_block(1), mem_fraction=0.3, tp_size=1, sabotage_long=480)
+    res = sabotage.sabotage(a, str(tiny_model_dir), "cpu")  # raises unless the servers installed the sabotage
+    assert res["all_clean_pass"] and len(res["clean"]) == len(sabotage.CASES) + 2, res["clean"]
+    assert res["all_cases_rejected"], {c: (r["problems"], r["gap_mismatches"]) for c, r in res["cases"].items()}
     assert all(c["chunks"] >= 2 for c in res["cases"].values()), "rows of every chunk were checked"
-    assert res["clean_chi2_per_block_max"] is not None and res["gpu_cost"] == {}
+    assert 0 < res["clean_worst_chunk_ratio"] < 1 and 0 < res["clean_gap_worst_of_tolerance"] < 1
+    assert res["gpu_cost"] == {}
     sabotage.summarize_sabotage("sabotage_cpu", res)
 
 

@@ -51,6 +51,8 @@ STAGING = ("staging", "row", "nan_post", "garbage_post")  # after the copies lan
 SCALE = 1.5            # scaled, pre_scaled: the factor
 MISSING = 0.5          # partial, chunk_partial: the share of layer 1's update that layer 2's plane lacks
 AT_PREFIX = None       # chunk_partial: only in the part that starts there (None: every part after the first)
+if os.environ.get("HS_TEST_SABOTAGE_AT_PREFIX"):  # a server's processes (the GPU proof) are told this way
+    AT_PREFIX = int(os.environ["HS_TEST_SABOTAGE_AT_PREFIX"])
 EVERY_STREAM = ("other_request", "shift_all")              # every tensor the hook is handed after the embedding
 
 

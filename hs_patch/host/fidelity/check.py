@@ -86,6 +86,7 @@ class Check:
     rows: dict[str, Any] = field(default_factory=dict)      # the row checks (rows.RowCheck.record())
     gaps: int = 0                                           # positions whose server logit gap was compared
     gap_mismatches: list[Gap] = field(default_factory=list)  # those that disagree beyond rounding
+    gap_worst: float = 0.0                                  # the largest |server - ours| / tolerance compared
 
     @property
     def problems(self) -> list[str]:
@@ -286,7 +287,9 @@ class FidelityChecker:
             gaps = compare_gaps(states[[p - covered[0] for p in sorted(top)]], self.head.weight, sorted(top), top,
                                 self.head.logit_dtype, self._derived if plane == DERIVED else None)
             job.check = Check(job.key, kind, checked=len(job.positions), parts=int(s.metadata.get("parts", 1)),
-                              plane=plane, rows=rows, gaps=len(gaps), gap_mismatches=[g for g in gaps if not g.ok])
+                              plane=plane, rows=rows, gaps=len(gaps), gap_mismatches=[g for g in gaps if not g.ok],
+                              gap_worst=round(max((abs(g.server - g.ours) / g.tolerance for g in gaps), default=0.0),
+                                              4))
 
     def _derived(self, state: "torch.Tensor", a: int, b: int) -> float:
         """What our norm's rounding (a state derived from final.pre_norm) may move a logit difference."""
