@@ -25,7 +25,7 @@ ENV_DOCS = (
      "on Kimi-K2.5's 61 (eagle ids [1,29,57] on every release)."),
     ("HS_CAPTURE_FINAL", "both", "The last layer's output to store: pre (before the final norm: speculators), "
      "post (after it, what the LM head reads: SpecForge), both, or none. both: a default run feeds both "
-     "trainers exactly; 5 planes = 71,945 bytes per token at hidden 7168 (ids, mask and fingerprints included)."),
+     "trainers exactly; 5 planes = 72,617 bytes per token at hidden 7168 (ids, mask, fingerprints and checksums included)."),
     ("HS_CAPTURE_SLOTS", "6", "Pinned host staging buffers, one prefill pass each (587 MB each at 8,192 tokens x "
      "hidden 7168 x 5 planes); when all are busy the forward pass waits for the writer (back-pressure, counted in "
      "hook_status.json). A pass holds one from its launch, while the scheduler runs a pass ahead, until its last "

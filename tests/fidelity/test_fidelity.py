@@ -64,9 +64,11 @@ def test_every_sample_and_the_sampled_positions_match_the_server(served, tiny_mo
             results.append(checker.check(key, wait_sample(capture, key), out, sample_id=f"s{i}"))
     finally:
         checker.close()
-    assert [r.kind for r in results] == ["last", "positions"] * 3
+    # the 5-token prompt: every sample is asked for its last 16 positions, which cover it whole
+    assert [r.kind for r in results] == ["positions", "positions", "last", "positions", "last", "positions"]
     assert all(r.ok for r in results), [r.details for r in results]
-    assert [r.checked for r in results] == [1, 32, 1, 32, 1, 32]
+    assert [r.checked for r in results] == [5, 32, 1, 32, 1, 32]
+    assert [r.gaps for r in results] == [5, 32, 16, 32, 16, 32] and not any(r.gap_mismatches for r in results)
     assert any(r.parts > 1 for r in results)          # chunked prompts are checked as well
     log = store.read_jsonl(tmp_path / fidelity.FIDELITY_LOG)
     assert [rec["key"] for rec in log] == [r.key for r in results] and all(rec["ok"] for rec in log)

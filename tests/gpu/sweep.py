@@ -6,7 +6,7 @@ kimi-layer preset, hidden 7168: about 2.1, 1.0 and 0.5 GB/s of states on the H20
 a capturing server run side by side on the one GPU with SGLang's dummy weights (``--load-format
 dummy``: the same shapes and compute, nothing to build or read: the three depths fit one call;
 ``--sweep-weights`` writes real checkpoints instead), the product's default capture (3 layers +
-both finals: 5 planes, 71,945 bytes a token). Rows, on the same prompts, in an order that rotates
+both finals: 5 planes, 72,617 bytes a token). Rows, on the same prompts, in an order that rotates
 with the depth (and ``--round-offset``):
 
 - ``pristine``: the pristine server, a plain concurrent ``/generate`` client;
@@ -46,11 +46,13 @@ from hs_patch.server.config import default_layers
 
 def state_bytes_per_token(hidden: int, layers: int) -> int:
     """Bytes a token of the default capture stores: its planes (the layers + both finals, bf16), the id
-    and loss mask (9), and a fingerprint row per stream (each plane and each captured layer's attention
-    input, BLOCKS fp32). 71,945 at Kimi's width and 8 or more layers; fewer at 4 (two layers)."""
+    and loss mask (9), a fingerprint row per stream and a checksum row per stored plane and the embedded
+    rows (BLOCKS x 4 bytes each: hs_patch.server.fingerprint). 72,617 at Kimi's width and 8 or more layers
+    (layer-point and communicator families); fewer at 4 (two layers)."""
     ids = default_layers(layers)
     planes, streams = len(store.plane_names(ids, "both")), len(fingerprint.streams(ids, "both"))
-    return planes * hidden * 2 + 9 + streams * fingerprint.BLOCKS * 4
+    checksums = len(fingerprint.checksum_streams(ids, "both"))
+    return planes * hidden * 2 + 9 + (streams + checksums) * fingerprint.BLOCKS * 4
 
 
 class GpuMemory:

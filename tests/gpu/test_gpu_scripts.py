@@ -170,8 +170,8 @@ def test_sweep_env_refuses_what_would_change_the_measured_rate():
 def test_state_bytes_per_token_counts_the_planes_the_depth_captures():
     import sweep
 
-    assert sweep.state_bytes_per_token(7168, 8) == sweep.state_bytes_per_token(7168, 61) == 71_945
-    assert sweep.state_bytes_per_token(7168, 4) == 4 * 7168 * 2 + 9 + 6 * 32  # layers 1 and 2 (2, 2, 1 deduplicated)
+    assert sweep.state_bytes_per_token(7168, 8) == sweep.state_bytes_per_token(7168, 61) == 72_617
+    assert sweep.state_bytes_per_token(7168, 4) == 4 * 7168 * 2 + 9 + (17 + 5) * 32  # layers 1 and 2 (2, 2, 1 deduplicated)
 
 
 def test_a_server_refuses_a_port_that_already_answers(tmp_path, monkeypatch):

@@ -276,7 +276,8 @@ class FidelityChecker:
             if meta.get("input_top_logprobs") is not None:
                 top = server_top(job.response, n, n - len(meta["input_top_logprobs"]))
                 top = {pos: best for pos, best in top.items() if pos >= first}  # where a final state is kept
-            if len(top) > self.gaps:  # asked for more than every sample's gap positions: a sampled one
+            # asked for more than every sample's gap positions (a sampled one), or a prompt no longer than them
+            if len(top) > self.gaps or top and len(top) >= n - first:
                 job.positions, kind = sorted(top), "positions"
                 job.server = [top[p][0][1] for p in job.positions]
             else:
