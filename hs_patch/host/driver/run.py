@@ -29,6 +29,7 @@ from hs_patch.host.driver.client import HEALTH_PROBE_IDS, RetryPolicy, SGLangCli
 from hs_patch.host.driver.config import DriveConfig
 from hs_patch.host.driver.adopt import same_filesystem
 from hs_patch.host.driver.runstatus import RunStatus, nothing_extracted
+from hs_patch.host.driver.order import InOrder
 from hs_patch.host.driver.turns import Turns
 from hs_patch.host.driver.sample_steps import (CAPTURE_PARAMS, EXIT_ERROR, EXIT_FAILURES, EXIT_INCOMPLETE,  # noqa: F401
                                         EXIT_OK, EXIT_SIGNAL, SampleSteps)  # (re-exported)
@@ -68,6 +69,7 @@ class Driver(SampleSteps):
                                 extra=self._status_extra)
         self.bp: Optional[BackPressure] = None
         self.turns = Turns(cfg.concurrency)  # requests at the server; cfg.awaiting more wait for their samples
+        self.order = InOrder()               # of two lines with the same tokens, the earlier is kept
         self.shipped: Optional[runstate.ShippedTail] = None
         self.failures: dict[str, missing.Failure] = {}   # sample id -> how it failed in this run
         self.missing: Optional[dict[str, Any]] = None    # the lines not held, once the run has ended
@@ -296,6 +298,7 @@ class Driver(SampleSteps):
         if self.cfg.limit:  # the first N lines of the dataset, then this run's shard of them
             items = itertools.islice(items, self.cfg.limit)
         owns = self.cfg.owns()
+        seq = itertools.count()  # the lines handed out, numbered: they claim their tokens in this order (order.py)
         for item in items:
             if self.stop.is_set():
                 break
@@ -307,12 +310,15 @@ class Driver(SampleSteps):
                 self.status.update(done_before=1)
                 self.status.c.done_keys.add(self.done.by_id[item.sample_id])
             else:
+                numbered = (next(seq), item)
                 while not self.stop.is_set():
                     try:
-                        work.put(item, timeout=0.5)
+                        work.put(numbered, timeout=0.5)
                         break
                     except queue.Full:
                         pass
+                else:
+                    self.order.settle(numbered[0])  # never handed out: no later line waits for it
         for _ in workers:
             work.put(None)
         for w in workers:
@@ -326,19 +332,22 @@ class Driver(SampleSteps):
         dataset's order, while up to --awaiting more wait for their files, are checked and adopted."""
         while True:
             turn = self.turns.take(self.stop)
-            rec = work.get()
-            if rec is None or turn is None or self.stop.is_set():
+            got = work.get()
+            if got is None or turn is None or self.stop.is_set():
                 if turn is not None:
                     turn.release()
-                if rec is None:
+                if got is None:
                     return
+                self.order.settle(got[0])
                 continue
+            seq, rec = got
             try:
-                self._process(rec, turn)
+                self._process(rec, turn, seq)
             except Exception as e:  # noqa: BLE001 - one sample's bug must not kill the run; it is recorded
                 self._failed(rec, None, "internal", f"{type(e).__name__}: {e}")
             finally:
                 turn.release()
+                self.order.settle(seq)  # a line that ended before it claimed its tokens
 
     def _reject(self, rej: dataset.Reject) -> None:
         self.rejects.add(rej)
