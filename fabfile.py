@@ -146,13 +146,17 @@ def _say(msg: str) -> None:
                   "--max-tokens)",
     "regenerate": "let the served model write the assistant turns first (not captured), then capture the whole "
                   "conversation",
+    "accept-changed-data": "resume over a changed dataset the driver refuses without it: lines whose samples a "
+                           "shard holds now in other shards (lines inserted or removed before them), or none of the "
+                           "run's lines left (another file?); appended, removed and changed lines need nothing "
+                           "(docs/driver.md)",
     "server-timeout": "seconds to wait for the server to become healthy (default 1800)", **WATCH,
     "detach": "start and return without the dashboard"})
 @_errors
 def extract(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_password_file=None,
             ask_vault_pass=False, dataset=None, run=None, limit=0, regenerate=False, remote_dataset=False,
             server_timeout=1800, interval=2, detach=False, hosts=None, reassign=None,
-            dead_after=dashboard.DEAD_AFTER_S, max_tokens=remote.MAX_SAMPLE_TOKENS):
+            dead_after=dashboard.DEAD_AFTER_S, max_tokens=remote.MAX_SAMPLE_TOKENS, accept_changed_data=False):
     """Preflight, start the server, run the driver and the shipper as systemd units, watch them live."""
     _check_numbers("extract", interval=interval, dead_after=dead_after, limit=limit, max_tokens=max_tokens)
     if not dataset:
@@ -169,7 +173,8 @@ def extract(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vau
     run = check_run_name(run or f"{local.stem}-{time.strftime('%Y%m%d-%H%M%S')}")
     opts = dict(run=run, dataset=dataset, remote_dataset=bool(remote_dataset), limit=int(limit),
                 regenerate=bool(regenerate), server_timeout=int(server_timeout), interval=float(interval),
-                detach=bool(detach), say=_say, dead_after=float(dead_after), max_tokens=int(max_tokens))
+                detach=bool(detach), say=_say, dead_after=float(dead_after), max_tokens=int(max_tokens),
+                accept_changed_data=bool(accept_changed_data))
     if reassign:
         if not host or hosts:
             sys.exit("fab extract: --reassign DEAD_HOST takes --host OTHER (the host that finishes its shard)")
@@ -181,7 +186,8 @@ def extract(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vau
                                    **opts))
     t = _target(host, inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
     conn = _connect(t)
-    job = extraction.Job(run, dataset, bool(remote_dataset), extraction.driver_args(limit, regenerate),
+    job = extraction.Job(run, dataset, bool(remote_dataset),
+                         extraction.driver_args(limit, regenerate, accept_changed_data=bool(accept_changed_data)),
                          max_tokens=int(max_tokens))
     _say(f"preflight on {t.host} (run {run})")
     checks = extraction.preflight(conn, t, job)

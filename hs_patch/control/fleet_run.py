@@ -23,9 +23,11 @@ from hs_patch.control.shell import RemoteError, Shell
 
 
 def jobs_for(plan: Plan, targets: list[Target], dataset: str, remote_dataset: bool, limit: int,
-             regenerate: bool, max_tokens: int = remote.MAX_SAMPLE_TOKENS) -> dict[str, Job]:
+             regenerate: bool, max_tokens: int = remote.MAX_SAMPLE_TOKENS,
+             accept_changed_data: bool = False) -> dict[str, Job]:
     """Each planned host's job: the run under its own name, its shard, its own destination directory."""
-    return {t.name: Job(plan.run, dataset, remote_dataset, extraction.driver_args(limit, regenerate, plan.shard(t.name)),
+    return {t.name: Job(plan.run, dataset, remote_dataset,
+                        extraction.driver_args(limit, regenerate, plan.shard(t.name), accept_changed_data),
                         max_tokens=max_tokens, dest=remote.destination(t, plan.run, t.name), share=plan.count)
             for t in targets}
 
@@ -99,7 +101,7 @@ def watch(inv: Inventory, plan: Plan, rows: list[Row], reattach: str, *, interva
 def extract(inv: Inventory, group: str | None, host: str | None, run: str, dataset: str, remote_dataset: bool,
             limit: int, regenerate: bool, server_timeout: int, interval: float, detach: bool,
             say: Callable[[str], None], dead_after: float = DEAD_AFTER_S,
-            max_tokens: int = remote.MAX_SAMPLE_TOKENS) -> int:
+            max_tokens: int = remote.MAX_SAMPLE_TOKENS, accept_changed_data: bool = False) -> int:
     """``fab extract --hosts GROUP`` (or ``--host H`` of a run that has a fleet plan)."""
     if group:
         targets = inv.group(group)
@@ -119,8 +121,8 @@ def extract(inv: Inventory, group: str | None, host: str | None, run: str, datas
         raise ConfigError(f"no host of {group or host} has a shard of run {run} to run (fleet plan "
                           f"{fleet.plan_path(run)}: {', '.join(sorted(plan.shards))})")
     say(f"fleet run {run}: {plan.count} shard(s); plan {fleet.plan_path(run)}")
-    run_jobs(active, jobs_for(plan, active, dataset, remote_dataset, limit, regenerate, max_tokens), server_timeout,
-             say)
+    run_jobs(active, jobs_for(plan, active, dataset, remote_dataset, limit, regenerate, max_tokens,
+                              accept_changed_data), server_timeout, say)
     reattach = f"fab status --hosts {group} --run {run}" if group else f"fab status --host {host} --run {run}"
     if detach:
         say(f"watch with: {reattach}")
@@ -161,7 +163,8 @@ def holder_state(inv: Inventory, host: str, run: str) -> str:
 
 def reassign(inv: Inventory, dead: str, host: str, run: str, dataset: str, remote_dataset: bool, limit: int,
              regenerate: bool, server_timeout: int, interval: float, detach: bool, say: Callable[[str], None],
-             dead_after: float = DEAD_AFTER_S, max_tokens: int = remote.MAX_SAMPLE_TOKENS) -> int:
+             dead_after: float = DEAD_AFTER_S, max_tokens: int = remote.MAX_SAMPLE_TOKENS,
+             accept_changed_data: bool = False) -> int:
     """``fab extract --reassign DEAD --host TARGET``: TARGET finishes DEAD's shard, shipping into
     DEAD's directory at the destination (what is there already is never redone nor resent).
     TARGET = DEAD, a host back after its shard moved: it takes its own shard back (run RUN again)."""
@@ -189,7 +192,7 @@ def reassign(inv: Inventory, dead: str, host: str, run: str, dataset: str, remot
     own, _ = remote.units(run)
     state = "" if back else driver_state(t, run)
     job = Job(run if back else fleet.reassign_run(run, dead), dataset, remote_dataset,
-              extraction.driver_args(limit, regenerate, plan.shard(dead)), max_tokens=max_tokens,
+              extraction.driver_args(limit, regenerate, plan.shard(dead), accept_changed_data), max_tokens=max_tokens,
               dest=remote.destination(t, run, dead), share=plan.count, sync_first=True)
     say((f"{dead} takes its shard {plan.shard(dead)} back as run {run}, shipping into {job.dest} (what {was} "
          "shipped there counts as done)" if back else

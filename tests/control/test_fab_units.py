@@ -119,6 +119,15 @@ def test_max_tokens_reaches_the_kv_check_the_space_check_and_the_driver(tmp_path
     plan = fleet.Plan("r2", {"gpu1": 0, "gpu2": 1})
     jobs = fleet_run.jobs_for(plan, [Target(host="a", name="gpu1")], "/d", True, 0, False, 2048)
     assert jobs["gpu1"].max_tokens == 2048 and isinstance(jobs["gpu1"], extraction.Job)
+    assert "--accept-changed-data" not in jobs["gpu1"].driver_args
+    # the driver's refusal of a changed dataset names --accept-changed-data: fab takes it to the driver
+    seen.clear()
+    fabfile.extract(Context(), host="gpu1", dataset="/data/d.jsonl", remote_dataset=True, run="r1", detach=True,
+                    accept_changed_data=True)
+    assert drive_config(p.parse_args(["--run", "r1", *seen["args"]])).accept_changed_data is True
+    jobs = fleet_run.jobs_for(plan, [Target(host="a", name="gpu1")], "/d", True, 0, False, 2048, True)
+    assert drive_config(p.parse_args(["--run", "r1", *jobs["gpu1"].driver_args, "--data", "x", "--model", "m"])
+                        ).accept_changed_data is True
 
 
 def test_fab_list_shows_each_task_in_a_whole_sentence():
@@ -166,11 +175,13 @@ def test_snapshot_reads_what_is_there(tmp_path):
 def test_dashboard_shows_progress_rates_gpus_and_problems():
     out = io.StringIO()
     console = Console(file=out, width=120, force_terminal=False)
-    code = dashboard.watch(poller(gpu1=lambda: SNAP), "gpu1", "r1", once=True, console=console)
+    changed = "chat.jsonl changed since the last start; 38 held sample(s) kept, 2 of lines no longer there"
+    snap = {**SNAP, "driver": {**SNAP["driver"], "dataset": {"message": changed}}}
+    code = dashboard.watch(poller(gpu1=lambda: snap), "gpu1", "r1", once=True, console=console)
     text = out.getvalue()
     assert code == 0
     for needle in ("40 done / 100", "PAUSED", "2,048", "5.80 GB", "30 (4.40 GB)", "chat.jsonl:5", "RTX PRO 6000", "97%",
-                   "no assistant turn", "timeout on line 7", "81.0% used"):
+                   "no assistant turn", "timeout on line 7", "81.0% used", "dataset: chat.jsonl changed since"):
         assert needle in text, needle
     assert not verdict.ended(SNAP)
     finished = {**SNAP, "units": {"hs-drive-r1": {"ActiveState": "inactive"}, "hs-ship-r1": {"ActiveState": "inactive"}}}

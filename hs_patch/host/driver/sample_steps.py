@@ -141,6 +141,11 @@ class SampleSteps:
                     self.inflight[key] = rec.sample_id
         finally:
             self.order.settle(seq)  # claimed (or held already): the lines after it may claim theirs
+        if first == rec.sample_id:  # held by a sample of this very line, found by its tokens (reconcile.py)
+            self.status.update(done_before=1)
+            self.status.c.done_keys.add(key)
+            self.ledger.write("held_by_tokens", sample_id=rec.sample_id, key=key)
+            return
         if first is not None:
             self.status.update(duplicates=1)
             self.ledger.write("duplicate", sample_id=rec.sample_id, key=key, duplicate_of=first)
@@ -154,6 +159,7 @@ class SampleSteps:
     def _tokens(self, rec: dataset.Record) -> tuple[list[int], list[int], dict[str, str]]:
         cfg = self.cfg
         prov = {"sample_id": rec.sample_id, "source": rec.source, "line": str(rec.line), "run": cfg.run,
+                runstate.LINE_SHA256: rec.line_sha256,
                 "source_id": rec.source_id, "input_format": rec.format, "regenerated": "0", "truncated_from": "",
                 "driver": f"hs-extract {__version__}",
                 # where it was extracted: this host, and the shard (a reassigned shard: its own, not this host's)
