@@ -1,15 +1,18 @@
 """Run and watch hidden-state extractions on a GPU host provisioned by ``ansible-playbook site.yml``.
 
-    fab extract --host 10.1.230.174 --dataset data/chat.jsonl [--run NAME] [--limit N] [--max-tokens N] [--regenerate]
+GPU_HOST: the host's name or address in the inventory (the shipped inventory's is the production host,
+10.1.230.174: a command naming it acts on production).
+
+    fab extract --host GPU_HOST --dataset data/chat.jsonl [--run NAME] [--limit N] [--max-tokens N] [--regenerate]
     fab extract --hosts [GROUP] --dataset data/chat.jsonl --run NAME      # a fleet: one shard a host
     fab extract --reassign DEAD_HOST --host OTHER --dataset data/chat.jsonl --run NAME
-    fab status  --host 10.1.230.174 [--run NAME] [--once]
+    fab status  --host GPU_HOST [--run NAME] [--once]
     fab status  --hosts [GROUP] --run NAME [--once]
-    fab stop    --host 10.1.230.174 [--run NAME] [--server]
+    fab stop    --host GPU_HOST [--run NAME] [--server]
     fab stop    --hosts [GROUP] --run NAME [--server]
-    fab ship    --host 10.1.230.174 [--run NAME]
+    fab ship    --host GPU_HOST [--run NAME]
     fab ship    --hosts [GROUP] --run NAME
-    fab verify  --host 10.1.230.174
+    fab verify  --host GPU_HOST
 
 The host and its settings come from the Ansible inventory, read by Ansible itself
 (hs_patch/control/inventory.py): ``-i/--inventory FILE|DIR`` (default: $HS_INVENTORY,
@@ -33,9 +36,11 @@ from typing import Any, Callable
 from fabric import Connection, task
 
 from hs_patch.control import dashboard, extraction, fleet, fleet_run, poll, remote
-from hs_patch.control.fab_options import FabTask
+from hs_patch.control.fab_options import FabTask, suggest_nearest
 from hs_patch.control.inventory import ConfigError, Inventory, Target, check_run_name, load
 from hs_patch.control.shell import RemoteError, Shell
+
+suggest_nearest()  # fab extrct: "No idea what 'extrct' is! Did you mean 'extract'?"
 
 COMMON = {
     "host": "GPU host: its name or address in the inventory (required)",
@@ -62,6 +67,9 @@ def _errors(body: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(body)
     def wrapper(c: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("host") is True and "--host" in sys.argv[1:]:  # the option's value forgotten: not help
+            sys.exit(f"fab {body.__name__}: --host needs a value: the GPU host's name or address in the inventory "
+                     f"(--host NAME); fab --help {body.__name__} lists every option")
         if kwargs.get("host") is True:  # -h (--host) without a value: the task's help, as -h means elsewhere
             from fabric.main import program
 
@@ -249,7 +257,8 @@ def stop(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_
     conn = _connect(t)
     run = _pick_run(conn, t, run)
     states = remote.stop(conn, t, run, server=bool(server))
-    _say(f"stopped: {states}; resume with the same fab extract --run {run}, drain with fab ship")
+    _say(f"{remote.in_words(states)}; resume with the same fab extract --run {run}, drain with fab ship --host "
+         f"{host} --run {run}")
 
 
 @task(klass=FabTask, iterable=ITERABLE, optional=["host", "hosts"], help={**COMMON, **FLEET})

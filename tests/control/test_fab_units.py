@@ -281,6 +281,44 @@ def test_h_alone_is_the_tasks_help_and_a_bad_number_is_one_line():
     assert out.returncode == 1 and out.stderr.strip() == "--limit takes a whole number, not 'abc'", out.stderr
 
 
+def test_host_with_its_value_forgotten_fails_and_a_mistyped_name_gets_the_nearest():
+    """`fab extract --host` (the value forgotten) printed the task's help and exited 0, as -h does; a mistyped
+    task or option got only "No idea what 'extrct' is!"."""
+    for name in ("extract", "stop", "verify"):
+        out = _fab(name, "--host")
+        assert out.returncode == 1 and out.stderr.strip() == (
+            f"fab {name}: --host needs a value: the GPU host's name or address in the inventory (--host NAME); "
+            f"fab --help {name} lists every option"), out.stdout + out.stderr
+    for argv, said in ((["extrct"], "No idea what 'extrct' is! Did you mean 'extract'? (fab --list shows the tasks)"),
+                       (["stauts", "--host", "gpu1"], "Did you mean 'status'?"),
+                       (["extract", "--dataet", "x"], "No idea what '--dataet' is! Did you mean '--dataset'? "
+                                                      "(fab --help extract lists its options)"),
+                       (["qqqq"], "No idea what 'qqqq' is! (fab --list shows the tasks)")):
+        out = _fab(*argv)
+        assert out.returncode == 1 and said in out.stderr, (argv, out.stderr)
+
+
+def test_stop_says_in_words_what_it_stopped(monkeypatch, capsys):
+    """fab stop printed a Python dict: "stopped: {'hs-drive-r1': 'inactive', 'hs-ship-r1': 'inactive'}"."""
+    import fabfile
+    from invoke import Context
+
+    from hs_patch.control import remote
+    from hs_patch.control.inventory import Target
+
+    monkeypatch.setattr(fabfile, "_target", lambda *a: Target(host="gpu1", name="gpu1"))
+    monkeypatch.setattr(fabfile, "_connect", lambda t: "conn")
+    monkeypatch.setattr(fabfile, "_pick_run", lambda c, t, run: "r1")
+    monkeypatch.setattr(remote, "stop", lambda c, t, run, server=False: {
+        "hs-drive-r1": "inactive", "hs-ship-r1": "failed", **({"sglang": "inactive"} if server else {})})
+    fabfile.stop(Context(), host="gpu1", server=True)
+    out = capsys.readouterr().out
+    assert out.strip() == ("[fab] hs-drive-r1 stopped, hs-ship-r1 stopped (it had failed: journalctl -u hs-ship-r1 "
+                           "says why), sglang stopped; resume with the same fab extract --run r1, drain with fab ship "
+                           "--host gpu1 --run r1"), out
+    assert remote.in_words({"u": "active"}) == "u STILL RUNNING (systemctl status u)"
+
+
 def test_each_option_has_the_same_short_flag_in_every_task():
     import fabfile
 
