@@ -1,15 +1,18 @@
 """Run and watch hidden-state extractions on a GPU host provisioned by ``ansible-playbook site.yml``.
 
-    fab extract --host 10.1.230.174 --dataset data/chat.jsonl [--run NAME] [--limit N] [--max-tokens N] [--regenerate]
+GPU_HOST: the host's name or address in the inventory (the shipped inventory's is the production host,
+10.1.230.174: a command naming it acts on production).
+
+    fab extract --host GPU_HOST --dataset data/chat.jsonl [--run NAME] [--limit N] [--max-tokens N] [--regenerate]
     fab extract --hosts [GROUP] --dataset data/chat.jsonl --run NAME      # a fleet: one shard a host
     fab extract --reassign DEAD_HOST --host OTHER --dataset data/chat.jsonl --run NAME
-    fab status  --host 10.1.230.174 [--run NAME] [--once]
+    fab status  --host GPU_HOST [--run NAME] [--once]
     fab status  --hosts [GROUP] --run NAME [--once]
-    fab stop    --host 10.1.230.174 [--run NAME] [--server]
+    fab stop    --host GPU_HOST [--run NAME] [--server]
     fab stop    --hosts [GROUP] --run NAME [--server]
-    fab ship    --host 10.1.230.174 [--run NAME]
+    fab ship    --host GPU_HOST [--run NAME]
     fab ship    --hosts [GROUP] --run NAME
-    fab verify  --host 10.1.230.174
+    fab verify  --host GPU_HOST
 
 The host and its settings come from the Ansible inventory, read by Ansible itself
 (hs_patch/control/inventory.py): ``-i/--inventory FILE|DIR`` (default: $HS_INVENTORY,
@@ -33,9 +36,11 @@ from typing import Any, Callable
 from fabric import Connection, task
 
 from hs_patch.control import dashboard, extraction, fleet, fleet_run, poll, remote
-from hs_patch.control.fab_options import FabTask
+from hs_patch.control.fab_options import FabTask, suggest_nearest
 from hs_patch.control.inventory import ConfigError, Inventory, Target, check_run_name, load
 from hs_patch.control.shell import RemoteError, Shell
+
+suggest_nearest()  # fab extrct: "No idea what 'extrct' is! Did you mean 'extract'?"
 
 COMMON = {
     "host": "GPU host: its name or address in the inventory (required)",
@@ -62,6 +67,9 @@ def _errors(body: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(body)
     def wrapper(c: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("host") is True and "--host" in sys.argv[1:]:  # the option's value forgotten: not help
+            sys.exit(f"fab {body.__name__}: --host needs a value: the GPU host's name or address in the inventory "
+                     f"(--host NAME); fab --help {body.__name__} lists every option")
         if kwargs.get("host") is True:  # -h (--host) without a value: the task's help, as -h means elsewhere
             from fabric.main import program
 
@@ -146,13 +154,17 @@ def _say(msg: str) -> None:
                   "--max-tokens)",
     "regenerate": "let the served model write the assistant turns first (not captured), then capture the whole "
                   "conversation",
+    "accept-changed-data": "resume over a changed dataset the driver refuses without it: lines whose samples a "
+                           "shard holds now in other shards (lines inserted or removed before them), or none of the "
+                           "run's lines left (another file?); appended, removed and changed lines need nothing "
+                           "(docs/driver.md)",
     "server-timeout": "seconds to wait for the server to become healthy (default 1800)", **WATCH,
     "detach": "start and return without the dashboard"})
 @_errors
 def extract(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_password_file=None,
             ask_vault_pass=False, dataset=None, run=None, limit=0, regenerate=False, remote_dataset=False,
             server_timeout=1800, interval=2, detach=False, hosts=None, reassign=None,
-            dead_after=dashboard.DEAD_AFTER_S, max_tokens=remote.MAX_SAMPLE_TOKENS):
+            dead_after=dashboard.DEAD_AFTER_S, max_tokens=remote.MAX_SAMPLE_TOKENS, accept_changed_data=False):
     """Preflight, start the server, run the driver and the shipper as systemd units, watch them live."""
     _check_numbers("extract", interval=interval, dead_after=dead_after, limit=limit, max_tokens=max_tokens)
     if not dataset:
@@ -169,7 +181,8 @@ def extract(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vau
     run = check_run_name(run or f"{local.stem}-{time.strftime('%Y%m%d-%H%M%S')}")
     opts = dict(run=run, dataset=dataset, remote_dataset=bool(remote_dataset), limit=int(limit),
                 regenerate=bool(regenerate), server_timeout=int(server_timeout), interval=float(interval),
-                detach=bool(detach), say=_say, dead_after=float(dead_after), max_tokens=int(max_tokens))
+                detach=bool(detach), say=_say, dead_after=float(dead_after), max_tokens=int(max_tokens),
+                accept_changed_data=bool(accept_changed_data))
     if reassign:
         if not host or hosts:
             sys.exit("fab extract: --reassign DEAD_HOST takes --host OTHER (the host that finishes its shard)")
@@ -181,7 +194,8 @@ def extract(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vau
                                    **opts))
     t = _target(host, inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
     conn = _connect(t)
-    job = extraction.Job(run, dataset, bool(remote_dataset), extraction.driver_args(limit, regenerate),
+    job = extraction.Job(run, dataset, bool(remote_dataset),
+                         extraction.driver_args(limit, regenerate, accept_changed_data=bool(accept_changed_data)),
                          max_tokens=int(max_tokens))
     _say(f"preflight on {t.host} (run {run})")
     checks = extraction.preflight(conn, t, job)
@@ -243,7 +257,8 @@ def stop(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_
     conn = _connect(t)
     run = _pick_run(conn, t, run)
     states = remote.stop(conn, t, run, server=bool(server))
-    _say(f"stopped: {states}; resume with the same fab extract --run {run}, drain with fab ship")
+    _say(f"{remote.in_words(states)}; resume with the same fab extract --run {run}, drain with fab ship --host "
+         f"{host} --run {run}")
 
 
 @task(klass=FabTask, iterable=ITERABLE, optional=["host", "hosts"], help={**COMMON, **FLEET})

@@ -9,7 +9,8 @@ Each round, in alternating order, times from a fresh process:
              reads the inventory again);
 - inventory: ``ansible-inventory -i INV --host HOST`` (the same variables, not rendered).
 
-Prints every round, the medians and the ratio. Run:
+Prints every round, the medians and the ratio. Both only read the inventory: nothing connects to the
+host (the default is the production inventory's 10.1.230.174). Run:
 
     python3 bench/inventory_load.py                       # the production inventory, 5 rounds
     python3 bench/inventory_load.py --inventory DIR --host NAME --rounds 9

@@ -195,6 +195,28 @@ def ranged(range_digests: list[bytes]) -> str:
     return RANGED + hashlib.sha256(b"".join(range_digests)).hexdigest()
 
 
+def digests_apart(a: str, b: str, at_least: int = 16) -> tuple[str, str]:
+    """Two recorded digests cut short enough to print yet long enough to tell apart: each keeps its kind
+    (``sha256r64m:`` for a ranged one) and at least ``at_least`` hex digits, more where they share a
+    longer prefix (a fixed 12 characters of a ranged digest was its label and one hex digit)."""
+    def split(d: str) -> tuple[str, str]:
+        return (RANGED, d[len(RANGED):]) if d.startswith(RANGED) else ("", d)
+
+    (ka, ha), (kb, hb) = split(a), split(b)
+    n = at_least
+    if ka == kb:
+        while n < max(len(ha), len(hb)) and ha[:n] == hb[:n]:
+            n += 4
+    return ka + ha[:n], kb + hb[:n]
+
+
+def size_change(size: int, expected: int) -> str:
+    """How a file's size differs from what was recorded, in words ("truncated" only when it is shorter)."""
+    if size < expected:
+        return f"{expected - size} bytes short (truncated?)"
+    return f"{size - expected} bytes over (grew: appended to or overwritten?)"
+
+
 def file_digest(path: str | os.PathLike, like: str = "", *, mapped: bool = False) -> tuple[int, str]:
     """(size, digest) of a file, of the kind of ``like`` (a recorded digest): :func:`file_ranged` for a
     ranged one (the capture writer's, since issue #22), else plain :func:`file_sha256` (every sample

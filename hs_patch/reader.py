@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
-from hs_patch.files import UNREADABLE, file_digest, json_lines
+from hs_patch.files import UNREADABLE, digests_apart, file_digest, json_lines, size_change
 from hs_patch.server import fingerprint
 from hs_patch.store import (CHECK_ROWS, CHECK_TENSOR, DTYPE_NAMES, FORMATS_READ, MANIFEST, SUFFIX, SampleError,
                              sample_key)
@@ -53,9 +53,12 @@ class Sample:
 def check_entry(path: Path, entry: Mapping[str, Any]) -> None:
     """The file's size and sha256 against its manifest entry (one streaming read); SampleError if they differ."""
     size, digest = file_digest(path, entry["sha256"])
-    if size != entry["bytes"] or digest != entry["sha256"]:
-        raise SampleError(f"{path}: size/sha256 {size}/{digest[:12]} differ from the manifest "
-                          f"({entry['bytes']}/{entry['sha256'][:12]}): the file is damaged")
+    if size != entry["bytes"]:
+        raise SampleError(f"{path}: size {size} differs from the manifest's {entry['bytes']} "
+                          f"({size_change(size, entry['bytes'])}): the file is damaged")
+    if digest != entry["sha256"]:
+        got, want = digests_apart(digest, entry["sha256"])
+        raise SampleError(f"{path}: sha256 {got} differs from the manifest's {want}: the file is damaged")
 
 
 def read_sample(path: str | os.PathLike, *, entry: Mapping[str, Any] | None = None) -> Sample:
@@ -252,7 +255,8 @@ class Header:
             raise SampleError(f"{path}: tensors {got} do not match the metadata ({want})")
         end = max((v["data_offsets"][1] for v in self.tensors.values()), default=0)
         if self.data_start + end != self.size:
-            raise SampleError(f"{path}: {self.size} bytes, the header describes {self.data_start + end} (truncated?)")
+            raise SampleError(f"{path}: {self.size} bytes, the header describes {self.data_start + end}: "
+                              f"{size_change(self.size, self.data_start + end)}")
 
 
 def read_header(path: str | os.PathLike) -> Header:

@@ -43,8 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from hs_patch.files import (PRIVATE, RANGE, JsonLog, append_line, file_digest, file_sha256, private_dirs, pwrite_all,
-                            ranged, side_by_side, write_all, write_text_atomic)
+from hs_patch.files import (PRIVATE, RANGE, JsonLog, append_line, digests_apart, file_digest, file_sha256, private_dirs,
+                            pwrite_all, ranged, side_by_side, size_change, write_all, write_text_atomic)
 from hs_patch.files import read_jsonl as _read_jsonl
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -341,13 +341,15 @@ def verify_entry(directory: str | os.PathLike, entry: Mapping[str, Any]) -> str 
     """None if the entry's file exists with the manifest's size and sha256, else what is wrong."""
     path = Path(directory) / entry["file"]
     try:
-        if path.stat().st_size != entry["bytes"]:
-            return f"{path}: size {path.stat().st_size}, manifest says {entry['bytes']} (truncated?)"
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            return f"{path}: size {size}, manifest says {entry['bytes']}: {size_change(size, entry['bytes'])}"
         size, digest = file_digest(path, entry["sha256"])
     except OSError as e:
         return f"{path}: {e.strerror or e}"
     if digest != entry["sha256"]:
-        return f"{path}: sha256 {digest[:12]} differs from the manifest's {entry['sha256'][:12]}"
+        got, want = digests_apart(digest, entry["sha256"])
+        return f"{path}: sha256 {got} differs from the manifest's {want}"
     return None
 
 

@@ -6,9 +6,11 @@
 #   openssh-client                 : Ansible, testinfra and fabric reach the test hosts over real SSH
 #   rsync                          : the shipping role, the shipper, ansible.posix.synchronize
 #   openssh-server                 : the shipper's tests run a private sshd on 127.0.0.1
+#   python3-venv                   : scripts/install.sh puts the Python packages into a venv (.venv):
+#                                    Debian 12 and Ubuntu 24.04 refuse pip installs into their own Python
 set -euo pipefail
 
-packages=(debootstrap systemd-container rsync openssh-client openssh-server iproute2 ca-certificates)
+packages=(debootstrap systemd-container rsync openssh-client openssh-server iproute2 ca-certificates python3-venv)
 
 if [ "$(id -u)" -ne 0 ]; then
     echo "install-deps.sh: run as root (it installs packages with apt)" >&2

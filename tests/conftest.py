@@ -11,6 +11,9 @@ import pytest
 
 from hs_patch.releases import RELEASES
 from lab import sglang_wheels
+from lab.hostcmd import tools_of_this_python
+
+tools_of_this_python()  # the README's test command runs .venv/bin/python -m pytest, the venv not activated
 
 ROOT = Path(__file__).resolve().parent.parent
 SUPPORTED = tuple(RELEASES)  # every release the patch knows: each is patched, verified and captured from

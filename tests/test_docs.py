@@ -61,6 +61,24 @@ def test_readme_is_a_short_front_door():
         assert heading in readme, heading
 
 
+def test_ci_runs_exactly_the_readmes_install_and_test_commands_and_the_demo_comes_first():
+    """On a stock Debian 12 or Ubuntu 24.04 the README's `python3 -m pip install ...` failed with
+    "externally-managed-environment" (PEP 668): the install makes a venv, the test command runs it."""
+    readme = (ROOT / "README.md").read_text()
+
+    def block(heading: str) -> str:
+        section = readme[readme.index(heading):]
+        return section.split("```\n", 2)[1].strip()
+
+    install, test = block("## Install"), block("## Test")
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.strip() and not line.startswith(("#", "set ", "cd "))]
+    assert ci == [install, test], (ci, install, test)
+    assert test.startswith(".venv/bin/python -m pytest") and install == "bash scripts/install.sh"
+    assert readme.index("## Try it") < readme.index("## Test"), "the 5-minute demo before the half-hour suite"
+    assert block("## Try it").startswith(".venv/bin/python tests/lab/demo.py")
+
+
 @pytest.mark.parametrize("doc", sorted(str(p.relative_to(ROOT)) for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]))
 def test_links_resolve(doc):
     path = ROOT / doc

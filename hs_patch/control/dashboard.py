@@ -91,6 +91,8 @@ def render(snap: dict[str, Any], host: str, progress: Progress, task: Any) -> Gr
         problems.append(f"shipper: storage unreachable for {outage.get('seconds', 0):.0f}s ({outage.get('failures', 0)} "
                         f"tries; next in {outage.get('retry_in_s', 0):.0f}s): nothing is lost, shipping resumes by "
                         "itself"[:200])
+    if (d.get("dataset") or {}).get("message"):  # changed since the run's last start (reconcile.py)
+        problems.append(f"dataset: {d['dataset']['message']}"[:240])
     for r in snap.get("rejects") or []:
         problems.append(f"reject {r.get('source', '')}:{r.get('line', '')} {r.get('reason', '')}"[:160])
     if fid.get("last_mismatch"):

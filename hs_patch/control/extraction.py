@@ -69,10 +69,12 @@ def start(c: Shell, t: Target, job: Job, server_timeout: int, progress: Callable
     return remote.start_jobs(c, t, job.run, args, dest=job.dest)
 
 
-def driver_args(limit: int, regenerate: bool, shard: str = "") -> list[str]:
+def driver_args(limit: int, regenerate: bool, shard: str = "", accept_changed_data: bool = False) -> list[str]:
     args = ["--limit", str(int(limit))] if int(limit) else []
     if regenerate:
         args.append("--regenerate")
+    if accept_changed_data:  # the driver's refusals of a changed dataset (hs_patch/host/driver/reconcile.py)
+        args.append("--accept-changed-data")
     if shard:  # a fleet's job: queued while another of the host's runs holds its capture dir (a reassigned shard)
         args += ["--shard", shard, "--queue"]
     return args

@@ -5,11 +5,14 @@ option got different letters in different tasks (``--hosts`` was ``-o`` in ``ext
 ``-s`` in ``status``, where ``-s`` was ``--server-timeout`` or ``--server`` elsewhere), and a
 value its type refuses (``--limit abc``) ended in a traceback. Tasks made with
 ``@task(klass=FabTask)`` take their letters from :data:`SHORT` and report such a value as a
-parse error: one line saying what to give.
+parse error: one line saying what to give. A mistyped task or option (``fab extrct``,
+``--hots``) is answered with the nearest one (:func:`suggest_nearest`).
 """
 
 from __future__ import annotations
 
+import difflib
+import re
 from typing import Any, Optional
 
 from fabric.tasks import Task
@@ -47,3 +50,36 @@ class FabTask(Task):
         for arg in args:  # Invoke builds plain Arguments; ours only adds the one-line refusal
             arg.__class__ = _CheckedArgument
         return args
+
+
+_UNKNOWN = re.compile(r"No idea what '(.+)' is!$")
+
+
+def suggest_nearest() -> None:
+    """Make fab's 'No idea what 'extrct' is!' name the nearest task (or, for an option, the nearest option of
+    the task): Invoke's parser says only that. Its parser is reached through the one method it raises with
+    (``ParseMachine.error``); an Invoke without it keeps its own words."""
+    from invoke.parser import parser
+
+    machine = getattr(parser, "ParseMachine", None)
+    plain = getattr(machine, "error", None)
+    if plain is None or getattr(plain, "nearest", False):
+        return
+
+    def error(self: Any, msg: str) -> None:
+        m = _UNKNOWN.match(msg)
+        if m:
+            token = m.group(1)
+            if token.startswith("-"):
+                known = [n for n in getattr(self.context, "flags", {}) if n.startswith("--")]
+                where = f"fab --help {self.context.name} lists its options" if getattr(self.context, "name", None) \
+                    else "fab --help lists the options"
+            else:
+                known = [n for n in self.contexts if "." not in n]
+                where = "fab --list shows the tasks"
+            near = difflib.get_close_matches(token, known, n=1, cutoff=0.75)
+            msg += (f" Did you mean {near[0]!r}? " if near else " ") + f"({where})"
+        plain(self, msg)
+
+    error.nearest = True  # type: ignore[attr-defined]
+    machine.error = error

@@ -1,7 +1,9 @@
 """Many GPU hosts, one dataset: the fleet plan and Fabric's group execution (``fab extract --hosts``).
 
 **The plan** (one JSON file a run on the control node: ``$HS_FLEET_DIR/RUN.json``, default
-``~/.local/state/hs-patch/fleet/``) is made at a run's first start: the group's hosts,
+``~/.local/state/hs-patch/fleet/``) is made at a run's first start (saved once every host's
+preflight passed: a refused start leaves the name free, the group may change before the next
+try): the group's hosts,
 sorted by inventory name, get shards ``0/N`` .. ``N-1/N`` (``hs_patch.shard``). Every later
 ``fab extract``/``fab status`` of the run reads it, so shards never move: a host added to
 the group later gets none (fab says so), a host removed or dead keeps its shard until
@@ -101,9 +103,10 @@ def check_host_name(name: str) -> str:
                           "address)") from None
 
 
-def plan_for(run: str, hosts: Sequence[str]) -> tuple[Plan, list[str]]:
-    """The run's plan (made now from ``hosts`` if it has none) and notes for the operator:
-    hosts of the group that are not in the plan, planned hosts missing from the group."""
+def plan_for(run: str, hosts: Sequence[str], *, save: bool = True) -> tuple[Plan, list[str]]:
+    """The run's plan (made now from ``hosts`` if it has none; saved unless ``save`` is False, then the caller
+    saves it once the run starts: ``fab extract --hosts`` after every preflight passed) and notes for the
+    operator: hosts of the group that are not in the plan, planned hosts missing from the group."""
     plan = load_plan(run)
     if plan is None:
         if not hosts:  # a plan of no shards would hold the run's name for ever, every later host "joined after"
@@ -112,7 +115,8 @@ def plan_for(run: str, hosts: Sequence[str]) -> tuple[Plan, list[str]]:
         for h in hosts:
             check_host_name(h)
         plan = Plan(run=run, shards={h: i for i, h in enumerate(sorted(hosts))}, created=time.time())
-        save_plan(plan)
+        if save:
+            save_plan(plan)
         return plan, []
     notes = [f"{h} joined the group after run {run} started: it takes no shard (every sample already has a "
              "host; start a new run to use it)" for h in hosts if h not in plan.shards]

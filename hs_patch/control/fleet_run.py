@@ -23,17 +23,20 @@ from hs_patch.control.shell import RemoteError, Shell
 
 
 def jobs_for(plan: Plan, targets: list[Target], dataset: str, remote_dataset: bool, limit: int,
-             regenerate: bool, max_tokens: int = remote.MAX_SAMPLE_TOKENS) -> dict[str, Job]:
+             regenerate: bool, max_tokens: int = remote.MAX_SAMPLE_TOKENS,
+             accept_changed_data: bool = False) -> dict[str, Job]:
     """Each planned host's job: the run under its own name, its shard, its own destination directory."""
-    return {t.name: Job(plan.run, dataset, remote_dataset, extraction.driver_args(limit, regenerate, plan.shard(t.name)),
+    return {t.name: Job(plan.run, dataset, remote_dataset,
+                        extraction.driver_args(limit, regenerate, plan.shard(t.name), accept_changed_data),
                         max_tokens=max_tokens, dest=remote.destination(t, plan.run, t.name), share=plan.count)
             for t in targets}
 
 
 def run_jobs(targets: list[Target], jobs: dict[str, Job], server_timeout: int, say: Callable[[str], None],
-             passed: Callable[[], None] | None = None) -> FleetGroup:
+             passed: Callable[[], None] | None = None, refused: str = "") -> FleetGroup:
     """Preflight every host, then (all passed) start every job; in parallel, host by host results.
-    ``passed``: called once every preflight passed, before anything starts."""
+    ``passed``: called once every preflight passed, before anything starts; ``refused``: what else a
+    failed preflight left as it was."""
     group = FleetGroup.of(targets)
     say(f"preflight on {len(targets)} host(s): {', '.join(t.name for t in targets)}")
     checks = group.each(lambda c, t: extraction.preflight(c, t, jobs[t.name]))
@@ -41,8 +44,8 @@ def run_jobs(targets: list[Target], jobs: dict[str, Job], server_timeout: int, s
         print(f"{name} ({jobs[name].describe()}):\n{extraction.report(name, checks[name])}", flush=True)
     bad = sorted(name for name, cs in checks.items() if not all(ch.ok for ch in cs))
     if bad:
-        sys.exit(f"fab: preflight failed on {', '.join(bad)}; nothing was started on any host. Fix what is "
-                 "listed above, then run the same fab extract again")
+        sys.exit(f"fab: preflight failed on {', '.join(bad)}; nothing was started on any host{refused}. Fix what "
+                 "is listed above, then run the same fab extract again")
     if passed is not None:
         passed()
     say("starting the server units (each waits for /health_generate), then the driver and shipper units")
@@ -99,11 +102,13 @@ def watch(inv: Inventory, plan: Plan, rows: list[Row], reattach: str, *, interva
 def extract(inv: Inventory, group: str | None, host: str | None, run: str, dataset: str, remote_dataset: bool,
             limit: int, regenerate: bool, server_timeout: int, interval: float, detach: bool,
             say: Callable[[str], None], dead_after: float = DEAD_AFTER_S,
-            max_tokens: int = remote.MAX_SAMPLE_TOKENS) -> int:
+            max_tokens: int = remote.MAX_SAMPLE_TOKENS, accept_changed_data: bool = False) -> int:
     """``fab extract --hosts GROUP`` (or ``--host H`` of a run that has a fleet plan)."""
+    new = False
     if group:
         targets = inv.group(group)
-        plan, notes = fleet.plan_for(run, [t.name for t in targets])
+        new = fleet.load_plan(run) is None  # planned below, saved once every preflight passed
+        plan, notes = fleet.plan_for(run, [t.name for t in targets], save=False)
         notes += [take_back(plan, t.name) for t in targets if t.name in plan.reassigned]
     else:
         plan, notes = fleet.load_plan(run), []
@@ -118,9 +123,13 @@ def extract(inv: Inventory, group: str | None, host: str | None, run: str, datas
     if not active:
         raise ConfigError(f"no host of {group or host} has a shard of run {run} to run (fleet plan "
                           f"{fleet.plan_path(run)}: {', '.join(sorted(plan.shards))})")
-    say(f"fleet run {run}: {plan.count} shard(s); plan {fleet.plan_path(run)}")
-    run_jobs(active, jobs_for(plan, active, dataset, remote_dataset, limit, regenerate, max_tokens), server_timeout,
-             say)
+    say(f"fleet run {run}: {plan.count} shard(s); plan {fleet.plan_path(run)}"
+        + (" (saved once every preflight passed)" if new else ""))
+    run_jobs(active, jobs_for(plan, active, dataset, remote_dataset, limit, regenerate, max_tokens,
+                              accept_changed_data), server_timeout, say,
+             passed=(lambda: fleet.save_plan(plan)) if new else None,
+             refused=f" and run {run} is not planned: the next start plans it with the group as it is then"
+             if new else "")
     reattach = f"fab status --hosts {group} --run {run}" if group else f"fab status --host {host} --run {run}"
     if detach:
         say(f"watch with: {reattach}")
@@ -161,7 +170,8 @@ def holder_state(inv: Inventory, host: str, run: str) -> str:
 
 def reassign(inv: Inventory, dead: str, host: str, run: str, dataset: str, remote_dataset: bool, limit: int,
              regenerate: bool, server_timeout: int, interval: float, detach: bool, say: Callable[[str], None],
-             dead_after: float = DEAD_AFTER_S, max_tokens: int = remote.MAX_SAMPLE_TOKENS) -> int:
+             dead_after: float = DEAD_AFTER_S, max_tokens: int = remote.MAX_SAMPLE_TOKENS,
+             accept_changed_data: bool = False) -> int:
     """``fab extract --reassign DEAD --host TARGET``: TARGET finishes DEAD's shard, shipping into
     DEAD's directory at the destination (what is there already is never redone nor resent).
     TARGET = DEAD, a host back after its shard moved: it takes its own shard back (run RUN again)."""
@@ -189,7 +199,7 @@ def reassign(inv: Inventory, dead: str, host: str, run: str, dataset: str, remot
     own, _ = remote.units(run)
     state = "" if back else driver_state(t, run)
     job = Job(run if back else fleet.reassign_run(run, dead), dataset, remote_dataset,
-              extraction.driver_args(limit, regenerate, plan.shard(dead)), max_tokens=max_tokens,
+              extraction.driver_args(limit, regenerate, plan.shard(dead), accept_changed_data), max_tokens=max_tokens,
               dest=remote.destination(t, run, dead), share=plan.count, sync_first=True)
     say((f"{dead} takes its shard {plan.shard(dead)} back as run {run}, shipping into {job.dest} (what {was} "
          "shipped there counts as done)" if back else
@@ -246,7 +256,7 @@ def stop_all(inv: Inventory, plan: Plan, group: str, server: bool, say: Callable
                 f"{plan.run}")
             continue
         for label, states in got.items():
-            say(f"{label}: {', '.join(f'{u} {s}' for u, s in states.items())}")
+            say(f"{label}: {remote.in_words(states)}")
     bad = sorted(h for h, got in res.items() if isinstance(got, BaseException))
     say(f"resume with the same fab extract --hosts {group} --run {plan.run}; drain with fab ship --hosts {group} "
         f"--run {plan.run}" + (f"; not stopped: {', '.join(bad)}" if bad else ""))

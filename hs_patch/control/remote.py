@@ -378,9 +378,18 @@ def stop(c: Shell, t: Target, run: str, *, server: bool = False) -> dict[str, st
     drive, ship = units(run)
     for unit in (drive, ship):
         c.run(["systemctl", "stop", f"{unit}.service"], timeout=300)
+    states = {u: unit_state(c, u) for u in (drive, ship)}
     if server:
-        stop_server(c, t)
-    return {u: unit_state(c, u) for u in (drive, ship)}
+        states[t.service] = stop_server(c, t)
+    return states
+
+
+def in_words(states: dict[str, str]) -> str:
+    """Units' states after a stop, as the operator reads them: 'hs-drive-r1 stopped, hs-ship-r1 stopped'."""
+    words = {"inactive": "stopped", "failed": "stopped (it had failed: journalctl -u {u} says why)",
+             "deactivating": "still stopping (systemctl status {u})", "active": "STILL RUNNING (systemctl status {u})",
+             "unknown": "in an unknown state (systemctl status {u})"}
+    return ", ".join(f"{u} {words.get(s, s).format(u=u)}" for u, s in states.items())
 
 
 def stop_server(c: Shell, t: Target) -> str:

@@ -4,7 +4,7 @@ The molecule scenarios (molecule/<role>/) boot real SSH test hosts with
 tests/lab/testhosts.py, so they need root, systemd-nspawn, debootstrap and the
 network to the Debian mirror and PyPI once (both cached under
 /var/cache/hs-patch-tests afterwards). Install with
-``sudo bash scripts/install-deps.sh && python3 -m pip install -e '.[test]'``.
+``bash scripts/install.sh`` as root (README).
 """
 
 from __future__ import annotations

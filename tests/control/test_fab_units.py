@@ -119,6 +119,15 @@ def test_max_tokens_reaches_the_kv_check_the_space_check_and_the_driver(tmp_path
     plan = fleet.Plan("r2", {"gpu1": 0, "gpu2": 1})
     jobs = fleet_run.jobs_for(plan, [Target(host="a", name="gpu1")], "/d", True, 0, False, 2048)
     assert jobs["gpu1"].max_tokens == 2048 and isinstance(jobs["gpu1"], extraction.Job)
+    assert "--accept-changed-data" not in jobs["gpu1"].driver_args
+    # the driver's refusal of a changed dataset names --accept-changed-data: fab takes it to the driver
+    seen.clear()
+    fabfile.extract(Context(), host="gpu1", dataset="/data/d.jsonl", remote_dataset=True, run="r1", detach=True,
+                    accept_changed_data=True)
+    assert drive_config(p.parse_args(["--run", "r1", *seen["args"]])).accept_changed_data is True
+    jobs = fleet_run.jobs_for(plan, [Target(host="a", name="gpu1")], "/d", True, 0, False, 2048, True)
+    assert drive_config(p.parse_args(["--run", "r1", *jobs["gpu1"].driver_args, "--data", "x", "--model", "m"])
+                        ).accept_changed_data is True
 
 
 def test_fab_list_shows_each_task_in_a_whole_sentence():
@@ -166,11 +175,13 @@ def test_snapshot_reads_what_is_there(tmp_path):
 def test_dashboard_shows_progress_rates_gpus_and_problems():
     out = io.StringIO()
     console = Console(file=out, width=120, force_terminal=False)
-    code = dashboard.watch(poller(gpu1=lambda: SNAP), "gpu1", "r1", once=True, console=console)
+    changed = "chat.jsonl changed since the last start; 38 held sample(s) kept, 2 of lines no longer there"
+    snap = {**SNAP, "driver": {**SNAP["driver"], "dataset": {"message": changed}}}
+    code = dashboard.watch(poller(gpu1=lambda: snap), "gpu1", "r1", once=True, console=console)
     text = out.getvalue()
     assert code == 0
     for needle in ("40 done / 100", "PAUSED", "2,048", "5.80 GB", "30 (4.40 GB)", "chat.jsonl:5", "RTX PRO 6000", "97%",
-                   "no assistant turn", "timeout on line 7", "81.0% used"):
+                   "no assistant turn", "timeout on line 7", "81.0% used", "dataset: chat.jsonl changed since"):
         assert needle in text, needle
     assert not verdict.ended(SNAP)
     finished = {**SNAP, "units": {"hs-drive-r1": {"ActiveState": "inactive"}, "hs-ship-r1": {"ActiveState": "inactive"}}}
@@ -268,6 +279,44 @@ def test_h_alone_is_the_tasks_help_and_a_bad_number_is_one_line():
         assert "--known-hosts" in out.stdout and "needed value" not in out.stderr
     out = _fab("extract", "--host", "gpu1", "--limit", "abc")
     assert out.returncode == 1 and out.stderr.strip() == "--limit takes a whole number, not 'abc'", out.stderr
+
+
+def test_host_with_its_value_forgotten_fails_and_a_mistyped_name_gets_the_nearest():
+    """`fab extract --host` (the value forgotten) printed the task's help and exited 0, as -h does; a mistyped
+    task or option got only "No idea what 'extrct' is!"."""
+    for name in ("extract", "stop", "verify"):
+        out = _fab(name, "--host")
+        assert out.returncode == 1 and out.stderr.strip() == (
+            f"fab {name}: --host needs a value: the GPU host's name or address in the inventory (--host NAME); "
+            f"fab --help {name} lists every option"), out.stdout + out.stderr
+    for argv, said in ((["extrct"], "No idea what 'extrct' is! Did you mean 'extract'? (fab --list shows the tasks)"),
+                       (["stauts", "--host", "gpu1"], "Did you mean 'status'?"),
+                       (["extract", "--dataet", "x"], "No idea what '--dataet' is! Did you mean '--dataset'? "
+                                                      "(fab --help extract lists its options)"),
+                       (["qqqq"], "No idea what 'qqqq' is! (fab --list shows the tasks)")):
+        out = _fab(*argv)
+        assert out.returncode == 1 and said in out.stderr, (argv, out.stderr)
+
+
+def test_stop_says_in_words_what_it_stopped(monkeypatch, capsys):
+    """fab stop printed a Python dict: "stopped: {'hs-drive-r1': 'inactive', 'hs-ship-r1': 'inactive'}"."""
+    import fabfile
+    from invoke import Context
+
+    from hs_patch.control import remote
+    from hs_patch.control.inventory import Target
+
+    monkeypatch.setattr(fabfile, "_target", lambda *a: Target(host="gpu1", name="gpu1"))
+    monkeypatch.setattr(fabfile, "_connect", lambda t: "conn")
+    monkeypatch.setattr(fabfile, "_pick_run", lambda c, t, run: "r1")
+    monkeypatch.setattr(remote, "stop", lambda c, t, run, server=False: {
+        "hs-drive-r1": "inactive", "hs-ship-r1": "failed", **({"sglang": "inactive"} if server else {})})
+    fabfile.stop(Context(), host="gpu1", server=True)
+    out = capsys.readouterr().out
+    assert out.strip() == ("[fab] hs-drive-r1 stopped, hs-ship-r1 stopped (it had failed: journalctl -u hs-ship-r1 "
+                           "says why), sglang stopped; resume with the same fab extract --run r1, drain with fab ship "
+                           "--host gpu1 --run r1"), out
+    assert remote.in_words({"u": "active"}) == "u STILL RUNNING (systemctl status u)"
 
 
 def test_each_option_has_the_same_short_flag_in_every_task():

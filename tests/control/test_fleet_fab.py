@@ -1,6 +1,7 @@
 """``fab extract --hosts`` and ``fab status --hosts`` as the operator runs them, against two
 loopback sshd's standing for two GPU hosts that are not provisioned: preflight runs on
-every host and fails, so nothing starts on any; the plan is fixed at the first start."""
+every host and fails, so nothing starts on any (and the run's name stays free); the plan is fixed at the
+first start."""
 
 from __future__ import annotations
 
@@ -54,10 +55,18 @@ def test_preflight_runs_on_every_host_and_one_failure_starts_nothing(hosts, tmp_
     for name, shard in (("gpu-a", "0/2"), ("gpu-b", "1/2")):
         assert f"{name} (run f1, shard {shard})" in r.stdout and f"{name:12} ok   ssh" in r.stdout, r.stdout
         assert f"{name:12} FAIL patch" in r.stdout
-    plan = json.loads((tmp_path / "plans" / "f1.json").read_text())
-    assert plan["shards"] == {"gpu-a": 0, "gpu-b": 1}
+    # the run's name is not used up: no plan was saved (it held gpu-a's shard for a host that never ran), so
+    # the next start plans it with the group as it is then, or the name serves a one-host run
+    assert "and run f1 is not planned: the next start plans it with the group as it is then" in r.stderr
+    assert not (tmp_path / "plans" / "f1.json").exists()
+    r = fab(tmp_path, inventory(tmp_path, hosts[:1], ["gpu-b"]), "extract", "--hosts", "--dataset", str(data),
+            "--run", "f1")
+    assert "gpu-b (run f1, shard 0/1)" in r.stdout and "gpu-a" not in r.stdout + r.stderr, r.stdout + r.stderr
+    assert not (tmp_path / "plans" / "f1.json").exists()
 
-    # a host added to the group later takes no shard; --host of a fleet run runs that host's shard only
+    # a run started on gpu-a and gpu-b (as a passing preflight saves it): a host added to the group later takes
+    # no shard; --host of a fleet run runs that host's shard only
+    start_plan(tmp_path, "f1", {"gpu-a": 0, "gpu-b": 1})
     inv = inventory(tmp_path, hosts, ["gpu-b", "gpu-c"])
     r = fab(tmp_path, inv, "extract", "--hosts", "gpu_hosts", "--dataset", str(data), "--run", "f1")
     assert "gpu-c joined the group after run f1 started: it takes no shard" in r.stdout, r.stdout
@@ -65,6 +74,13 @@ def test_preflight_runs_on_every_host_and_one_failure_starts_nothing(hosts, tmp_
     assert "gpu-b (run f1, shard 1/2)" in r.stdout and "gpu-c (run" not in r.stdout
     r = fab(tmp_path, inv, "extract", "--host", "gpu-b", "--dataset", str(data), "--run", "f1")
     assert "gpu-b (run f1, shard 1/2)" in r.stdout and "preflight failed on gpu-b;" in r.stderr, r.stdout + r.stderr
+
+
+def start_plan(tmp_path: Path, run: str, shards: dict[str, int]) -> None:
+    """The plan a fleet run's first start saves once every preflight passed (these hosts never pass one)."""
+    (tmp_path / "plans").mkdir(exist_ok=True)
+    (tmp_path / "plans" / f"{run}.json").write_text(json.dumps({"run": run, "shards": shards, "reassigned": {},
+                                                                "created": 1.0}))
 
 
 def test_fleet_options_that_cannot_work_are_refused_with_what_to_give(hosts, tmp_path):
@@ -92,8 +108,7 @@ def test_a_reassignment_whose_host_fails_preflight_is_not_recorded(hosts, tmp_pa
     reassignment to a third host was then refused with 'stop it there first' (fab stop of a run never started)."""
     data = tmp_path / "d.jsonl"
     data.write_text('{"input_ids": [1, 2, 3]}\n')
-    fab(tmp_path, inventory(tmp_path, hosts, ["gpu-a", "gpu-b"]), "extract", "--hosts", "--dataset", str(data),
-        "--run", "f4")
+    start_plan(tmp_path, "f4", {"gpu-a": 0, "gpu-b": 1})
     later = inventory(tmp_path, hosts, ["gpu-b", "gpu-c"])  # gpu-a gone, gpu-c new
     for other in ("gpu-b", "gpu-c"):
         r = fab(tmp_path, later, "extract", "--reassign", "gpu-a", "--host", other, "--dataset", str(data),
@@ -108,8 +123,7 @@ def test_a_shard_whose_new_host_is_gone_or_idle_can_be_reassigned_again(hosts, t
     there first (fab stop --host gpu-x ...)', which cannot reach a dead host and never clears the record."""
     data = tmp_path / "d.jsonl"
     data.write_text('{"input_ids": [1, 2, 3]}\n')
-    fab(tmp_path, inventory(tmp_path, hosts, ["gpu-a", "gpu-b"]), "extract", "--hosts", "--dataset", str(data),
-        "--run", "f5")
+    start_plan(tmp_path, "f5", {"gpu-a": 0, "gpu-b": 1})
     inv = inventory(tmp_path, hosts, ["gpu-b", "gpu-c"])  # gpu-a gone
     doc = yaml.safe_load((inv / "hosts.yml").read_text())
     with socket.socket() as s:  # a port nothing listens on: gpu-x, dead
@@ -140,7 +154,7 @@ def test_a_host_back_takes_its_reassigned_shard_back_with_the_commands_fab_names
     data = tmp_path / "d.jsonl"
     data.write_text('{"input_ids": [1, 2, 3]}\n')
     inv = inventory(tmp_path, hosts, ["gpu-a", "gpu-b"])
-    fab(tmp_path, inv, "extract", "--hosts", "--dataset", str(data), "--run", "f6")
+    start_plan(tmp_path, "f6", {"gpu-a": 0, "gpu-b": 1})
     # not reassigned: --reassign gpu-a --host gpu-a names fab extract --host gpu-a, which runs gpu-a's shard
     # (refused here by preflight only: these hosts are not provisioned)
     r = fab(tmp_path, inv, "extract", "--reassign", "gpu-a", "--host", "gpu-a", "--dataset", str(data), "--run", "f6")

@@ -134,6 +134,33 @@ def test_cli_reads_the_layers_of_an_export_and_of_samples(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 29, 57]
 
 
+def test_readme_step_6_runs_as_written(tmp_path, capsys):
+    """README's export and drafter-config commands with its placeholders filled in: drafter-config was shown
+    as `hs-extract drafter-config --into DRAFTER/config.json`, which exits 2 (--serve-release and the
+    layers' source missing)."""
+    import re
+    import shlex
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    step = readme[readme.index("6. **Train and measure.**"):readme.index("## Supported SGLang releases")]
+    commands = [" ".join(c.split()) for c in re.findall(r"`(hs-extract (?:export|drafter-config) [^`]+)`", step)]
+    assert [c.split()[1] for c in commands] == ["export", "drafter-config"], commands
+    write_run(tmp_path / "run", 2, shipped=True)
+    (tmp_path / "drafter").mkdir()
+    (tmp_path / "drafter" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    (tmp_path / "kimi").mkdir()
+    (tmp_path / "kimi" / "config.json").write_text(json.dumps({
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "text_config": {"num_hidden_layers": 61, "hidden_size": 32, "vocab_size": 512}}))
+    fill = {"RUN": "run", "DST": "dst", "DRAFTER": "drafter", "MODEL": "kimi"}
+    for command in commands:
+        argv = [re.sub(r"\b(RUN|DST|DRAFTER|MODEL)\b", lambda m: str(tmp_path / fill[m.group(1)]), a)
+                for a in shlex.split(command)]
+        assert main(argv[1:]) == 0, (command, capsys.readouterr().err)
+    eagle = json.loads((tmp_path / "drafter" / "config.json").read_text())["eagle_config"]
+    assert eagle == {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [1, 29, 57]}  # layers 2, 30, 58
+
+
 def test_cli_reads_the_layers_of_samples_whose_first_is_damaged(tmp_path, capsys):
     """The lowest key's file missing: the layers come from the next sample (hs-patch inspect reports the damage)."""
     from hs_patch import store

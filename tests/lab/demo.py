@@ -46,7 +46,7 @@ ROOT = HERE.parents[1]
 sys.path[:0] = [str(HERE.parent), str(ROOT)]  # run as a script: `lab` and the checkout's hs_patch importable
 
 from lab import wheelhouse_dir  # noqa: E402
-from lab.hostcmd import file_locked  # noqa: E402
+from lab.hostcmd import file_locked, tools_of_this_python  # noqa: E402
 from lab.rootfs import CACHE_DIR  # noqa: E402
 from lab.testhosts import STOP_TIMEOUT_S, Lab  # noqa: E402
 
@@ -232,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if os.geteuid() != 0:
         sys.exit("demo: run as root (network namespaces and systemd-nspawn)")
+    tools_of_this_python()  # ansible-playbook and fab from .venv/bin, activated or not
     demo = Demo(a.state_dir)
     if a.down:
         t0 = time.monotonic()

@@ -20,6 +20,16 @@ class LabError(RuntimeError):
     """Raised with a message that says what to do."""
 
 
+def tools_of_this_python() -> None:
+    """Put this Python's scripts directory first on PATH, for this process and what it starts: the tools run
+    by name (fab, ansible-playbook, molecule, hs-extract, python3 in the playbooks' local steps) are then the
+    ones installed with it, as in an activated venv (the README runs .venv/bin/python without activating)."""
+    here = str(Path(sys.executable).parent)  # not resolved: a venv's python is a link to the base one
+    path = os.environ.get("PATH", "")
+    if path.split(os.pathsep)[0] != here:
+        os.environ["PATH"] = here + (os.pathsep + path if path else "")
+
+
 def run(cmd: list[str], check: bool = True, **kw) -> subprocess.CompletedProcess:
     kw.setdefault("stdout", subprocess.PIPE)
     kw.setdefault("stderr", subprocess.PIPE)

@@ -131,7 +131,7 @@ def test_one_file_is_checked_against_the_manifest_that_lists_it(shipped, tmp_pat
     assert code == patch_cli.EXIT_OK and res["manifest_checked"] is True
     flip_a_tensor_byte(victim)
     code, res = inspect(capsys, str(victim))
-    assert code == patch_cli.EXIT_VERIFY and "differ from the manifest" in res["error"]
+    assert code == patch_cli.EXIT_VERIFY and "differs from the manifest" in res["error"]
     (shipped / store.MANIFEST).unlink()
     code, res = inspect(capsys, str(victim))  # nothing to check the bytes against: it says so
     assert code == patch_cli.EXIT_OK and res["manifest_checked"] is False and "were not checked" in res["message"]

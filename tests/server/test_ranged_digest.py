@@ -7,6 +7,7 @@ samples with a plain sha256 read as before."""
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import time
 from pathlib import Path
@@ -69,6 +70,33 @@ def test_a_damaged_byte_in_any_range_is_caught_by_every_verifier(tmp_path):
     with pytest.raises(store.SampleError, match="damaged"):
         reader.check_entry(w2.path, entry)
     assert at_destination.sha256_and_sync(str(w2.path), w2.sha256) != (w2.nbytes, w2.sha256)
+
+
+def test_a_damaged_files_message_tells_its_digest_from_the_manifests(tmp_path):
+    """The first 12 characters of a ranged digest are 'sha256r64m:' and one hex digit: the message showed
+    two different digests as equal 1 time in 16. And a file longer than recorded grew, it is not truncated."""
+    w = store.write_temp(tmp_path, "r", big_tensors(100), {"key": "r"}, ranges=True)
+    entry = {"file": f"{store.TMPDIR}/{w.path.name}", "bytes": w.nbytes, "sha256": w.sha256}
+    flip_byte(w.path, 100, 1)
+    got = files.file_digest(w.path, w.sha256)[1]
+    for lookalike in (w.sha256, got[:12] + w.sha256[12:]):  # the recorded one shares the damaged one's first 12
+        entry["sha256"] = lookalike
+        why = store.verify_entry(tmp_path, entry)
+        shown = why.split("sha256 ", 1)[1].split(" differs from the manifest's ")
+        assert shown[0] != shown[1] and got.startswith(shown[0]) and lookalike.startswith(shown[1]), why
+        assert len(shown[0]) >= len("sha256r64m:") + 16
+        with pytest.raises(store.SampleError) as e:
+            reader.check_entry(w.path, entry)
+        assert shown[0] in str(e.value) and shown[1] in str(e.value) and "damaged" in str(e.value)
+    entry["sha256"] = w.sha256
+    with open(w.path, "ab") as f:
+        f.write(b"xx")
+    assert "2 bytes over (grew" in store.verify_entry(tmp_path, entry)
+    with pytest.raises(store.SampleError, match="grew"):
+        reader.check_entry(w.path, entry)
+    os.truncate(w.path, w.nbytes - 3)
+    assert "3 bytes short (truncated?)" in store.verify_entry(tmp_path, entry)
+    assert files.digests_apart("abcd" * 16, "sha256r64m:" + "abcd" * 16) == ("abcd" * 4, "sha256r64m:" + "abcd" * 4)
 
 
 def test_a_failed_range_write_fails_the_sample_only_after_every_range_task_ended(tmp_path, monkeypatch):

@@ -144,9 +144,11 @@ def test_the_shipper_unit_restarts_on_failure_but_not_on_bad_configuration():
 
 def test_after_a_reboot_the_destination_manifest_counts_as_done_and_is_never_replaced(tmp_path, capsys):
     samples, state, dest = dirs(tmp_path)
-    written = make_samples(samples, 3, sample_ids=True)
+    written = make_samples(samples, 3, sample_ids=True, line_sha256="a" * 64)
     cfg = shipper.ShipConfig(samples, state, ship_link.parse_dest(str(dest)))
     assert shipper.ship(cfg) == shipper.EXIT_OK
+    # with the digest of each sample's dataset line: a resume over a changed dataset finds them by it
+    assert [r["line_sha256"] for r in shipped_records(state)] == ["a" * 64] * 3
     before = {p.name: (p.stat().st_ino, store.file_sha256(p)) for p in (dest / "samples").iterdir()}
     manifest_before = (dest / store.MANIFEST).read_bytes()
 
@@ -159,6 +161,7 @@ def test_after_a_reboot_the_destination_manifest_counts_as_done_and_is_never_rep
     recs = shipped_records(state)
     assert {r["key"] for r in recs} == {w.key for w in written} and all(r["from"] == "destination" for r in recs)
     assert sorted(r["sample_id"] for r in recs) == sorted(f"data.jsonl:{i + 1}" for i in range(3))
+    assert [r["line_sha256"] for r in recs] == ["a" * 64] * 3
 
     # a redo of the same samples with other bytes (made before the sync could tell the driver) is not
     # shipped over the verified copies: the destination keeps them, the redo is dropped here

@@ -25,7 +25,9 @@ from hs_patch import intent, reader, store
 from hs_patch.host.driver.capture_dir import CaptureWatcher
 
 
-WHERE = ("host", "shard")  # where the sample was extracted: copied from its metadata into the manifest line
+# copied from its metadata into the manifest line: where the sample was extracted, and the sha256 of its
+# dataset line (a resume over a changed dataset keeps the samples of the lines still there: reconcile.py)
+WHERE = ("host", "shard", "line_sha256")
 
 
 class AdoptError(RuntimeError):

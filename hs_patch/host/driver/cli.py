@@ -41,7 +41,11 @@ where files go:
 resume: run the same command again. Samples whose final file matches its manifest entry
 (size + sha256), or that the shipper recorded as verified (<state-dir>/shipped.jsonl),
 are skipped; everything else is redone; truncated or damaged files are discarded first.
-A restart with different parameters (data files, model, limits, regeneration) is refused.
+The dataset may have changed (lines appended, removed, changed): each sample records the
+sha256 of its line, so the samples of the lines still there are kept wherever they moved,
+new lines are extracted, and samples whose line is gone are listed in vanished.jsonl
+(kept, not deleted). A restart with different parameters (model, limits, template
+kwargs, regeneration, shard) is refused.
 
 before the first sample, one probe of the driver's own checks that the server captures its
 requests into --capture-dir (else the run is refused saying what to set).
@@ -74,6 +78,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "sha256(sample id) %% N is I, so N hosts with 0/N..N-1/N share a dataset, each sample on exactly "
                    "one; adding lines never moves a sample to another shard (fab extract --hosts gives each host "
                    "its own; default: all samples)")
+    g.add_argument("--accept-changed-data", action="store_true", help="resume over a changed dataset that is refused "
+                   "without this: lines whose samples this shard holds now in other shards (lines inserted or removed "
+                   "before them), or none of the run's samples' lines left (another file?). Appended, removed and "
+                   "changed lines need nothing: the samples of lines still there are kept, new lines extracted, "
+                   "vanished ones listed in vanished.jsonl")
     g = p.add_argument_group("where")
     g.add_argument("--server", default=D["server"], metavar="URL", help="SGLang server "
                    "(default: %(default)s)")

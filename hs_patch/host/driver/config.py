@@ -59,6 +59,7 @@ class DriveConfig:
     fidelity_rows: int = 8              # rows of every chunk checked against the fingerprints and the norms
     fidelity_gap_positions: int = 16    # last positions of every sample whose server logit gaps are compared
     accept_weaker_check: bool = False   # resume under a weaker fidelity check than the run's (recorded)
+    accept_changed_data: bool = False   # resume over data reconcile.py refuses (lines moved between shards, ...)
 
     def fidelity_settings(self) -> dict[str, Any]:
         """The fidelity check this run does, as each sample records it (hs_patch.host.fidelity.settings)."""

@@ -22,6 +22,7 @@ as ``source_id``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
@@ -50,6 +51,7 @@ class Record:
     input_ids: Optional[list[int]] = None
     loss_mask: Optional[list[int]] = None
     source_id: str = ""
+    line_sha256: str = ""           # the line's own digest (line_digest): which line a sample was made from
 
 
 @dataclass
@@ -158,9 +160,17 @@ def read(paths: list[str], max_chars: int = 1 << 20, *, prompts_only: bool = Fal
             if not item.text.strip():
                 continue
             try:
-                yield parse_line(item.text, name, item.number, prompts_only=prompts_only)
+                rec = parse_line(item.text, name, item.number, prompts_only=prompts_only)
+                rec.line_sha256 = line_digest(item.text)
+                yield rec
             except Invalid as e:
                 yield Reject(name, item.number, e.reason, str(e))
+
+
+def line_digest(text: str) -> str:
+    """The sha256 of a line as read (no line ending, no BOM; bytes that are not UTF-8 as they were): a resume
+    over a changed file finds the samples of the lines still there by it (``reconcile.py``)."""
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 def parse_line(raw: Union[bytes, str], source: str, line: int, *, prompts_only: bool = False) -> Record:

@@ -16,19 +16,21 @@ from __future__ import annotations
 import itertools
 import os
 import queue
+import sys
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Container, Optional
 
 from hs_patch import __version__, intent, kv_cache, store
-from hs_patch.host.driver import capture_check, chat, dataset, limits, missing, runstate
+from hs_patch.host.driver import capture_check, chat, dataset, limits, missing, reconcile, runstate
 from hs_patch.host.driver.backpressure import BackPressure, disk_usage
 from hs_patch.host.driver.capture_dir import CaptureWatcher
 from hs_patch.host.driver.client import HEALTH_PROBE_IDS, RetryPolicy, SGLangClient, read_api_key, redact_url
 from hs_patch.host.driver.config import DriveConfig
 from hs_patch.host.driver.adopt import same_filesystem
 from hs_patch.host.driver.runstatus import RunStatus, nothing_extracted
+from hs_patch.host.driver.order import InOrder
 from hs_patch.host.driver.turns import Turns
 from hs_patch.host.driver.sample_steps import (CAPTURE_PARAMS, EXIT_ERROR, EXIT_FAILURES, EXIT_INCOMPLETE,  # noqa: F401
                                         EXIT_OK, EXIT_SIGNAL, SampleSteps)  # (re-exported)
@@ -68,9 +70,12 @@ class Driver(SampleSteps):
                                 extra=self._status_extra)
         self.bp: Optional[BackPressure] = None
         self.turns = Turns(cfg.concurrency)  # requests at the server; cfg.awaiting more wait for their samples
+        self.order = InOrder()               # of two lines with the same tokens, the earlier is kept
         self.shipped: Optional[runstate.ShippedTail] = None
         self.failures: dict[str, missing.Failure] = {}   # sample id -> how it failed in this run
         self.missing: Optional[dict[str, Any]] = None    # the lines not held, once the run has ended
+        self.reconciled: Optional[reconcile.Reconciled] = None   # the held samples against the dataset now
+        self.data_changes: list[dict[str, Any]] = []             # the data files changed since the last start
 
     # ------------------------------------------------------------------ control
     def request_stop(self, reason: str, code: int = EXIT_INCOMPLETE) -> None:
@@ -80,6 +85,9 @@ class Driver(SampleSteps):
 
     def _status_extra(self) -> dict[str, Any]:
         out: dict[str, Any] = {"dump": self.bp.status() if self.bp else {}}
+        if self.reconciled is not None and (self.data_changes or self.reconciled.vanished or self.reconciled.moved):
+            out["dataset"] = dict(self.reconciled.summary(), changed=[c["name"] for c in self.data_changes],
+                                  message=reconcile.describe(self.reconciled, self.data_changes))
         if self.missing is not None:
             out["missing"] = self.missing
         if self.monitor is not None:
@@ -119,7 +127,10 @@ class Driver(SampleSteps):
                 return Summary("stopped", self.exit_code, self.stop_reason, self.status.write())
             locks.append(capture)
             locks.append(runstate.take_lock(self.samples_dir / SAMPLES_LOCK, f"samples dir {self.samples_dir}"))
-            resumed = runstate.check_params(self.state_dir, cfg.identity())
+            ident = cfg.identity()
+            resumed = runstate.check_params(self.state_dir, ident)
+            self.data_changes = reconcile.data_changes(runstate.recorded_data(self.state_dir), ident["data"])
+            self.data_now = ident["data"]
             self.weaker_check = runstate.check_fidelity(self.state_dir, cfg.fidelity_settings(),
                                                         accept_weaker=cfg.accept_weaker_check)
             return self._run_locked(resumed)
@@ -208,6 +219,8 @@ class Driver(SampleSteps):
         self.vocab = chat.vocab_bound(self.tokenizer, cfg.model)
         self.longest_token = limits.longest_token_chars(self.tokenizer)
         self.max_chars = dataset.line_limit(cfg.max_tokens, cfg.max_line_chars)
+        done = self.done = runstate.load_done(self.samples_dir, self.state_dir / runstate.SHIPPED)
+        self._reconcile(done)  # before the server is waited for: a refusal comes at once
         self.client = SGLangClient(cfg.server, policy=RetryPolicy(cfg.retries, cfg.backoff, cfg.backoff_max),
                                    timeout=cfg.request_timeout, on_retry=self._on_retry,
                                    should_stop=self.stop.is_set, api_key=read_api_key(cfg.api_key_file))
@@ -225,7 +238,6 @@ class Driver(SampleSteps):
                                       timeout=cfg.raw_timeout, release=self.server_version,
                                       fingerprints=cfg.fidelity_check)
         self._start_fidelity()
-        done = self.done = runstate.load_done(self.samples_dir, self.state_dir / runstate.SHIPPED)
         counts = dataset.count_lines(cfg.data, self.max_chars, limit=cfg.limit, owns=cfg.owns())
         self.status.c.total = counts.lines
         self.status.c.blank = counts.blank
@@ -237,7 +249,24 @@ class Driver(SampleSteps):
                           fidelity_check=cfg.fidelity_settings(), weaker_check=self.weaker_check,
                           server={k: info.get(k) for k in ("version", "model_path", "tp_size", "chunked_prefill_size",
                                                            "disable_radix_cache", "standin")},
-                          done_verified=done.live, done_shipped=done.shipped, discarded=done.discarded)
+                          done_verified=done.live, done_shipped=done.shipped, discarded=done.discarded,
+                          data_changed=self.data_changes, held=self.reconciled.summary())
+
+    def _reconcile(self, done: runstate.DoneState) -> None:
+        """Find the line of each sample the run holds in the dataset as it is now (reconcile.py): the feeder skips
+        those lines; refused (before anything is sent) what cannot be reconciled without --accept-changed-data."""
+        cfg = self.cfg
+        rec = reconcile.reconcile(done, cfg.data, self.max_chars, cfg.owns(), same_files=not self.data_changes)
+        why = rec.refusal()
+        if why and not cfg.accept_changed_data:
+            raise runstate.RunError(f"the dataset changed since run {cfg.run!r} last started: {why}")
+        done.by_id = rec.by_id
+        rec.write(self.state_dir)
+        if self.data_changes:
+            runstate.record_data(self.state_dir, self.data_now)
+        self.reconciled = rec
+        if self.data_changes or rec.vanished or rec.moved:
+            print(f"hs-extract drive: {reconcile.describe(rec, self.data_changes)}", file=sys.stderr, flush=True)
 
     def _tick(self) -> None:
         while not self.stop.wait(self.cfg.status_interval):
@@ -296,6 +325,7 @@ class Driver(SampleSteps):
         if self.cfg.limit:  # the first N lines of the dataset, then this run's shard of them
             items = itertools.islice(items, self.cfg.limit)
         owns = self.cfg.owns()
+        seq = itertools.count()  # the lines handed out, numbered: they claim their tokens in this order (order.py)
         for item in items:
             if self.stop.is_set():
                 break
@@ -307,12 +337,15 @@ class Driver(SampleSteps):
                 self.status.update(done_before=1)
                 self.status.c.done_keys.add(self.done.by_id[item.sample_id])
             else:
+                numbered = (next(seq), item)
                 while not self.stop.is_set():
                     try:
-                        work.put(item, timeout=0.5)
+                        work.put(numbered, timeout=0.5)
                         break
                     except queue.Full:
                         pass
+                else:
+                    self.order.settle(numbered[0])  # never handed out: no later line waits for it
         for _ in workers:
             work.put(None)
         for w in workers:
@@ -326,19 +359,22 @@ class Driver(SampleSteps):
         dataset's order, while up to --awaiting more wait for their files, are checked and adopted."""
         while True:
             turn = self.turns.take(self.stop)
-            rec = work.get()
-            if rec is None or turn is None or self.stop.is_set():
+            got = work.get()
+            if got is None or turn is None or self.stop.is_set():
                 if turn is not None:
                     turn.release()
-                if rec is None:
+                if got is None:
                     return
+                self.order.settle(got[0])
                 continue
+            seq, rec = got
             try:
-                self._process(rec, turn)
+                self._process(rec, turn, seq)
             except Exception as e:  # noqa: BLE001 - one sample's bug must not kill the run; it is recorded
                 self._failed(rec, None, "internal", f"{type(e).__name__}: {e}")
             finally:
                 turn.release()
+                self.order.settle(seq)  # a line that ended before it claimed its tokens
 
     def _reject(self, rej: dataset.Reject) -> None:
         self.rejects.add(rej)

@@ -34,6 +34,7 @@ from hs_patch.files import JsonLog, write_text_atomic
 
 RUN_JSON, LEDGER, REJECTS, STATUS, SHIPPED, LOCK = (
     "run.json", "ledger.jsonl", "rejects.jsonl", "status.json", "shipped.jsonl", "lock")
+LINE_SHA256 = "line_sha256"  # a sample's field (header, manifest line, shipped.jsonl): the sha256 of its dataset line
 # Written by the driver when it has finished a pass over the data (nothing more will come
 # this time), removed when a driver starts; ``hs-extract ship --follow`` stops on it.
 DONE = "driver.done"
@@ -95,14 +96,17 @@ def try_lock(path: str | os.PathLike, owner: str = "") -> tuple[int | None, str]
 
 def check_params(state_dir: Path, params: Mapping[str, Any]) -> bool:
     """Write run.json for a new run; for an existing one refuse different parameters, unless it
-    never sent a sample (then nothing depends on them and they are replaced).
+    never sent a sample (then nothing depends on them and they are replaced). The data files
+    (``data``) may differ: the driver reconciles what the run holds with them (``reconcile.py``)
+    and records them with :func:`record_data`.
 
     Returns True if the run already existed (a resume).
     """
     path = state_dir / RUN_JSON
     if path.exists():
         old = json.loads(path.read_text())["params"]
-        diff = {k: (old.get(k), params.get(k)) for k in sorted(set(old) | set(params)) if old.get(k) != params.get(k)}
+        diff = {k: (old.get(k), params.get(k)) for k in sorted(set(old) | set(params))
+                if old.get(k) != params.get(k) and k != "data"}
         if not diff:
             return True
         if sent_anything(state_dir, Path(str(old.get("samples_dir") or state_dir))):
@@ -112,6 +116,19 @@ def check_params(state_dir: Path, params: Mapping[str, Any]) -> bool:
     write_text_atomic(path, json.dumps({"params": dict(params), "created": time.time()}, indent=2, sort_keys=True),
                       fsync=True)
     return False
+
+
+def recorded_data(state_dir: Path) -> Any:
+    """The data files the run last started with (run.json's ``params.data``)."""
+    return json.loads((state_dir / RUN_JSON).read_text())["params"].get("data")
+
+
+def record_data(state_dir: Path, data: list[dict[str, Any]]) -> None:
+    """Record the data files this start reconciled the run with (the next start compares with them)."""
+    path = state_dir / RUN_JSON
+    doc = json.loads(path.read_text())
+    doc["params"]["data"] = data
+    write_text_atomic(path, json.dumps(doc, indent=2, sort_keys=True), fsync=True)
 
 
 def check_fidelity(state_dir: Path, check: Mapping[str, Any], *, accept_weaker: bool) -> list[str]:
@@ -149,8 +166,9 @@ def sent_anything(state_dir: Path, samples_dir: Path) -> bool:
 
 @dataclass
 class DoneState:
-    by_id: dict[str, str] = field(default_factory=dict)    # sample_id -> key
-    by_key: dict[str, str] = field(default_factory=dict)   # key -> sample_id
+    by_id: dict[str, str] = field(default_factory=dict)    # sample_id -> key (the dataset's lines now: reconcile.py)
+    by_key: dict[str, str] = field(default_factory=dict)   # key -> sample_id (the line it was made from)
+    lines: dict[str, str] = field(default_factory=dict)    # key -> sha256 of that line (absent: an older driver's)
     live: int = 0          # verified in the samples dir
     shipped: int = 0       # verified at the destination by the shipper
     discarded: list[str] = field(default_factory=list)     # what was thrown away, and why
@@ -180,9 +198,16 @@ def load_done(samples_dir: Path, shipped_path: Path, *, workers: int = 4) -> Don
     with ThreadPoolExecutor(max_workers=workers) as pool:
         problems = dict(zip(live, pool.map(lambda e: store.verify_entry(samples_dir, e), live.values())))
     manifest = store.Manifest(samples_dir)
+
+    def hold(key: str, rec: Mapping[str, Any]) -> None:
+        st.by_id.setdefault(rec["sample_id"], key)  # a live sample before a shipped one of the same line
+        st.by_key[key] = rec["sample_id"]
+        if rec.get(LINE_SHA256) and isinstance(rec[LINE_SHA256], str):
+            st.lines[key] = rec[LINE_SHA256]
+
     for key, entry in live.items():
         if problems[key] is None and entry.get("sample_id"):
-            st.by_id[entry["sample_id"]] = key
+            hold(key, entry)
             st.live += 1
         elif problems[key] is not None:
             (samples_dir / entry["file"]).unlink(missing_ok=True)
@@ -198,17 +223,16 @@ def load_done(samples_dir: Path, shipped_path: Path, *, workers: int = 4) -> Don
         key = rec.get("key")
         if rec.get("op") == "add" and rec.get("sample_id") and key not in live and key in shipped \
                 and shipped[key].get("sha256", "") in ("", rec["sha256"]):
-            if rec["sample_id"] not in st.by_id:
+            if key not in st.by_key:
                 st.shipped += 1
-            st.by_id[rec["sample_id"]] = key
+            hold(key, rec)
     # shipped samples the local manifest no longer knows (a reboot emptied /dev/shm): the shipper
-    # recorded their sample ids (and, at its start, every sample the destination's manifest holds)
+    # recorded their sample ids and lines (and, at its start, every sample the destination's manifest holds)
     for key, rec in shipped.items():
         sid = rec.get("sample_id")
-        if isinstance(sid, str) and sid and sid not in st.by_id and key not in live:
-            st.by_id[sid] = key
+        if isinstance(sid, str) and sid and key not in st.by_key and key not in live:
+            hold(key, rec)
             st.shipped += 1
-    st.by_key = {k: sid for sid, k in st.by_id.items()}
     return st
 
 

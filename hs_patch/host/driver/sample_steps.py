@@ -101,8 +101,9 @@ class SampleSteps:
             self.request_stop(f"stopped after {n} consecutive failures (last: {error}); fix the cause, then run "
                               "the same command again to resume", EXIT_FAILURES)
 
-    def _process(self, rec: dataset.Record, turn: Turn) -> None:
-        """One sample, begun in a turn at the server (held while it is tokenized, regenerated and sent)."""
+    def _process(self, rec: dataset.Record, turn: Turn, seq: int) -> None:
+        """One sample, line ``seq`` of those handed out, begun in a turn at the server (held while it is tokenized,
+        regenerated and sent); it claims its tokens once every line before it has claimed its own (order.py)."""
         try:
             ids, mask, prov = self._tokens(rec)
         except dataset.Invalid as e:
@@ -112,15 +113,45 @@ class SampleSteps:
             self._failed(rec, None, "regenerate", str(e), retry=not refused(e))
             return
         key = store.sample_key(ids)
-        if key in self.shipped.keys and key not in self.done.by_key:  # at the destination (its manifest, via the shipper)
+        turn = self._after_earlier_lines(seq, turn)
+        if turn is None:  # stopped meanwhile: redone on resume
+            self.ledger.write("abandoned", sample_id=rec.sample_id, key=key, stage="order", error=self.stop_reason)
+            return
+        try:
+            self._claim_and_capture(rec, key, ids, mask, prov, turn, seq)
+        finally:
+            turn.release()
+
+    def _after_earlier_lines(self, seq: int, turn: Turn) -> Optional[Turn]:
+        """The turn to send line ``seq`` in, once every line before it has claimed its tokens; while it waits the
+        turn is given back (an earlier line may still be generating, --regenerate) and a new one taken after.
+        None if the run stops first."""
+        if self.order.ready(seq):
+            return turn
+        turn.release()
+        if not self.order.wait(seq, self.stop):
+            return None
+        return self.turns.take(self.stop)
+
+    def _claim_and_capture(self, rec: dataset.Record, key: str, ids: list[int], mask: list[int],
+                           prov: dict[str, str], turn: Turn, seq: int) -> None:
+        try:
+            if key in self.shipped.keys and key not in self.done.by_key:  # at the destination (its manifest, via the shipper)
+                self.status.update(done_before=1)
+                self.status.c.done_keys.add(key)
+                self.ledger.write("done_at_destination", sample_id=rec.sample_id, key=key)
+                return
+            with self.keys_lock:
+                first = self.done.by_key.get(key) or self.inflight.get(key)
+                if first is None:
+                    self.inflight[key] = rec.sample_id
+        finally:
+            self.order.settle(seq)  # claimed (or held already): the lines after it may claim theirs
+        if first == rec.sample_id:  # held by a sample of this very line, found by its tokens (reconcile.py)
             self.status.update(done_before=1)
             self.status.c.done_keys.add(key)
-            self.ledger.write("done_at_destination", sample_id=rec.sample_id, key=key)
+            self.ledger.write("held_by_tokens", sample_id=rec.sample_id, key=key)
             return
-        with self.keys_lock:
-            first = self.done.by_key.get(key) or self.inflight.get(key)
-            if first is None:
-                self.inflight[key] = rec.sample_id
         if first is not None:
             self.status.update(duplicates=1)
             self.ledger.write("duplicate", sample_id=rec.sample_id, key=key, duplicate_of=first)
@@ -134,6 +165,7 @@ class SampleSteps:
     def _tokens(self, rec: dataset.Record) -> tuple[list[int], list[int], dict[str, str]]:
         cfg = self.cfg
         prov = {"sample_id": rec.sample_id, "source": rec.source, "line": str(rec.line), "run": cfg.run,
+                runstate.LINE_SHA256: rec.line_sha256,
                 "source_id": rec.source_id, "input_format": rec.format, "regenerated": "0", "truncated_from": "",
                 "driver": f"hs-extract {__version__}",
                 # where it was extracted: this host, and the shard (a reassigned shard: its own, not this host's)

@@ -194,7 +194,7 @@ def main():
             fcntl.flock(lock, fcntl.LOCK_EX)
             answer = commit(root, req["files"])
             if req.get("list"):
-                fields = ("key", "file", "bytes", "sha256", "sample_id")
+                fields = ("key", "file", "bytes", "sha256", "sample_id", "line_sha256")
                 answer["entries"] = [{k: e.get(k) for k in fields}
                                      for e in read_entries(os.path.join(root, MANIFEST)).values()]
     except OSError as e:  # one line the shipper shows, not a traceback

@@ -141,8 +141,7 @@ class Shipper:
         e = dict(p.entry, **({"bytes": kept["bytes"], "sha256": kept["sha256"]} if kept else {}))
         rec = {"op": "shipped", "key": p.key, "file": e["file"], "bytes": e["bytes"],
                "sha256": e["sha256"], "t": round(time.time(), 3)}
-        if e.get("sample_id"):
-            rec["sample_id"] = e["sample_id"]
+        rec.update({k: e[k] for k in ("sample_id", "line_sha256") if e.get(k)})  # what the driver resumes by
         if kept:
             rec["kept"] = "destination"
         self.shipped_log.append(rec)
@@ -280,8 +279,7 @@ class Shipper:
                 continue
             rec = {"op": "shipped", "key": key, "file": name, "bytes": e.get("bytes"), "sha256": e.get("sha256"),
                    "t": round(time.time(), 3), "from": "destination"}
-            if e.get("sample_id"):
-                rec["sample_id"] = e["sample_id"]
+            rec.update({k: e[k] for k in ("sample_id", "line_sha256") if e.get(k)})
             self.shipped_log.append(rec)
             self.shipped[key] = rec
             self.from_destination += 1
