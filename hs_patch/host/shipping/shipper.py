@@ -145,7 +145,12 @@ Status  STATE_DIR/shipper_status.json (shipped, pending, throughput, failed, las
         outage: since when the destination is unreachable, failures, next try).
 Outages of the destination, of any length, are waited out (capped exponential backoff,
         --backoff-max); nothing is deleted meanwhile and shipping resumes by itself.
-Start   reads DEST/manifest.jsonl: samples already there count as shipped (recorded in
+Start   checks what the destination holds against DEST/manifest.jsonl: each file's size and
+        mtime as recorded when it was verified (cheap: a stat each), or with --verify-deep
+        its digest computed again there. A file that fails is moved to DEST/.damaged/ and
+        dropped from the manifest; if it was shipped from here (its local copy deleted) it
+        is recorded lost in shipped.jsonl, the run's next start extracts it again, and this
+        run exits 3 naming it. Then the samples listed there count as shipped (recorded in
         shipped.jsonl with their sample ids), so a host whose /dev/shm was emptied by a
         reboot neither redoes nor replaces them; a redo that reaches the destination with
         other bytes is dropped, the destination's verified copy is kept.
@@ -161,6 +166,8 @@ resume:
   Run the same command again, after any interruption (kill -9, reboot, lost link): files the
   destination already holds are verified there and not re-sent, partial transfers resume
   from DEST/.incoming/.rsync-partial/, nothing is shipped twice or deleted unverified.
+  Every start checks what the destination holds (size and mtime of each file; a flipped bit
+  that left both alone only --verify-deep finds, at the cost of reading everything there).
 
 ssh:
   StrictHostKeyChecking=yes and BatchMode=yes by default: the storage host's key must be in
@@ -177,7 +184,9 @@ exit codes:
      STATE_DIR/shipper.lock: fix and run again (an unreachable destination is waited for, not an error)
   2  bad arguments or configuration: the message says what to fix
   3  some files still fail verification after --retries transfers: they are kept here
-     and named in the status file; run again to retry them
+     and named in the status file; run again to retry them. Or the start's check found
+     samples shipped earlier damaged or missing at the destination: named in the status
+     file (damaged), recorded lost; the run's next start extracts them again
 
 example:
   hs-extract ship --follow --samples-dir /dev/shm/hs-runs/RUN/samples \\
@@ -214,6 +223,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retries", type=int, default=3, metavar="N",
                    help="transfers of a file that fails verification before giving up on it (default 3)")
     p.add_argument("--bwlimit", type=int, default=0, metavar="KBPS", help="rsync bandwidth limit, KiB/s (0: none)")
+    p.add_argument("--verify-deep", action="store_true",
+                   help="at start, compute the digest of every sample the destination holds again (reads all of "
+                   "them there); without it each is checked by size and mtime (rsync) or size and ETag (s3)")
     p.add_argument("--backoff-max", type=float, default=60.0, metavar="SECONDS",
                    help="longest wait between two tries of an unreachable destination (default 60)")
     p.add_argument("--ssh-key", metavar="FILE", help="identity file (default: ssh's, or ~/.ssh/config)")
@@ -236,7 +248,7 @@ def run_args(args: argparse.Namespace) -> int:
                            allow_unverified_host_key=args.allow_unverified_host_key),
             follow=args.follow, until_file=args.until_file, poll_seconds=args.poll,
             batch_files=args.batch_files, batch_bytes=args.batch_bytes, retries=args.retries,
-            bwlimit_kbps=args.bwlimit, backoff_max=args.backoff_max)
+            bwlimit_kbps=args.bwlimit, backoff_max=args.backoff_max, verify_deep=args.verify_deep)
         code = ship(cfg)
     except ConfigError as e:
         print(f"hs-ship: {e}", file=sys.stderr)
@@ -258,8 +270,20 @@ def run_args(args: argparse.Namespace) -> int:
         print(f"hs-ship: stopped by a signal with {left} samples still to ship (kept here); run the same "
               "command again to ship them", file=sys.stderr)
         return code
+    lost = [d["file"] for d in st.get("damaged") or [] if d.get("lost")]
+    checked = st.get("checked") or {}
     messages = {EXIT_OK: "done", EXIT_UNVERIFIED: f"some files failed verification and are kept; see {status}",
                 EXIT_ERROR: f"see {status}"}
+    if lost:
+        messages[EXIT_UNVERIFIED] = (f"{len(lost)} samples shipped earlier are damaged or missing at the destination "
+                                     f"({', '.join(lost[:3])}{', ...' if len(lost) > 3 else ''}): dropped from its "
+                                     "manifest and recorded lost; the run's next start (the same fab extract) "
+                                     f"extracts them again; see {status}"
+                                     + ("" if not st.get("failed") else "; and some files failed verification"))
+    if code == EXIT_OK and checked:
+        how = "digest computed again" if checked.get("deep") else "size and mtime/ETag as verified; --verify-deep " \
+            "computes each digest again"
+        messages[EXIT_OK] = f"done ({checked.get('files', 0)} files at the destination checked: {how})"
     print(f"hs-ship: {messages[code]}", file=sys.stderr)
     return code
 
