@@ -17,10 +17,12 @@ SHIPPED_OPTIONAL = {"sample_id", "from", "kept"}  # from: destination (start-up 
 
 
 def make_samples(directory: Path, n: int, *, start: int = 0, tokens: int = 8, hidden: int = 64,
-                 sample_ids: bool = False, seed_offset: int = 0, **entry: str) -> list[store.Written]:
+                 sample_ids: bool = False, seed_offset: int = 0, ranged: bool = False,
+                 **entry: str) -> list[store.Written]:
     """n samples written and listed the way the driver does (store.write_sample + manifest add);
-    ``seed_offset`` gives the same samples (same tokens and keys) with other bytes; ``entry``: more
-    fields of their manifest lines (run, host, shard)."""
+    ``seed_offset`` gives the same samples (same tokens and keys) with other bytes; ``ranged``: with the
+    capture writer's ranged digest (sha256r64m:), else a plain sha256; ``entry``: more fields of their
+    manifest lines (run, host, shard)."""
     out = []
     g = torch.Generator().manual_seed(start + seed_offset)
     for i in range(start, start + n):
@@ -29,8 +31,9 @@ def make_samples(directory: Path, n: int, *, start: int = 0, tokens: int = 8, hi
         plane = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
         meta = {"format": store.FORMAT, "key": key, "num_tokens": str(tokens), "planes": "layer.2",
                 "hidden_size": str(hidden), "dtype": "bfloat16"}
-        w = store.write_sample(directory, key, [store.tensor_bytes("input_ids", ids),
-                                                store.tensor_bytes("layer.2", plane)], meta)
+        tensors = [store.tensor_bytes("input_ids", ids), store.tensor_bytes("layer.2", plane)]
+        w = (store.publish(store.write_temp(directory, key, tensors, meta, ranges=True), directory, replace=True)
+             if ranged else store.write_sample(directory, key, tensors, meta))
         store.Manifest(directory).add(w, tokens=tokens, **({"sample_id": f"data.jsonl:{i + 1}"} if sample_ids else {}),
                                       **entry)
         out.append(w)

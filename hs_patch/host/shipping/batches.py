@@ -192,8 +192,9 @@ class Shipper:
                 continue
             version = (p.key, p.entry["sha256"])
             self.attempts[version] = n = self.attempts.get(version, 0) + 1
+            detail = res.get("why") or f"rsync exit {done.rsync_rc}{': ' + done.rsync_err if done.rsync_err else ''}"
             why = (f"{p.entry['file']}: {res['status']} at the destination after transfer {n} of "
-                   f"{self.cfg.retries} (rsync exit {done.rsync_rc}{': ' + done.rsync_err if done.rsync_err else ''})")
+                   f"{self.cfg.retries} ({detail})")
             self.last_error = why
             if n >= self.cfg.retries:
                 self.failed[p.key] = why + "; local copy kept"

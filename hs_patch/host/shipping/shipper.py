@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from hs_patch import store
+from hs_patch.host.shipping import bucket
 from hs_patch.host.shipping.link import ConfigError, Link, LinkError, SshOptions, parse_dest
 from hs_patch.host.shipping.batches import (DONE_MARKER, EXIT_ERROR, EXIT_OK, EXIT_UNVERIFIED, EXIT_USAGE, SHIPPED_LOG,
                                 STATUS_FILE, ShipConfig, Shipper)
@@ -63,7 +64,7 @@ def ship(cfg: ShipConfig) -> int:
         state = "failed"
         try:
             shipper.write_status("starting")
-            link = Link(cfg.dest, cfg.ssh, bwlimit_kbps=cfg.bwlimit_kbps)  # opened (and reopened) by the shipper
+            link = open_link(cfg)  # opened (and reopened) by the shipper
             try:
                 code = shipper.run(link)
             finally:
@@ -82,8 +83,23 @@ def ship(cfg: ShipConfig) -> int:
             shipper.write_status(state)
 
 
+def open_link(cfg: ShipConfig) -> Any:
+    """The link to the destination: rsync over SSH (or to a local directory), or an S3 bucket."""
+    if isinstance(cfg.dest, bucket.BucketDest):
+        from hs_patch.host.shipping.bucket_link import BucketLink
+        return BucketLink(cfg.dest, cfg.s3 or bucket.S3Options(), cfg.state_dir)
+    return Link(cfg.dest, cfg.ssh, bwlimit_kbps=cfg.bwlimit_kbps)
+
+
 def check_config(cfg: ShipConfig) -> None:
     """Raise ConfigError saying what to fix."""
+    if isinstance(cfg.dest, bucket.BucketDest):
+        if cfg.ssh.key or cfg.ssh.port or cfg.ssh.known_hosts or cfg.ssh.options or cfg.bwlimit_kbps:
+            raise ConfigError(f"--dest {cfg.dest} is an S3 bucket: the SSH options and --bwlimit mean nothing there "
+                              "(--s3-concurrency sets how much is in flight)")
+        (cfg.s3 or bucket.S3Options()).check()
+    elif cfg.s3 is not None:
+        raise ConfigError(f"--dest {cfg.dest} is not an s3:// URL, so the --s3-* options mean nothing")
     if cfg.follow and not cfg.samples_dir.exists():  # the driver, started alongside, has not made it yet
         cfg.samples_dir.mkdir(parents=True, exist_ok=True)
     if not cfg.samples_dir.is_dir():
@@ -115,6 +131,8 @@ def check_not_overlapping(cfg: ShipConfig) -> None:
     """A destination on this host that holds the samples directory, or lies in it, is refused: its
     DEST/samples/ may be the samples directory itself (then the verified "copy" is the local file the
     shipper deletes next) and DEST/manifest.jsonl the local manifest (rewritten by the verify step)."""
+    if isinstance(cfg.dest, bucket.BucketDest):
+        return
     host = (cfg.dest.host or "").rpartition("@")[2].lower()
     if cfg.dest.host and not (host in LOOPBACK or host.startswith("127.")):
         return
@@ -210,8 +228,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the driver's samples directory (*.safetensors + manifest.jsonl)")
     p.add_argument("--state-dir", required=True, type=Path, metavar="DIR",
                    help="where shipped.jsonl, shipper_status.json and the lock live (created)")
-    p.add_argument("--dest", required=True, metavar="[USER@]HOST:PATH",
-                   help="training storage (an SSH alias works); a local directory for tests")
+    p.add_argument("--dest", "--to", required=True, metavar="[USER@]HOST:PATH|s3://BUCKET/PREFIX",
+                   help="training storage: a host over SSH (an alias works; a local directory for tests), or an "
+                   "S3-compatible bucket and prefix")
     p.add_argument("--follow", action="store_true", help="keep shipping new samples until the driver is done")
     p.add_argument("--until-file", type=Path, metavar="PATH",
                    help=f"with --follow: stop once this exists and all is shipped (default STATE_DIR/{DONE_MARKER})")
@@ -228,6 +247,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "them there); without it each is checked by size and mtime (rsync) or size and ETag (s3)")
     p.add_argument("--backoff-max", type=float, default=60.0, metavar="SECONDS",
                    help="longest wait between two tries of an unreachable destination (default 60)")
+    s3 = p.add_argument_group("s3:// destinations")
+    s3.add_argument("--s3-endpoint", metavar="URL", help="the store's endpoint, e.g. https://s3.example.com:9000 "
+                    "(default: boto3's: AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, else AWS S3)")
+    s3.add_argument("--s3-region", metavar="NAME", help="region (default: AWS_REGION, ~/.aws/config, else us-east-1)")
+    s3.add_argument("--s3-addressing", choices=bucket.ADDRESSING, default="auto",
+                    help="path: https://HOST/BUCKET/KEY; virtual: https://BUCKET.HOST/KEY (default auto: boto3's "
+                    "choice, virtual where the bucket name allows it)")
+    s3.add_argument("--s3-credentials", metavar="FILE",
+                    help="an AWS shared-credentials file ([default] aws_access_key_id, aws_secret_access_key); "
+                    f"default $CREDENTIALS_DIRECTORY/{bucket.CREDENTIALS_NAME} (systemd's LoadCredential=, how fab starts "
+                    "the shipper), else boto3's chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws, an instance "
+                    "role). Never printed")
+    s3.add_argument("--s3-ca-bundle", metavar="FILE", help="CA certificates for an endpoint with a private CA")
+    s3.add_argument("--s3-concurrency", type=int, default=8, metavar="N",
+                    help="parts and objects in flight at once, each up to 64 MiB in memory here (default 8)")
     p.add_argument("--ssh-key", metavar="FILE", help="identity file (default: ssh's, or ~/.ssh/config)")
     p.add_argument("--ssh-port", type=int, metavar="PORT", help="SSH port (default 22 or ~/.ssh/config)")
     p.add_argument("--known-hosts", metavar="FILE", help="known_hosts file holding the storage host's key")
@@ -242,8 +276,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_args(args: argparse.Namespace) -> int:
     try:
+        is_s3 = args.dest.startswith(bucket.SCHEME)
+        s3 = bucket.S3Options(endpoint=args.s3_endpoint, region=args.s3_region, addressing=args.s3_addressing,
+                              credentials=args.s3_credentials or (bucket.default_credentials() if is_s3 else None),
+                              concurrency=args.s3_concurrency, ca_bundle=args.s3_ca_bundle)
         cfg = ShipConfig(
-            samples_dir=args.samples_dir, state_dir=args.state_dir, dest=parse_dest(args.dest),
+            samples_dir=args.samples_dir, state_dir=args.state_dir,
+            dest=bucket.parse_url(args.dest) if is_s3 else parse_dest(args.dest),
+            s3=s3 if is_s3 or s3 != bucket.S3Options() else None,
             ssh=SshOptions(args.ssh_key, args.ssh_port, args.known_hosts, args.ssh_option,
                            allow_unverified_host_key=args.allow_unverified_host_key),
             follow=args.follow, until_file=args.until_file, poll_seconds=args.poll,
