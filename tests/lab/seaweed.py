@@ -195,9 +195,19 @@ class Seaweed:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
-                self.proc.wait(30)
+                self.proc.wait(5)  # it may linger on its peers after a cut link: no data of worth is at stake
             except subprocess.TimeoutExpired:
                 self.kill()
+
+    def shape(self, rate: str) -> None:
+        """Limit what this side sends to the server to ``rate`` (tc's words: 200mbit, 1gbit; a token bucket
+        filter on this side's veth): a real link's rate, so an upload lasts long enough to be cut in the middle."""
+        self.unshape()
+        subprocess.run(["tc", "qdisc", "add", "dev", self.host_veth, "root", "tbf", "rate", rate, "burst", "256kb",
+                        "latency", "400ms"], check=True, capture_output=True, timeout=30)
+
+    def unshape(self) -> None:
+        subprocess.run(["tc", "qdisc", "del", "dev", self.host_veth, "root"], capture_output=True, timeout=30)
 
     def cut(self) -> None:
         _ip("-n", self.netns, "link", "set", self.server_veth, "down")

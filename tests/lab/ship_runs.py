@@ -3,6 +3,7 @@ line, and what must hold at the destination and here after a run."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import Counter
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import torch
 
 from hs_patch import files, reader, store
+from hs_patch.files import RANGE, RANGED
 from hs_patch.host.shipping import shipper
 
 SHIPPED_SHAPE = {"op", "key", "file", "bytes", "sha256", "t"}
@@ -80,3 +82,41 @@ def assert_shipped_locally(samples: Path, state: Path, written: list[store.Writt
 
 def status(state: Path) -> dict:
     return json.loads((state / shipper.STATUS_FILE).read_text())
+
+
+# ------------------------------------------------------------------------------ an S3 bucket
+
+
+def objects(server, prefix: str, bucket_name: str = "hs-runs") -> dict[str, bytes]:
+    """Every object under PREFIX/samples/ read back with the admin's client: name -> bytes."""
+    c = server.client()
+    out = {}
+    for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket_name, Prefix=f"{prefix}/samples/"):
+        for o in page.get("Contents") or []:
+            out[o["Key"].rsplit("/", 1)[1]] = c.get_object(Bucket=bucket_name, Key=o["Key"])["Body"].read()
+    return out
+
+
+def store_manifest(server, prefix: str, bucket_name: str = "hs-runs") -> list[dict]:
+    raw = server.client().get_object(Bucket=bucket_name, Key=f"{prefix}/manifest.jsonl")["Body"].read()
+    return [json.loads(x) for x in raw.splitlines()]
+
+
+def digest_of(data: bytes, like: str) -> str:
+    if not like.startswith(RANGED):
+        return hashlib.sha256(data).hexdigest()
+    return RANGED + hashlib.sha256(b"".join(hashlib.sha256(data[i:i + RANGE]).digest()
+                                            for i in range(0, max(len(data), 1), RANGE))).hexdigest()
+
+
+def assert_bucket_has(server, prefix: str, written: list[store.Written], bucket_name: str = "hs-runs") -> None:
+    """Exactly these samples at the store, each once in its manifest, every byte as hashed when written."""
+    lines = store_manifest(server, prefix, bucket_name)
+    assert Counter(r["key"] for r in lines) == Counter(w.key for w in written), "lost or duplicated samples"
+    held = objects(server, prefix, bucket_name)
+    assert sorted(held) == sorted(w.path.name for w in written)
+    by_key = {r["key"]: r for r in lines}
+    for w in written:
+        data = held[w.path.name]
+        assert (len(data), digest_of(data, w.sha256)) == (w.nbytes, w.sha256), f"{w.key} damaged at the store"
+        assert by_key[w.key]["file"] == f"samples/{w.path.name}" and by_key[w.key]["sha256"] == w.sha256

@@ -9,15 +9,14 @@ import hashlib
 import json
 import socket
 import uuid
-from collections import Counter
 
 import pytest
 
-from hs_patch import store
 from hs_patch.files import RANGE, RANGED
 from hs_patch.host.shipping import bucket, shipper
 from lab import seaweed
-from lab.ship_runs import assert_shipped_locally, dirs, make_samples, ship_cmd, shipped_records, status
+from lab.ship_runs import (assert_bucket_has, assert_shipped_locally, dirs, make_samples, objects, ship_cmd,
+                           shipped_records, status, store_manifest)
 
 pytestmark = pytest.mark.xdist_group("s3")
 
@@ -25,41 +24,6 @@ pytestmark = pytest.mark.xdist_group("s3")
 @pytest.fixture
 def prefix(request) -> str:
     return f"{request.node.name[:40]}-{uuid.uuid4().hex[:8]}"
-
-
-def objects(server, prefix: str, bucket_name: str = "hs-runs") -> dict[str, bytes]:
-    """Every object under PREFIX/samples/ read back with the admin's client: name -> bytes."""
-    c = server.client()
-    out = {}
-    for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket_name, Prefix=f"{prefix}/samples/"):
-        for o in page.get("Contents") or []:
-            out[o["Key"].rsplit("/", 1)[1]] = c.get_object(Bucket=bucket_name, Key=o["Key"])["Body"].read()
-    return out
-
-
-def store_manifest(server, prefix: str, bucket_name: str = "hs-runs") -> list[dict]:
-    raw = server.client().get_object(Bucket=bucket_name, Key=f"{prefix}/manifest.jsonl")["Body"].read()
-    return [json.loads(x) for x in raw.splitlines()]
-
-
-def digest_of(data: bytes, like: str) -> str:
-    if not like.startswith(RANGED):
-        return hashlib.sha256(data).hexdigest()
-    return RANGED + hashlib.sha256(b"".join(hashlib.sha256(data[i:i + RANGE]).digest()
-                                            for i in range(0, max(len(data), 1), RANGE))).hexdigest()
-
-
-def assert_bucket_has(server, prefix: str, written: list[store.Written], bucket_name: str = "hs-runs") -> None:
-    """Exactly these samples at the store, each once in its manifest, every byte as hashed when written."""
-    lines = store_manifest(server, prefix, bucket_name)
-    assert Counter(r["key"] for r in lines) == Counter(w.key for w in written), "lost or duplicated samples"
-    held = objects(server, prefix, bucket_name)
-    assert sorted(held) == sorted(w.path.name for w in written)
-    by_key = {r["key"]: r for r in lines}
-    for w in written:
-        data = held[w.path.name]
-        assert (len(data), digest_of(data, w.sha256)) == (w.nbytes, w.sha256), f"{w.key} damaged at the store"
-        assert by_key[w.key]["file"] == f"samples/{w.path.name}" and by_key[w.key]["sha256"] == w.sha256
 
 
 def test_ships_to_a_bucket_verified_by_the_store_whose_composite_checksum_is_our_ranged_digest(

@@ -200,13 +200,15 @@ class Shipper:
                 self.failed[p.key] = why + "; local copy kept"
             print(f"hs-ship: {why}", file=sys.stderr)
 
-    def step(self, link: Link) -> None:
+    def step(self, link: Link) -> bool:
         """Send the next batch (unless stopping) while the previous one is verified, then
-        record the previous one."""
+        record the previous one. Whether the destination answered a verification (an S3 batch's
+        failures show only then: its whole round runs in the background)."""
         started = self.send_batch(link) if self.pending and not self.stop_requested else None
         previous, self.inflight = self.inflight, started
         if previous is not None:
             self.finish_batch(previous)
+        return previous is not None
 
     # ------------------------------------------------------------------ status
 
@@ -331,12 +333,12 @@ class Shipper:
                 self.write_status("shipping")
                 t0 = time.monotonic()
                 try:
-                    self.step(link)
+                    answered = self.step(link)
                     self.busy_seconds += time.monotonic() - t0
-                    if self.outage is not None:
+                    if self.outage is not None and answered:
                         print(f"hs-ship: the destination is back after {time.time() - self.outage['since']:.0f}s",
                               file=sys.stderr)
-                    self.outage = None
+                        self.outage = None
                 except LinkError as e:
                     self.ride_out(e, link)
         finally:

@@ -62,6 +62,10 @@ class DigestRefused(Exception):
     """The store refused a body for its checksum: the bytes it got are not the bytes hashed here."""
 
 
+class Raced(Exception):
+    """A conditional write lost: another shipper wrote the object since it was looked at."""
+
+
 @dataclass(frozen=True)
 class BucketDest:
     bucket: str
@@ -145,14 +149,14 @@ def read_credentials(path: str) -> dict[str, str]:
     return {k: v for k, v in keys.items() if v}
 
 
-def make_client(opts: S3Options) -> Any:
+def make_client(opts: S3Options, attempts: int = 3) -> Any:
     """A boto3 S3 client: bounded timeouts and retries (outages are the shipper's to ride out), no payload
     hashing by botocore (the SHA256 checksum header, signed, stands for the body and the store checks it)."""
     import boto3
     from botocore.config import Config
 
     session = boto3.session.Session(**(read_credentials(opts.credentials) if opts.credentials else {}))
-    config = Config(connect_timeout=20, read_timeout=120, retries={"max_attempts": 3, "mode": "standard"},
+    config = Config(connect_timeout=20, read_timeout=120, retries={"max_attempts": attempts, "mode": "standard"},
                     max_pool_connections=opts.concurrency + 4, tcp_keepalive=True,
                     request_checksum_calculation="when_required", response_checksum_validation="when_required",
                     s3={"addressing_style": opts.addressing, "payload_signing_enabled": False})
@@ -184,6 +188,8 @@ def store_error(e: BaseException, what: str, dest: BucketDest, endpoint: str) ->
         said = f"{where}: the store answered {status} {code}".rstrip()
         if code in DIGEST_CODES:
             return DigestRefused(said)
+        if code in ("PreconditionFailed", "ConditionalRequestConflict") or status == 412:
+            return Raced(said)
         if "quota" in code.lower() or code in ("EntityTooLarge", "StorageFull", "XMinioStorageFull"):
             return LinkError(f"{said}: the store is full or the bucket over its quota; free space or raise the "
                              "quota there, nothing is lost meanwhile (retried by itself)")
@@ -233,6 +239,7 @@ class Bucket:
     def __init__(self, dest: BucketDest, opts: S3Options):
         self.dest, self.opts = dest, opts
         self.s3 = make_client(opts)
+        self.s3_once = make_client(opts, attempts=1)  # reads whose failures the caller judges itself
         self.endpoint = self.s3.meta.endpoint_url
 
     def call(self, what: str, fn: Callable[..., Any], **kw: Any) -> Any:

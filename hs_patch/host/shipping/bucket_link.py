@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hs_patch.files import RANGE, RANGED, JsonLog, file_sha256, ranged, read_jsonl, write_text_atomic
-from hs_patch.host.shipping.bucket import (SAMPLES, SINGLE_PUT_MAX, Bucket, BucketDest, DigestRefused, S3Options, b64,
-                                           checksum_matches)
+from hs_patch.host.shipping.bucket import (SAMPLES, SINGLE_PUT_MAX, Bucket, BucketDest, DigestRefused, Raced,
+                                           S3Options, b64, checksum_matches, error_code, store_error)
 from hs_patch.host.shipping.link import LinkError
 
 UPLOADS = "s3_uploads.jsonl"
@@ -103,19 +103,25 @@ class BucketLink:
         return self.bucket
 
     def ship(self, files: list[dict[str, Any]], commit: BucketCommit) -> list[dict[str, Any]]:
+        try:
+            return self.round(files, commit)
+        except LinkError:
+            self.bucket = None  # reopened after the outage: the bucket checked again, cut uploads aborted
+            raise
+
+    def round(self, files: list[dict[str, Any]], commit: BucketCommit) -> list[dict[str, Any]]:
         b = self.need()
         stored, _ = b.read_manifest()
         results = [{"file": f["file"], "status": "", "bytes": f["bytes"], "sha256": f["sha256"]} for f in files]
-        # 1. what the store holds already
-        for res, f, held in zip(results, files, self.pool.map(lambda f: self.held(b, f, stored), files)):
-            if held is not None:
-                res.update(held)
+        # 1. what the store holds already (and the condition an upload over it is sent with)
+        for res, held in zip(results, self.pool.map(lambda f: self.held(b, f, stored), files)):
+            res.update(held)
         # 2. the rest sent, every part of every file in flight at once
         todo = [(res, f) for res, f in zip(results, files) if not res["status"]]
         uploads: list[Callable[[], dict[str, Any]]] = []
         try:
-            for _, f in todo:
-                uploads.append(self.upload(b, f, commit))
+            for res, f in todo:
+                uploads.append(self.upload(b, f, commit, res.pop("cond")))
         except BaseException:
             for finish in uploads:  # those started end (and close their files) before the failure is raised
                 try:
@@ -133,41 +139,61 @@ class BucketLink:
                        {"status": "mismatch", "why": "the store's HEAD after the upload gave another size or "
                         "checksum (does it keep SHA256 checksums?)"})
         # 4. the manifest, written last, with the verified ones
+        self.list_verified(b, [(res, f) for res, f in zip(results, files) if res["status"] == "ok"])
+        for res in results:
+            res.pop("etag", None)
+            res.pop("cond", None)
+        return results
+
+    def list_verified(self, b: Bucket, done: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
+        """Add the verified samples to the manifest. Each write first checks, with a HEAD, that the object is
+        still the one verified (its ETag): another shipper of this prefix (a reassigned shard and its host
+        back) may have replaced it since, and then lists its own. So whoever writes the manifest last
+        lists what the store holds. A sample replaced so is ``raced``: decided again in a later round."""
         now = round(time.time(), 3)
-        adds = {f["entry"]["key"]: dict(f["entry"], op="add", file=f"{SAMPLES}/{f['file']}", shipped=now,
-                                        etag=res["etag"])
-                for res, f in zip(results, files) if res["status"] == "ok" and res.get("etag")}
+        adds = {f["entry"]["key"]: (res, dict(f["entry"], op="add", file=f"{SAMPLES}/{f['file']}", shipped=now,
+                                              etag=res["etag"])) for res, f in done}
 
         def add(entries: dict[str, dict[str, Any]]) -> bool:
+            new = [(k, rec) for k, (_, rec) in adds.items()
+                   if any(entries.get(k, {}).get(f) != rec.get(f) for f in ("sha256", "file", "etag"))]
+            heads = self.pool.map(lambda kr: b.head(self.dest.key(kr[1]["file"])), new)
             changed = False
-            for key, rec in adds.items():
-                old = entries.get(key)
-                if old is None or any(old.get(k) != rec.get(k) for k in ("sha256", "file", "etag")):
-                    entries[key] = rec
-                    changed = True
+            for (k, rec), h in zip(new, heads):
+                if h is None or h.get("ETag") != rec["etag"]:
+                    adds[k][0].update(status="raced", why="another shipper replaced it at the store meanwhile")
+                    continue
+                adds[k][0].update(status="ok")
+                entries[k] = rec
+                changed = True
             return changed
         if adds:
             with self.manifest_lock:
                 b.update_manifest(add)
-        for res in results:
-            res.pop("etag", None)
-        return results
 
     def object(self, f: dict[str, Any]) -> str:
         return self.dest.sample_key(f["file"])
 
-    def held(self, b: Bucket, f: dict[str, Any], stored: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-        """``ok`` (with its ETag) if the store holds this very sample verified, ``kept`` (the store's version)
-        if it holds another version its manifest lists and verifies, else None: to be sent."""
+    def held(self, b: Bucket, f: dict[str, Any], stored: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """``ok`` (with its ETag) if the store holds this very sample verified; ``kept`` (the store's version)
+        if it holds another version its manifest lists and verifies; else to be sent, with the condition
+        that keeps it from replacing what another shipper writes meanwhile (If-None-Match: * where there was
+        nothing, If-Match: the ETag of what was there)."""
+        h = b.head(self.object(f))
+        if h is None:
+            return {"status": "", "cond": {"IfNoneMatch": "*"}}
         old = stored.get(f["entry"]["key"])
-        if old is not None and old.get("sha256") != f["sha256"] and old.get("file") == f"{SAMPLES}/{f['file']}" \
-                and type(old.get("bytes")) is int and b.verified(self.object(f), old["bytes"], old.get("sha256", "")):
+        size, checksum = h.get("ContentLength"), h.get("ChecksumSHA256")
+        if size == f["bytes"] and checksum_matches(checksum, size, f["sha256"]):
+            return {"status": "ok", "etag": h["ETag"]}
+        if old is not None and old.get("file") == f"{SAMPLES}/{f['file']}" and size == old.get("bytes") \
+                and isinstance(old.get("sha256"), str) and checksum_matches(checksum, size, old["sha256"]):
             return {"status": "kept", "bytes": old["bytes"], "sha256": old["sha256"], "run": old.get("run"),
                     "host": old.get("host")}
-        h = b.verified(self.object(f), f["bytes"], f["sha256"])
-        return {"status": "ok", "etag": h["ETag"]} if h else None
+        return {"status": "", "cond": {"IfMatch": h["ETag"]}}
 
-    def upload(self, b: Bucket, f: dict[str, Any], commit: BucketCommit) -> Callable[[], dict[str, Any]]:
+    def upload(self, b: Bucket, f: dict[str, Any], commit: BucketCommit,
+               cond: dict[str, str]) -> Callable[[], dict[str, Any]]:
         """Start sending one file; returns what waits for it: {"status": "sent"} or a failure with why."""
         path, size, sha = self.src_dir / f["file"], f["bytes"], f["sha256"]
         key = self.object(f)
@@ -181,8 +207,8 @@ class BucketLink:
                 return lambda: {"status": "mismatch", "why": f"{path} has {os.path.getsize(path)} bytes here, "
                                 f"its manifest line {size}: damaged here, not sent"}
             if sha.startswith(RANGED) and size > RANGE:
-                return self.multipart(b, fd, key, size, sha, commit)
-            job = self.pool.submit(self.put_one, b, fd, key, size, sha, commit)
+                return self.multipart(b, fd, key, size, sha, commit, cond)
+            job = self.pool.submit(self.put_one, b, fd, key, size, sha, commit, cond)
         except BaseException:
             os.close(fd)
             raise
@@ -194,7 +220,8 @@ class BucketLink:
                 os.close(fd)
         return finish
 
-    def put_one(self, b: Bucket, fd: int, key: str, size: int, sha: str, commit: BucketCommit) -> dict[str, Any]:
+    def put_one(self, b: Bucket, fd: int, key: str, size: int, sha: str, commit: BucketCommit,
+                cond: dict[str, str]) -> dict[str, Any]:
         commit.check()
         if size > RANGE and not sha.startswith(RANGED):  # a plain digest is of the whole: one PUT, streamed
             if size > SINGLE_PUT_MAX:
@@ -212,16 +239,18 @@ class BucketLink:
                 return {"status": "mismatch", "why": f"the file here no longer matches its manifest line "
                         f"({got[1][:20]}...): damaged here, not sent"}
             b.call(f"PUT {key}", b.s3.put_object, Bucket=b.dest.bucket, Key=key, Body=body,
-                   ChecksumSHA256=b64(digest), ContentLength=size)
+                   ChecksumSHA256=b64(digest), ContentLength=size, **cond)
         except DigestRefused as e:
             return {"status": "mismatch", "why": f"{e}: the bytes that arrived were not those hashed here"}
+        except Raced as e:
+            return {"status": "raced", "why": f"{e}: another shipper wrote it meanwhile"}
         finally:
             if hasattr(body, "close"):
                 body.close()
         return {"status": "sent"}
 
-    def multipart(self, b: Bucket, fd: int, key: str, size: int, sha: str,
-                  commit: BucketCommit) -> Callable[[], dict[str, Any]]:
+    def multipart(self, b: Bucket, fd: int, key: str, size: int, sha: str, commit: BucketCommit,
+                  cond: dict[str, str]) -> Callable[[], dict[str, Any]]:
         """64 MiB parts, each with its SHA256, all in flight on the pool; completed only if the parts'
         digests make the manifest's ranged digest (the store then checks that composite itself)."""
         mpu = b.call(f"starting the upload of {key}", b.s3.create_multipart_upload, Bucket=b.dest.bucket, Key=key,
@@ -251,12 +280,15 @@ class BucketLink:
                 b.call(f"completing the upload of {key}", b.s3.complete_multipart_upload, Bucket=b.dest.bucket,
                        Key=key, UploadId=upload_id, MultipartUpload={"Parts": [
                            {"PartNumber": n, "ETag": etag, "ChecksumSHA256": b64(d)}
-                           for n, (d, etag) in enumerate(parts, 1)]})
+                           for n, (d, etag) in enumerate(parts, 1)]}, **cond)
                 self.journal.append({"op": "end", "upload_id": upload_id, "t": round(time.time(), 3)})
                 return {"status": "sent"}
             except DigestRefused as e:
                 self.abort(b, key, upload_id)
                 return {"status": "mismatch", "why": f"{e}: the bytes that arrived were not those hashed here"}
+            except Raced as e:
+                self.abort(b, key, upload_id)
+                return {"status": "raced", "why": f"{e}: another shipper wrote it meanwhile"}
             except BaseException:
                 self.abort(b, key, upload_id)  # an outage or a stop: sent again whole later
                 raise
@@ -269,7 +301,6 @@ class BucketLink:
         try:
             b.s3.abort_multipart_upload(Bucket=b.dest.bucket, Key=key, UploadId=upload_id)
         except Exception as e:  # NoSuchUpload: gone already; anything else: aborted at the next open
-            from hs_patch.host.shipping.bucket import error_code
             if error_code(e)[0] not in ("NoSuchUpload", "404"):
                 return
         self.journal.append({"op": "end", "upload_id": upload_id, "t": round(time.time(), 3)})
@@ -298,15 +329,34 @@ class BucketLink:
             return f"size {o.get('Size')}, verified with {e['bytes']} (truncated or replaced)"
         if e.get("etag") and o.get("ETag") != e["etag"]:
             return f"replaced since it was verified (ETag {o.get('ETag')}, verified as {e['etag']})"
-        if deep and self.digest_at_store(self.dest.key(e["file"]), e["sha256"]) != (e["bytes"], e["sha256"]):
-            return "its content no longer has the verified digest"
-        return None
+        if not deep:
+            return None
+        got = self.digest_at_store(self.dest.key(e["file"]), e["sha256"])
+        if isinstance(got, str):
+            return got
+        return None if got == (e["bytes"], e["sha256"]) else "its content no longer has the verified digest"
 
-    def digest_at_store(self, key: str, like: str) -> tuple[int, str]:
-        """(size, digest) of an object read back whole, of the kind of ``like`` (as files.file_digest)."""
+    def digest_at_store(self, key: str, like: str, tries: int = 2) -> tuple[int, str] | str:
+        """(size, digest) of an object read back whole, of the kind of ``like`` (as files.file_digest); or why
+        the store cannot give it back: it answers the GET with an error, twice, while it answers a HEAD of
+        it (SeaweedFS answers 500 for a stored chunk that fails its own CRC). A store that does not answer
+        at all is an outage (LinkError), never a reason to call a sample damaged."""
+        from botocore.exceptions import ClientError
         b = self.need()
-        r = b.call(f"GET {key}", b.s3.get_object, Bucket=b.dest.bucket, Key=key)
-        return digest_stream(r["Body"], like)
+        for attempt in range(tries):
+            try:
+                r = b.s3_once.get_object(Bucket=b.dest.bucket, Key=key)
+                return digest_stream(r["Body"], like)
+            except ClientError as e:
+                code, status = error_code(e)
+                if status is None or status < 500:
+                    raise store_error(e, f"GET {key}", b.dest, b.endpoint) from None
+                said = f"the store cannot read it back ({status} {code}: its own check of the stored bytes?)"
+            except Exception as e:
+                raise store_error(e, f"GET {key}", b.dest, b.endpoint) from None
+        if b.head(key) is None:
+            return "missing"
+        return said
 
 
 def digest_stream(body: Any, like: str) -> tuple[int, str]:

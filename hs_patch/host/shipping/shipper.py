@@ -224,10 +224,14 @@ def _size(text: str) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``ship`` options (for mounting under another CLI with :func:`run_args`)."""
-    p.add_argument("--samples-dir", required=True, type=Path, metavar="DIR",
-                   help="the driver's samples directory (*.safetensors + manifest.jsonl)")
-    p.add_argument("--state-dir", required=True, type=Path, metavar="DIR",
-                   help="where shipped.jsonl, shipper_status.json and the lock live (created)")
+    p.add_argument("--samples-dir", type=Path, metavar="DIR",
+                   help="the driver's samples directory (*.safetensors + manifest.jsonl); required but with --check")
+    p.add_argument("--state-dir", type=Path, metavar="DIR",
+                   help="where shipped.jsonl, shipper_status.json and the lock live (created); required but with "
+                   "--check")
+    p.add_argument("--check", action="store_true",
+                   help="only reach the destination (SSH and the verify step there, or the bucket with these "
+                   "credentials) and say how many samples its manifest lists; change nothing (exit 0 or 1)")
     p.add_argument("--dest", "--to", required=True, metavar="[USER@]HOST:PATH|s3://BUCKET/PREFIX",
                    help="training storage: a host over SSH (an alias works; a local directory for tests), or an "
                    "S3-compatible bucket and prefix")
@@ -274,7 +278,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(samples of a proprietary model may go to whoever answers at that address); test setups only")
 
 
+def check_only(cfg: ShipConfig) -> int:
+    """``--check``: reach the destination and count what its manifest lists; nothing changes there or here."""
+    if isinstance(cfg.dest, bucket.BucketDest):
+        b = bucket.Bucket(cfg.dest, cfg.s3 or bucket.S3Options())
+        b.check_bucket()
+        held = len(b.read_manifest()[0])
+    else:
+        with Link(cfg.dest, cfg.ssh) as link:
+            held = len(link.start_commit([], list_entries=True).wait(answer="entries"))
+    print(f"hs-ship: {cfg.dest}: reachable, {held} samples listed in its manifest")
+    return EXIT_OK
+
+
 def run_args(args: argparse.Namespace) -> int:
+    if not args.check and not (args.samples_dir and args.state_dir):
+        print("hs-ship: give --samples-dir and --state-dir (only --check goes without them)", file=sys.stderr)
+        return EXIT_USAGE
     try:
         is_s3 = args.dest.startswith(bucket.SCHEME)
         s3 = bucket.S3Options(endpoint=args.s3_endpoint, region=args.s3_region, addressing=args.s3_addressing,
@@ -289,6 +309,10 @@ def run_args(args: argparse.Namespace) -> int:
             follow=args.follow, until_file=args.until_file, poll_seconds=args.poll,
             batch_files=args.batch_files, batch_bytes=args.batch_bytes, retries=args.retries,
             bwlimit_kbps=args.bwlimit, backoff_max=args.backoff_max, verify_deep=args.verify_deep)
+        if args.check:
+            if cfg.s3 is not None:
+                cfg.s3.check()
+            return check_only(cfg)
         code = ship(cfg)
     except ConfigError as e:
         print(f"hs-ship: {e}", file=sys.stderr)
