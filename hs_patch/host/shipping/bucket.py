@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from hs_patch.files import RANGE, RANGED
+from hs_patch.files import RANGE, RANGED, ranged
 from hs_patch.host.shipping import at_destination
 from hs_patch.host.shipping.link import ConfigError, LinkError
 
@@ -283,6 +283,28 @@ class Bucket:
                 return out
             kw["ContinuationToken"] = page["NextContinuationToken"]
 
+    def read_back(self, key: str, like: str, tries: int = 2) -> tuple[int, str] | str:
+        """(size, digest) of an object read back whole, of the kind of ``like`` (as files.file_digest); or why
+        the store cannot give it back: it answers the GET with an error, twice, while it answers a HEAD of
+        it (SeaweedFS answers 500 for a stored chunk that fails its own CRC). A store that does not answer
+        at all is an outage (LinkError), never a reason to call a sample damaged."""
+        from botocore.exceptions import ClientError
+        said = "unreadable"
+        for _ in range(tries):
+            try:
+                r = self.s3_once.get_object(Bucket=self.dest.bucket, Key=key)
+                return digest_stream(r["Body"], like)
+            except ClientError as e:
+                code, status = error_code(e)
+                if status is None or status < 500:
+                    raise store_error(e, f"GET {key}", self.dest, self.endpoint) from None
+                said = f"the store cannot read it back ({status} {code}: its own check of the stored bytes?)"
+            except Exception as e:
+                raise store_error(e, f"GET {key}", self.dest, self.endpoint) from None
+        if self.head(key) is None:
+            return "missing"
+        return said
+
     # ------------------------------------------------------------------ the manifest
 
     def read_manifest(self) -> tuple[dict[str, dict[str, Any]], str | None]:
@@ -329,3 +351,23 @@ class Bucket:
             time.sleep(random.uniform(0.05, 0.5))  # another shipper wrote it: read theirs, add ours again
         raise LinkError(f"{self.dest}/{MANIFEST} changed under each of {tries} writes: another shipper keeps "
                         "writing it; retried by itself")
+
+
+def digest_stream(body: Any, like: str) -> tuple[int, str]:
+    """(size, digest) of a stream, ranged (64 MiB ranges) if ``like`` is, else a plain sha256."""
+    h, digests, size = hashlib.sha256(), [], 0
+    ranges = like.startswith(RANGED)
+    while True:
+        chunk = body.read(min(8 << 20, RANGE - size % RANGE))
+        if not chunk:
+            break
+        size += len(chunk)
+        h.update(chunk)
+        if ranges and size % RANGE == 0:
+            digests.append(h.digest())
+            h = hashlib.sha256()
+    if not ranges:
+        return size, h.hexdigest()
+    if size % RANGE or not digests:
+        digests.append(h.digest())
+    return size, ranged(digests)

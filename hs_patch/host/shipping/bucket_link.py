@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from hs_patch.files import RANGE, RANGED, JsonLog, file_sha256, ranged, read_jsonl, write_text_atomic
 from hs_patch.host.shipping.bucket import (SAMPLES, SINGLE_PUT_MAX, Bucket, BucketDest, DigestRefused, Raced,
-                                           S3Options, b64, checksum_matches, error_code, store_error)
+                                           S3Options, b64, checksum_matches, error_code)
 from hs_patch.host.shipping.link import LinkError
 
 UPLOADS = "s3_uploads.jsonl"
@@ -331,52 +331,10 @@ class BucketLink:
             return f"replaced since it was verified (ETag {o.get('ETag')}, verified as {e['etag']})"
         if not deep:
             return None
-        got = self.digest_at_store(self.dest.key(e["file"]), e["sha256"])
+        got = self.need().read_back(self.dest.key(e["file"]), e["sha256"])
         if isinstance(got, str):
             return got
         return None if got == (e["bytes"], e["sha256"]) else "its content no longer has the verified digest"
-
-    def digest_at_store(self, key: str, like: str, tries: int = 2) -> tuple[int, str] | str:
-        """(size, digest) of an object read back whole, of the kind of ``like`` (as files.file_digest); or why
-        the store cannot give it back: it answers the GET with an error, twice, while it answers a HEAD of
-        it (SeaweedFS answers 500 for a stored chunk that fails its own CRC). A store that does not answer
-        at all is an outage (LinkError), never a reason to call a sample damaged."""
-        from botocore.exceptions import ClientError
-        b = self.need()
-        for attempt in range(tries):
-            try:
-                r = b.s3_once.get_object(Bucket=b.dest.bucket, Key=key)
-                return digest_stream(r["Body"], like)
-            except ClientError as e:
-                code, status = error_code(e)
-                if status is None or status < 500:
-                    raise store_error(e, f"GET {key}", b.dest, b.endpoint) from None
-                said = f"the store cannot read it back ({status} {code}: its own check of the stored bytes?)"
-            except Exception as e:
-                raise store_error(e, f"GET {key}", b.dest, b.endpoint) from None
-        if b.head(key) is None:
-            return "missing"
-        return said
-
-
-def digest_stream(body: Any, like: str) -> tuple[int, str]:
-    """(size, digest) of a stream, ranged (64 MiB ranges) if ``like`` is, else a plain sha256."""
-    h, digests, size = hashlib.sha256(), [], 0
-    ranges = like.startswith(RANGED)
-    while True:
-        chunk = body.read(min(8 << 20, RANGE - size % RANGE))
-        if not chunk:
-            break
-        size += len(chunk)
-        h.update(chunk)
-        if ranges and size % RANGE == 0:
-            digests.append(h.digest())
-            h = hashlib.sha256()
-    if not ranges:
-        return size, h.hexdigest()
-    if size % RANGE or not digests:
-        digests.append(h.digest())
-    return size, ranged(digests)
 
 
 def read_range(fd: int, start: int, length: int) -> bytes:
