@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import configparser
+import copy
 import hashlib
 import os
 import random
@@ -241,6 +242,12 @@ class Bucket:
         self.s3 = make_client(opts)
         self.s3_once = make_client(opts, attempts=1)  # reads whose failures the caller judges itself
         self.endpoint = self.s3.meta.endpoint_url
+
+    def under(self, name: str) -> Bucket:
+        """The same store and clients, for PREFIX/name (a fleet host's part of a run)."""
+        sub = copy.copy(self)
+        sub.dest = BucketDest(self.dest.bucket, self.dest.key(name))
+        return sub
 
     def call(self, what: str, fn: Callable[..., Any], **kw: Any) -> Any:
         try:

@@ -318,8 +318,8 @@ def run_args(args: argparse.Namespace) -> int:
         print(f"hs-ship: {e}", file=sys.stderr)
         return EXIT_USAGE
     except (LinkError, OSError, store.SampleError) as e:
-        print(f"hs-ship: {e}\nhs-ship: nothing unverified was deleted; fix the cause and run the same "
-              "command again to resume", file=sys.stderr)
+        print(f"hs-ship: {e}" + ("" if args.check else "\nhs-ship: nothing unverified was deleted; fix the cause "
+                                 "and run the same command again to resume"), file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("hs-ship: stopped mid-batch; run the same command again to resume", file=sys.stderr)
