@@ -88,6 +88,33 @@ def timed(argv: list[str], samples: Path) -> float:
     return seconds
 
 
+SINK = ("import socket,sys\ns=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n"
+        "s.bind((sys.argv[1],5201));s.listen();print('up',flush=True);c,_=s.accept()\n"
+        "b=bytearray(4<<20)\nwhile c.recv_into(b):pass\n")
+
+
+def link_rate(server: seaweed.Seaweed, nbytes: int = 1 << 30) -> float:
+    """GB/s of one raw TCP stream over the link (a sink in the namespace): the rate a transfer can reach."""
+    import socket
+
+    sink = subprocess.Popen(["ip", "netns", "exec", server.netns, sys.executable, "-c", SINK, server.address],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        sink.stdout.readline()
+        buf = memoryview(bytearray(os.urandom(4 << 20)))
+        with socket.create_connection((server.address, 5201)) as c:
+            t0 = time.perf_counter()
+            for _ in range(nbytes // len(buf)):
+                c.sendall(buf)
+            c.shutdown(socket.SHUT_WR)
+            sink.wait(60)
+            return nbytes / (time.perf_counter() - t0) / 1e9
+    finally:
+        if sink.poll() is None:
+            sink.kill()
+        sink.wait()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--files", type=int, default=4)
@@ -110,6 +137,8 @@ def main() -> int:
         creds = server.credentials_file()
         if args.rate:
             server.shape(args.rate)
+        raw = link_rate(server)
+        print(f"raw TCP over the link: {raw:.3f} GB/s", flush=True)
         base = [sys.executable, "-m", "hs_patch.host.shipping.shipper", "ship"]
         for r in range(args.rounds):
             src = work / f"src{r}"
@@ -138,9 +167,11 @@ def main() -> int:
     print(f"link {args.rate or 'unlimited'}, {args.files} x {rows[0]['bytes'] / args.files / 1e6:.0f} MB a round, "
           f"median of {args.rounds} rounds:")
     for n in names:
-        print(f"  {n:8s} {median[n]:.3f} GB/s   {median[n] / median['rsync']:.2f} x rsync")
+        print(f"  {n:8s} {median[n]:.3f} GB/s   {median[n] / median['rsync']:.2f} x rsync   "
+              f"{median[n] / raw:.2f} of the link's raw TCP {raw:.3f} GB/s")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "median_GBps": median, "rate": args.rate}, indent=1))
+        Path(args.json).write_text(json.dumps({"rows": rows, "median_GBps": median, "rate": args.rate,
+                                               "raw_tcp_GBps": raw}, indent=1))
     return 0
 
 
