@@ -41,33 +41,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-import torch  # noqa: E402
-
 from hs_patch import store  # noqa: E402
 from lab import loopback_sshd, seaweed  # noqa: E402
-
-HIDDEN = 7168
-PLANES = ["layer.2", "layer.30", "layer.58", "final.pre_norm"]
-
-
-def write_samples(directory: Path, files: int, tokens: int, seed: int) -> int:
-    """FILES samples of TOKENS tokens, ranged digests; returns the bytes written."""
-    g = torch.Generator().manual_seed(seed)
-    pool = torch.randn(tokens * len(PLANES) + files * 7, HIDDEN, generator=g).to(torch.bfloat16)
-    manifest = store.Manifest(directory)
-    total = 0
-    for i in range(files):
-        ids = torch.arange(tokens, dtype=torch.int64) + (seed * 1_000_000 + i) * tokens
-        key = store.sample_key(ids)
-        tensors = [store.tensor_bytes("input_ids", ids)]
-        tensors += [store.tensor_bytes(name, pool[i * 7 + j * tokens: i * 7 + (j + 1) * tokens])
-                    for j, name in enumerate(PLANES)]  # distinct content per file
-        meta = {"format": store.FORMAT, "key": key, "num_tokens": str(tokens), "planes": ",".join(PLANES),
-                "hidden_size": str(HIDDEN), "dtype": "bfloat16"}
-        w = store.publish(store.write_temp(directory, key, tensors, meta, ranges=True), directory, replace=True)
-        manifest.add(w, tokens=tokens)
-        total += w.nbytes
-    return total
+from ship import write_samples  # noqa: E402  (bench/ship.py: the same samples)
 
 
 def copy_of(src: Path, dst: Path) -> Path:
@@ -142,7 +118,7 @@ def main() -> int:
         base = [sys.executable, "-m", "hs_patch.host.shipping.shipper", "ship"]
         for r in range(args.rounds):
             src = work / f"src{r}"
-            nbytes = write_samples(src, args.files, args.tokens, seed=r)
+            nbytes = write_samples(src, args.files, args.tokens, seed=r, ranged=True)
             contenders = [("rsync", [f"--dest={sshd.host}:{work / 'dest' / f'r{r}'}", *sshd.ship_args()])]
             contenders += [(f"s3 c{c}", [f"--dest=s3://hs-runs/bench/r{r}-c{c}", *server.ship_args(creds),
                                          "--s3-concurrency", str(c)]) for c in settings]

@@ -19,6 +19,7 @@ from hs_patch import store
 from hs_patch.files import RANGE
 from hs_patch.host.driver import runstate
 from hs_patch.host.shipping import bucket, bucket_link, shipper
+from lab import waiting
 from lab.ship_runs import (assert_bucket_has, assert_shipped_locally, digest_of, dirs, make_samples, objects,
                            ship_cmd, shipped_records, status, store_manifest)
 
@@ -46,13 +47,7 @@ def large(samples: Path, start: int, n: int = 1, **kw) -> list[store.Written]:
 
 
 def wait(what: str, predicate, timeout: float = 120, every: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    return waiting.wait(what, predicate, timeout, every)
 
 
 def state_of(state: Path) -> dict:
