@@ -5,7 +5,7 @@ For a bucket, the shipper gets the endpoint, region, addressing and concurrency 
 line, and its credentials never: the sample_shipping role writes them from the vault to
 ``sample_shipping_s3_credentials_file`` on the GPU host (root's, mode 0600), and systemd hands
 that file to the shipper's unit alone (``LoadCredential=s3:FILE``: the unit reads it at
-``$CREDENTIALS_DIRECTORY/s3``, under its own user, and nothing else on the host can). So a
+``$CREDENTIALS_DIRECTORY/s3``, under its own user; never on a command line). So a
 foreground ship (``fab ship``) and the preflight's check run as transient units too
 (``systemd-run --wait --pipe``), not with sudo. With no credentials file there (keys left empty
 in the role) the shipper uses boto3's own chain on the host (an instance role, say).
