@@ -48,8 +48,9 @@ HIDDEN = 7168
 PLANES = ["layer.2", "layer.30", "layer.58", "final.pre_norm"]
 
 
-def write_samples(directory: Path, files: int, tokens: int, seed: int) -> int:
-    """FILES samples of TOKENS tokens; returns the bytes written."""
+def write_samples(directory: Path, files: int, tokens: int, seed: int, *, ranged: bool = False) -> int:
+    """FILES samples of TOKENS tokens (``ranged``: with the capture writer's sha256r64m: digests); returns the
+    bytes written."""
     g = torch.Generator().manual_seed(seed)
     pool = torch.randn(tokens * len(PLANES) * 4, HIDDEN, generator=g).to(torch.bfloat16)
     manifest = store.Manifest(directory)
@@ -63,7 +64,8 @@ def write_samples(directory: Path, files: int, tokens: int, seed: int) -> int:
                     for j, name in enumerate(PLANES)]
         meta = {"format": store.FORMAT, "key": key, "num_tokens": str(tokens), "planes": ",".join(PLANES),
                 "hidden_size": str(HIDDEN), "dtype": "bfloat16"}
-        w = store.write_sample(directory, key, tensors, meta)
+        w = (store.publish(store.write_temp(directory, key, tensors, meta, ranges=True), directory, replace=True)
+             if ranged else store.write_sample(directory, key, tensors, meta))
         manifest.add(w, tokens=tokens)
         total += w.nbytes
     return total

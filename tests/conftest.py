@@ -124,3 +124,20 @@ def standin(tiny_model_dir, tmp_path_factory):
     srv = start_standin(tiny_model_dir, tmp_path_factory.mktemp("capture"), "0.5.16")
     yield srv
     srv.close()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """The run's one S3 server (SeaweedFS in a network namespace: tests/lab/seaweed.py), shared by every S3
+    test. Their modules are all in the xdist group "s3", so one worker starts it, once."""
+    from lab import seaweed
+
+    why = seaweed.available()
+    if why:
+        pytest.skip(why)
+    server = seaweed.Seaweed(tmp_path_factory.mktemp("s3"), buckets=S3_BUCKETS).up()
+    yield server
+    server.down()
+
+
+S3_BUCKETS = ("hs-runs", "hs-quota")  # the shipper's identity may read, write and list these; nothing else

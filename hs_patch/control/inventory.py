@@ -79,6 +79,13 @@ class Target:
     ship_enabled: bool = True
     storage_alias: str = "hs-storage"
     storage_dir: str = "/srv/hs-samples"
+    s3_url: str = ""                # s3://BUCKET/PREFIX: ship there instead of the storage host (hs_patch.control.storage)
+    s3_endpoint: str = ""
+    s3_region: str = ""
+    s3_addressing: str = "auto"
+    s3_concurrency: int = 8
+    s3_credentials_file: str = field(default_factory=lambda: str(role_default("sample_shipping",
+                                                                               "sample_shipping_s3_credentials_file")))
     state_root: str = "/var/lib/hs-patch/runs"
     samples_root: str = "/dev/shm/hs-runs"
     trust_remote_code: bool = True
@@ -106,12 +113,19 @@ _KNOBS = {
     "ansible_port": "port", "ansible_ssh_port": "port",
     "ansible_ssh_private_key_file": "key_file", "ansible_private_key_file": "key_file",
     "hs_known_hosts_file": "known_hosts", "sglang_service_check_dir": "check_dir",
+    "hs_s3_url": "s3_url", "hs_s3_endpoint": "s3_endpoint", "hs_s3_region": "s3_region",
+    "hs_s3_addressing": "s3_addressing", "hs_s3_concurrency": "s3_concurrency",
+    "sample_shipping_s3_credentials_file": "s3_credentials_file",
 }
 # names that reach command lines on the host: refused unless plain (remote.py quotes them too)
 _NAMES = {"service": re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,100}$"),
           "service_user": re.compile(r"^[a-z_][a-z0-9_-]{0,31}$"),
-          "storage_alias": re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,100}$")}
-_PATHS = ("venv", "dump_dir", "model_path", "storage_dir", "state_root", "samples_root", "api_key_file", "check_dir")
+          "storage_alias": re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,100}$"),
+          "s3_url": re.compile(r"^(|s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[A-Za-z0-9_.@+=-]+)*/?)$"),
+          "s3_endpoint": re.compile(r"^(|https?://[A-Za-z0-9.:\[\]-]+(/[A-Za-z0-9_./-]*)?)$"),
+          "s3_region": re.compile(r"^[a-z0-9-]{0,40}$"), "s3_addressing": re.compile(r"^(auto|path|virtual)$")}
+_PATHS = ("venv", "dump_dir", "model_path", "storage_dir", "state_root", "samples_root", "api_key_file", "check_dir",
+          "s3_credentials_file")
 
 
 def default_source() -> str:

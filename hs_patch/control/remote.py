@@ -22,8 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable
 
+from hs_patch.control import storage
 from hs_patch.control.inventory import Target
 from hs_patch.control.shell import RemoteError, Shell, cmd
+from hs_patch.control.storage import destination
 
 __all__ = ["RemoteError", "Check", "preflight", "estimate_bytes", "prepare", "upload", "start_server",
            "check_kv_cache", "destination", "start_jobs", "unit_hardening", "snapshot", "runs", "stop", "ship_now",
@@ -97,7 +99,12 @@ def preflight(c: Shell, t: Target, *, estimated_bytes: int | None, bytes_per_tok
         free = _free_bytes(c, path)
         checks.append(Check(label, free is not None and free >= need, f"{_gb(free)} free for {path}",
                             f"free at least {_gb(need)} there (one sample of {max_tokens} tokens)"))
-    if t.ship_enabled:
+    if t.ship_enabled and t.s3_url:
+        ok, said = storage.preflight_bucket(c, t, [f"--property={p}" for p in SANDBOX]
+                                            + storage.credential_properties(c, t))
+        checks.append(Check("storage", ok, said, "fix the bucket, its endpoint or the credentials (hs_s3_* in the "
+                            "inventory and the vault; ansible-playbook site.yml --tags shipping installs them)"))
+    elif t.ship_enabled:
         # ssh joins its arguments into one line the far shell reads: hand it one quoted line
         r = c.run(_as_service_user(t, "ssh", "-o", "BatchMode=yes", "--", t.storage_alias,
                                    cmd("df", "-Pk", t.storage_dir)), timeout=60)
@@ -316,12 +323,6 @@ def unit_hardening(t: Target, run: str, job: str) -> list[str]:
     return [f"--property={p}" for p in props]
 
 
-def destination(t: Target, run: str, part: str = "") -> str:
-    """Where ``run``'s samples go: ``STORAGE:DIR/RUN``, or ``.../RUN/PART`` for one host of a
-    fleet run (``hs_patch.control.fleet``)."""
-    return f"{t.storage_alias}:{t.storage_dir}/{run}" + (f"/{part}" if part else "")
-
-
 def start_jobs(c: Shell, t: Target, run: str, driver_args: list[str], *, dest: str | None = None) -> list[str]:
     """Start the driver and (if shipping) the shipper units; leave running ones alone. ``dest``:
     where the shipper sends (default :func:`destination` of ``run``)."""
@@ -339,10 +340,10 @@ def start_jobs(c: Shell, t: Target, run: str, driver_args: list[str], *, dest: s
     if t.ship_enabled:
         # the shipper waits out storage outages itself; exit 2 is bad configuration: no restart
         jobs.append((ship, ["--property=Restart=on-failure", "--property=RestartPreventExitStatus=2",
-                            *unit_hardening(t, run, "ship"), "--",
+                            *unit_hardening(t, run, "ship"), *storage.credential_properties(c, t), "--",
                             t.bin("hs-extract"), "ship", "--samples-dir", t.samples_dir(run),
                             "--state-dir", t.state_dir(run), "--dest", dest or destination(t, run),
-                            "--follow"]))
+                            *storage.ship_options(t), "--follow"]))
     for unit, argv in jobs:
         # systemd expands $NAME in a unit's command line at start: never let a path do that
         if any("$" in str(a) for a in argv):
@@ -403,7 +404,10 @@ def ship_now(c: Shell, t: Target, run: str, *, dest: str | None = None) -> tuple
     in the run's shipped.jsonl every sample the destination already holds."""
     _, ship = units(run)
     c.run(["systemctl", "stop", f"{ship}.service"])
-    r = c.run(_as_service_user(t, t.bin("hs-extract"), "ship", "--samples-dir", t.samples_dir(run),
-                               "--state-dir", t.state_dir(run), "--dest", dest or destination(t, run)),
-              timeout=None)
+    argv = [t.bin("hs-extract"), "ship", "--samples-dir", t.samples_dir(run), "--state-dir", t.state_dir(run),
+            "--dest", dest or destination(t, run), *storage.ship_options(t)]
+    if t.s3_url:  # its credentials reach only a unit (storage's module doc): the follow unit's sandbox, in front
+        return storage.run_shipper_unit(c, t, ship, unit_hardening(t, run, "ship") + storage.credential_properties(c, t),
+                                        argv)
+    r = c.run(_as_service_user(t, *argv), timeout=None)
     return r.exited, (r.stdout + r.stderr).strip()

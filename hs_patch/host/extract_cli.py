@@ -2,7 +2,8 @@
 
 Subcommands, each from its room: ``drive`` (feed a dataset through the server and collect
 the samples: :mod:`hs_patch.host.driver.cli`), ``ship`` (move finished samples to training
-storage, verified: :mod:`hs_patch.host.shipping.shipper`), ``snapshot`` (one JSON view of a
+storage, verified: :mod:`hs_patch.host.shipping.shipper`), ``fetch`` (a run shipped to a bucket onto
+local disk, verified: :mod:`hs_patch.host.shipping.fetch`), ``snapshot`` (one JSON view of a
 run, for the dashboard: :mod:`hs_patch.host.driver.snapshot`), ``export`` (samples in a
 trainer's layout: :mod:`hs_patch.host.export.cli`), ``drafter-config`` (the eagle_config a
 drafter is served with: :mod:`hs_patch.host.drafter.config`), ``accept`` (a trained drafter's accept
@@ -39,6 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     shipper.add_arguments(s)
     s.set_defaults(func=shipper.run_args)
+    from hs_patch.host.shipping import fetch
+
+    f = sub.add_parser("fetch", help="bring a run shipped to an S3 bucket onto local disk, every file verified "
+                       "(then inspect or export it)", description=fetch.DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    fetch.add_arguments(f)
+    f.set_defaults(func=fetch.run_args)
     n = sub.add_parser("snapshot", help="print one JSON snapshot of a run (what fab's dashboard shows)",
                        description=snapshot.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     snapshot.add_arguments(n)

@@ -23,6 +23,7 @@ import pytest
 
 from lab.demo import EXAMPLE, GPU, Demo, check_destination
 from lab.runcheck import write_chats
+from lab.waiting import wait
 
 pytestmark = [
     pytest.mark.slow,
@@ -50,16 +51,6 @@ def demo(tmp_path_factory):
 def remote_json(demo: Demo, path: str):
     out = demo.ssh(GPU[0], f"cat {path} 2>/dev/null || true").stdout
     return json.loads(out) if out.strip() else None
-
-
-def wait(what: str, predicate, timeout: float = 180, every: float = 1.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def unit(demo: Demo, name: str) -> dict:

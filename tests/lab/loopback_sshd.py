@@ -26,12 +26,13 @@ class LoopbackSshd:
     known_hosts: Path  # holds the server's host key for [127.0.0.1]:port
     log: Path
     proc: subprocess.Popen
+    address: str = "127.0.0.1"
 
     @property
     def host(self) -> str:
         import getpass
 
-        return f"{getpass.getuser()}@127.0.0.1"
+        return f"{getpass.getuser()}@{self.address}"
 
     def ship_args(self) -> list[str]:
         """The shipper's command-line options to reach this server."""
@@ -53,7 +54,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(directory: Path) -> LoopbackSshd:
+def start(directory: Path, *, address: str = "127.0.0.1", netns: str | None = None) -> LoopbackSshd:
+    """``address``/``netns``: listen there instead, inside that network namespace (the S3 bench puts sshd
+    beside the S3 server, behind one link)."""
     if not os.path.exists(SSHD):
         raise RuntimeError(f"{SSHD} is missing: apt-get install -y openssh-server (the tests need a real sshd)")
     directory.mkdir(parents=True, exist_ok=True)
@@ -64,20 +67,20 @@ def start(directory: Path) -> LoopbackSshd:
     if os.geteuid() == 0:
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
     port = _free_port()
-    (directory / "known_hosts").write_text(f"[127.0.0.1]:{port} {(directory / 'host_key.pub').read_text()}")
+    (directory / "known_hosts").write_text(f"[{address}]:{port} {(directory / 'host_key.pub').read_text()}")
     options = {
-        "Port": port, "ListenAddress": "127.0.0.1", "HostKey": directory / "host_key",
+        "Port": port, "ListenAddress": address, "HostKey": directory / "host_key",
         "AuthorizedKeysFile": directory / "authorized_keys", "PidFile": "none", "StrictModes": "no",
         "UsePAM": "no", "PasswordAuthentication": "no", "KbdInteractiveAuthentication": "no",
         "PermitRootLogin": "prohibit-password", "MaxStartups": "50", "MaxSessions": "50",
     }
-    argv = [SSHD, "-D", "-e", "-f", "/dev/null"]
+    argv = (["ip", "netns", "exec", netns] if netns else []) + [SSHD, "-D", "-e", "-f", "/dev/null"]
     for k, v in options.items():
         argv += ["-o", f"{k}={v}"]
     log = directory / "sshd.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
-    server = LoopbackSshd(port, directory / "client_key", directory / "known_hosts", log, proc)
+    server = LoopbackSshd(port, directory / "client_key", directory / "known_hosts", log, proc, address)
     deadline = time.monotonic() + 15
     while b"Server listening" not in log.read_bytes():
         if proc.poll() is not None or time.monotonic() > deadline:

@@ -158,7 +158,7 @@ def test_cut_at_any_step_then_resumed_loses_and_duplicates_nothing(tmp_path, mon
                     os.replace(dest / ".incoming" / w.path.name, dest / "samples" / w.path.name)
             _crash_after(m, ship_link.Link, "send", before=move_half)
         elif point == "after_commit":  # the destination has committed all, nothing recorded here
-            _crash_after(m, ship_link.Commit, "wait", when=lambda results, self: bool(results))
+            _crash_after(m, ship_link.Commit, "wait", when=lambda results, self: isinstance(results, list) and bool(results))
         else:  # shipped.jsonl has the first file, its local copy is still there
             _crash_after(m, store.Manifest, "append", when=lambda result, self, rec: rec["op"] == "shipped")
         with pytest.raises(Crash):
@@ -182,7 +182,7 @@ def test_a_local_copy_is_not_deleted_on_the_word_of_the_destinations_manifest_al
     written = make_samples(samples, 3)
     cfg = shipper.ShipConfig(samples, state, ship_link.parse_dest(str(dest)))
     with monkeypatch.context() as m:
-        _crash_after(m, ship_link.Commit, "wait", when=lambda results, self: bool(results))
+        _crash_after(m, ship_link.Commit, "wait", when=lambda results, self: isinstance(results, list) and bool(results))
         with pytest.raises(Crash):
             shipper.ship(cfg)
     assert all(w.path.exists() for w in written) and not shipped_records(state)

@@ -8,7 +8,8 @@ Layout of ``--state-dir`` (default ``/var/lib/hs-patch/runs/<run>``):
 - ``rejects.jsonl`` input lines that cannot become samples (file, line, reason)
 - ``status.json``   progress, rewritten every few seconds
 - ``shipped.jsonl`` written by the shipper: ``{"op": "shipped", "key", "sha256"}`` per sample
-  verified at the destination
+  verified at the destination, ``{"op": "lost", "key", "why"}`` for one its check found damaged
+  or missing there later (then it is not done: the next start extracts it again)
 
 Done = a sample whose final file in the samples dir matches its manifest entry (size +
 sha256), or whose key and sha256 the shipper recorded as verified at the destination.
@@ -175,8 +176,15 @@ class DoneState:
 
 
 def read_shipped(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
-    """key -> record of the samples the shipper verified at the destination (the last one of a key)."""
-    return {r["key"]: r for r in read_jsonl(path) if r.get("op") == "shipped" and isinstance(r.get("key"), str)}
+    """key -> record of the samples the shipper verified at the destination (the last one of a key), less those
+    it found damaged or missing there since (``op: lost``, the last word on a key: extracted again)."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in read_jsonl(path):
+        if isinstance(r.get("key"), str) and r.get("op") == "shipped":
+            out[r["key"]] = r
+        elif isinstance(r.get("key"), str) and r.get("op") == "lost":
+            out.pop(r["key"], None)
+    return out
 
 
 def load_done(samples_dir: Path, shipped_path: Path, *, workers: int = 4) -> DoneState:
@@ -281,4 +289,6 @@ class ShippedTail:
                     continue
                 if isinstance(rec, dict) and rec.get("op") == "shipped" and "key" in rec:
                     self.keys.add(rec["key"])
+                elif isinstance(rec, dict) and rec.get("op") == "lost" and "key" in rec:
+                    self.keys.discard(rec["key"])
         return self.keys

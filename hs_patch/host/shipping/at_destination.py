@@ -24,6 +24,13 @@ arrival is deleted), ``mismatch`` (the copy that arrived was wrong and is delete
 With ``"list": true`` the answer also has ``"entries"``: key, file, bytes, sha256 and
 sample_id of every sample in the destination's manifest (the shipper's start-up sync, so
 that samples already shipped count as done even when the GPU host forgot them).
+
+``"check": "cheap"`` or ``"deep"`` (with ``list``, every start of the shipper) first checks what
+the manifest lists: cheap, each file's size and mtime against those recorded when it was
+verified (``mtime_ns``; a write to the file moves its mtime; a line from before this field has
+its size checked only); deep, its digest computed again. A file that fails is moved to
+``ROOT/.damaged/`` and its line dropped from the manifest; the answer's ``"damaged"`` lists
+key, file and why, so the shipper can have the sample extracted again.
 """
 import errno
 import fcntl
@@ -38,6 +45,7 @@ INCOMING = ".incoming"
 SAMPLES = "samples"
 MANIFEST = "manifest.jsonl"
 LOCK = ".manifest.lock"
+DAMAGED = ".damaged"
 VERIFYING = ".hs-verifying."  # in INCOMING: a file this step took from rsync's name before hashing it
 RANGE, RANGED = 64 << 20, "sha256r64m:"  # hs_patch.files' ranged digest
 
@@ -79,28 +87,38 @@ def fsync_dir(path):
 
 def read_entries(path):
     """Live entries by key, in the order they were first added."""
-    entries = {}
     if not os.path.exists(path):
-        return entries
+        return {}
     with open(path, "rb") as f:
-        for raw in f:
-            if raw.strip():
-                rec = json.loads(raw)
-                if not isinstance(rec, dict) or not isinstance(rec.get("key"), str):
-                    continue  # not a line of ours (hs-patch inspect reports it)
-                if rec.get("op") == "add":
-                    entries[rec["key"]] = rec
-                elif rec.get("op") == "remove":
-                    entries.pop(rec["key"], None)
+        return entries_of(f)
+
+
+def entries_of(lines):
+    """Live entries by key of a manifest's lines (bytes), in the order they were first added."""
+    entries = {}
+    for raw in lines:
+        if raw.strip():
+            rec = json.loads(raw)
+            if not isinstance(rec, dict) or not isinstance(rec.get("key"), str):
+                continue  # not a line of ours (hs-patch inspect reports it)
+            if rec.get("op") == "add":
+                entries[rec["key"]] = rec
+            elif rec.get("op") == "remove":
+                entries.pop(rec["key"], None)
     return entries
+
+
+def manifest_bytes(entries):
+    """The manifest holding ``entries``: one JSON line each, keys sorted (the bucket's too)."""
+    return b"".join((json.dumps(rec, separators=(",", ":"), sort_keys=True) + "\n").encode()
+                    for rec in entries.values())
 
 
 def write_entries(root, entries):
     tmp = os.path.join(root, ".%s.%d.tmp" % (MANIFEST, os.getpid()))
     try:
         with open(tmp, "wb") as f:
-            for rec in entries.values():
-                f.write((json.dumps(rec, separators=(",", ":"), sort_keys=True) + "\n").encode())
+            f.write(manifest_bytes(entries))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(root, MANIFEST))
@@ -171,8 +189,9 @@ def commit(root, files):
     changed = False
     for f in arrived:
         rec = dict(f["entry"], op="add", file=SAMPLES + "/" + f["file"])
+        rec["mtime_ns"] = os.stat(os.path.join(root, rec["file"])).st_mtime_ns  # what the next start's check compares
         old = entries.get(rec["key"])
-        if old is None or old.get("sha256") != rec["sha256"] or old.get("file") != rec["file"]:
+        if old is None or any(old.get(k) != rec[k] for k in ("sha256", "file", "mtime_ns")):
             rec["shipped"] = round(time.time(), 3)
             entries[rec["key"]] = rec
             changed = True
@@ -181,6 +200,44 @@ def commit(root, files):
     if changed:
         write_entries(root, entries)
     return {"results": results, "manifest": len(entries)}
+
+
+def damage(root, rec, deep):
+    """Why the file of a manifest line no longer is what was verified (None if it is)."""
+    path = os.path.join(root, rec.get("file") or "")
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        return "missing (%s)" % (e.strerror or e)
+    if st.st_size != rec.get("bytes"):
+        return "size %d, verified with %s (truncated or rewritten)" % (st.st_size, rec.get("bytes"))
+    if isinstance(rec.get("mtime_ns"), int) and st.st_mtime_ns != rec["mtime_ns"]:
+        return "written since it was verified (mtime %d, verified at %d)" % (st.st_mtime_ns, rec["mtime_ns"])
+    if deep and sha256_and_sync(path, rec.get("sha256") or "") != (rec.get("bytes"), rec.get("sha256")):
+        return "its content no longer has the verified digest"
+    return None
+
+
+def check(root, deep):
+    """Check every listed file (see the module doc); move the damaged aside and drop their lines."""
+    entries = read_entries(os.path.join(root, MANIFEST))
+    # a line without bytes or sha256 is not one this step wrote: left alone (the shipper names it)
+    ours = [rec for rec in entries.values() if type(rec.get("bytes")) is int and isinstance(rec.get("sha256"), str)]
+    with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
+        whys = list(pool.map(lambda rec: damage(root, rec, deep), ours))
+    damaged = []
+    for rec, why in zip(ours, whys):
+        if why is None:
+            continue
+        path = os.path.join(root, rec["file"])
+        if os.path.isfile(path):
+            os.makedirs(os.path.join(root, DAMAGED), exist_ok=True)
+            os.replace(path, os.path.join(root, DAMAGED, "%s.%d" % (os.path.basename(path), int(time.time() * 1e6))))
+        del entries[rec["key"]]
+        damaged.append({"key": rec["key"], "file": rec["file"], "why": why})
+    if damaged:
+        write_entries(root, entries)
+    return {"checked": len(whys), "damaged": damaged}
 
 
 def main():
@@ -192,7 +249,9 @@ def main():
             os.makedirs(d, exist_ok=True)
         with open(os.path.join(root, LOCK), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
+            checked = check(root, req["check"] == "deep") if req.get("check") else {}
             answer = commit(root, req["files"])
+            answer.update(checked)
             if req.get("list"):
                 fields = ("key", "file", "bytes", "sha256", "sample_id", "line_sha256")
                 answer["entries"] = [{k: e.get(k) for k in fields}

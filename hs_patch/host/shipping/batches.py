@@ -30,10 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from hs_patch import store
-from hs_patch.host.shipping.link import RSYNC_PER_FILE, Commit, Dest, Link, LinkError, SshOptions
+from hs_patch.host.shipping.link import RSYNC_PER_FILE, Commit, Link, LinkError, SshOptions
 
 from hs_patch.host.driver.runstate import DONE as DONE_MARKER  # noqa: E402
 from hs_patch.host.driver.runstate import SHIPPED as SHIPPED_LOG  # noqa: E402
+from hs_patch.host.driver.runstate import read_shipped  # noqa: E402
 
 STATUS_FILE = "shipper_status.json"
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNVERIFIED = 0, 1, 2, 3
@@ -44,8 +45,9 @@ WAITING = "waiting_for_destination"
 class ShipConfig:
     samples_dir: Path
     state_dir: Path
-    dest: Dest
+    dest: Any                       # link.Dest (rsync over SSH, or a local directory) or bucket.BucketDest (s3://)
     ssh: SshOptions = field(default_factory=SshOptions)
+    s3: Any = None                  # bucket.S3Options for an s3:// destination
     follow: bool = False
     until_file: Path | None = None  # default <state-dir>/driver.done
     poll_seconds: float = 2.0
@@ -54,6 +56,7 @@ class ShipConfig:
     retries: int = 3                # transfers of one file before it is given up as unverifiable
     bwlimit_kbps: int = 0
     backoff_max: float = 60.0       # longest wait between two tries of an unreachable destination
+    verify_deep: bool = False       # at start, every file the destination holds hashed again (not only size/mtime)
 
     @property
     def done_marker(self) -> Path:
@@ -81,8 +84,7 @@ class InFlight:
 class Shipper:
     def __init__(self, cfg: ShipConfig):
         self.cfg = cfg
-        self.shipped = {r["key"]: r for r in store.read_jsonl(cfg.state_dir / SHIPPED_LOG)
-                        if r.get("op") == "shipped"}
+        self.shipped = read_shipped(cfg.state_dir / SHIPPED_LOG)
         self.shipped_log = store.Manifest(cfg.state_dir, SHIPPED_LOG)
         self.local_manifest = store.Manifest(cfg.samples_dir)
         self.attempts: dict[tuple[str, str], int] = {}  # (key, sha256) -> failed verifications
@@ -95,6 +97,8 @@ class Shipper:
         self.last_error: str | None = None
         self.outage: dict[str, Any] | None = None   # since, failures, last_error, retry_in_s
         self.from_destination = 0                   # samples recorded from the destination's manifest
+        self.checked: dict[str, Any] | None = None  # the start's check of what the destination holds
+        self.damaged: list[dict[str, Any]] = []     # found damaged or missing there by it (key, file, why)
         self.stop_requested = False
 
     # ------------------------------------------------------------------ local side
@@ -187,20 +191,23 @@ class Shipper:
                 continue
             version = (p.key, p.entry["sha256"])
             self.attempts[version] = n = self.attempts.get(version, 0) + 1
+            detail = res.get("why") or f"rsync exit {done.rsync_rc}{': ' + done.rsync_err if done.rsync_err else ''}"
             why = (f"{p.entry['file']}: {res['status']} at the destination after transfer {n} of "
-                   f"{self.cfg.retries} (rsync exit {done.rsync_rc}{': ' + done.rsync_err if done.rsync_err else ''})")
+                   f"{self.cfg.retries} ({detail})")
             self.last_error = why
             if n >= self.cfg.retries:
                 self.failed[p.key] = why + "; local copy kept"
             print(f"hs-ship: {why}", file=sys.stderr)
 
-    def step(self, link: Link) -> None:
+    def step(self, link: Link) -> bool:
         """Send the next batch (unless stopping) while the previous one is verified, then
-        record the previous one."""
+        record the previous one. Whether the destination answered a verification (an S3 batch's
+        failures show only then: its whole round runs in the background)."""
         started = self.send_batch(link) if self.pending and not self.stop_requested else None
         previous, self.inflight = self.inflight, started
         if previous is not None:
             self.finish_batch(previous)
+        return previous is not None
 
     # ------------------------------------------------------------------ status
 
@@ -215,7 +222,8 @@ class Shipper:
             "verifying": len(self.inflight.batch) if self.inflight else 0,
             "throughput_bytes_per_s": round(self.run_bytes / self.busy_seconds) if self.busy_seconds else None,
             "failed": self.failed, "missing_local": self.missing_local, "last_error": self.last_error,
-            "outage": self.outage, "from_destination": self.from_destination,
+            "outage": self.outage, "from_destination": self.from_destination, "checked": self.checked,
+            "damaged": self.damaged,
         }
         store.write_text_atomic(self.cfg.state_dir / STATUS_FILE, json.dumps(doc, indent=1, sort_keys=True))
 
@@ -255,12 +263,33 @@ class Shipper:
             try:
                 if not link.alive():
                     link.reopen()
-                self.sync_destination(link.destination_entries())
+                found = link.check_destination(self.cfg.verify_deep)
+                self.note_damaged(found.get("damaged") or [])
+                self.checked = {"files": found.get("checked", 0), "deep": self.cfg.verify_deep,
+                                "damaged": len(found.get("damaged") or []), "t": round(time.time(), 3)}
+                self.sync_destination(found["entries"])
                 self.outage = None
                 return True
             except LinkError as e:
                 self.ride_out(e, link)
         return False
+
+    def note_damaged(self, damaged: list[dict[str, Any]]) -> None:
+        """Samples the destination held that its check found damaged or missing (moved aside there and dropped
+        from its manifest): one with a local copy is shipped again; one shipped and deleted here is recorded
+        ``lost`` in shipped.jsonl, so the driver's next start of the run extracts it again."""
+        for d in damaged:
+            key = d.get("key")
+            lost = isinstance(key, str) and key in self.shipped
+            if lost:
+                self.shipped_log.append({"op": "lost", "key": key, "file": d.get("file"), "why": d.get("why"),
+                                         "t": round(time.time(), 3)})
+                del self.shipped[key]
+            self.damaged.append(dict(d, lost=lost))
+            print(f"hs-ship: {d.get('file')} at {self.cfg.dest} is damaged: {d.get('why')}; dropped from the "
+                  "destination's manifest" + ("; the run's next start extracts it again" if lost else
+                                              "; shipped again from here if this host still has it"),
+                  file=sys.stderr)
 
     def sync_destination(self, entries: list[dict[str, Any]]) -> None:
         """Record in shipped.jsonl each sample the destination holds that it does not list (as is),
@@ -302,12 +331,12 @@ class Shipper:
                 self.write_status("shipping")
                 t0 = time.monotonic()
                 try:
-                    self.step(link)
+                    answered = self.step(link)
                     self.busy_seconds += time.monotonic() - t0
-                    if self.outage is not None:
+                    if self.outage is not None and answered:
                         print(f"hs-ship: the destination is back after {time.time() - self.outage['since']:.0f}s",
                               file=sys.stderr)
-                    self.outage = None
+                        self.outage = None
                 except LinkError as e:
                     self.ride_out(e, link)
         finally:
@@ -319,7 +348,7 @@ class Shipper:
                                f"{store.MANIFEST} but their files are gone and were never shipped, e.g. "
                                f"{self.missing_local[0]}: something deleted them without an op: remove line")
             return EXIT_ERROR
-        return EXIT_UNVERIFIED if self.failed else EXIT_OK
+        return EXIT_UNVERIFIED if self.failed or any(d["lost"] for d in self.damaged) else EXIT_OK
 
 
 def kept_words(ours: dict[str, Any], kept: dict[str, Any]) -> str:

@@ -231,7 +231,8 @@ class Link:
                            stderr=subprocess.PIPE, preexec_fn=_child_setup, start_new_session=True)
         return p.returncode, _tail(p.stderr)
 
-    def start_commit(self, files: list[dict[str, Any]], *, list_entries: bool = False) -> Commit:
+    def start_commit(self, files: list[dict[str, Any]], *, list_entries: bool = False, check: str = "",
+                     timeout: float = 300) -> Commit:
         """Start verifying ``files`` on the destination and committing those that match (see
         ship_remote); the shipper sends the next batch meanwhile. With no files it only
         checks that the destination is reachable and writable."""
@@ -239,16 +240,21 @@ class Link:
             argv = self._ssh + [self.dest.host, "python3 -c " + shlex.quote(REMOTE_SOURCE)]
         else:
             argv = [sys.executable, "-c", REMOTE_SOURCE]
-        return Commit(argv, {"root": self.dest.path, "files": files, "list": list_entries}, str(self.dest),
+        request = {"root": self.dest.path, "files": files, "list": list_entries, "check": check}
+        return Commit(argv, request, str(self.dest),
                       # bounded: hashing at >= 20 MB/s plus the connection's own limits
-                      timeout=300 + sum(f["bytes"] for f in files) / 20e6)
+                      timeout=timeout + sum(f["bytes"] for f in files) / 20e6)
 
     def commit(self, files: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return self.start_commit(files).wait()
 
-    def destination_entries(self) -> list[dict[str, Any]]:
-        """Every sample the destination's manifest lists (key, file, bytes, sha256, sample_id)."""
-        return self.start_commit([], list_entries=True).wait(answer="entries")
+    def check_destination(self, deep: bool = False) -> dict[str, Any]:
+        """What the destination holds, checked (at_destination's module doc): ``entries`` (key, file,
+        bytes, sha256, sample_id of every sample its manifest lists, once the damaged are dropped),
+        ``damaged`` (key, file, why) and ``checked`` (how many files were looked at)."""
+        # a deep check hashes every file there: no time limit worth guessing (the link's own keepalives stay)
+        return self.start_commit([], list_entries=True, check="deep" if deep else "cheap",
+                                 timeout=86400.0 if deep else 600.0).wait(answer=None)
 
 
 class Commit:
@@ -265,8 +271,9 @@ class Commit:
                                           preexec_fn=_child_setup, start_new_session=True)
         self._deadline = time.monotonic() + timeout
 
-    def wait(self, answer: str = "results") -> list[dict[str, Any]]:
-        """The per-file results (or another list of the answer); LinkError if the destination did not answer."""
+    def wait(self, answer: str | None = "results") -> Any:
+        """The per-file results (another part of the answer, or all of it with None); LinkError if the
+        destination did not answer."""
         try:
             rc = self._proc.wait(max(0.0, self._deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -276,8 +283,9 @@ class Commit:
         if rc != 0:
             raise LinkError(f"verification on {self.where} failed (exit {rc}): {_tail(err)}")
         try:
-            return json.loads(out)[answer]
-        except (ValueError, KeyError):
+            doc = json.loads(out)
+            return doc if answer is None else doc[answer]
+        except (ValueError, KeyError, TypeError):
             raise LinkError(f"verification on {self.where} gave no answer: {_tail(out)} {_tail(err)}") from None
 
     def kill(self) -> None:
