@@ -214,7 +214,8 @@ def test_preflight_skips_storage_when_shipping_is_off(local_inventory, tmp_path)
 
 @pytest.mark.slow
 def test_testhosts_up_down_leaves_nothing(tmp_path):
-    """Two hosts reach each other over SSH; down removes every netns, link, mount and process."""
+    """Two hosts reach each other over SSH, one reboots and comes back; down removes every netns, link, mount
+    and process."""
     if reason := _lab_prereqs():
         pytest.skip(reason)
     from lab.testhosts import Lab
@@ -250,6 +251,21 @@ def test_testhosts_up_down_leaves_nothing(tmp_path):
         # one pinned host key per host (the lab keeps strict host key checking on)
         known = Path(desc["known_hosts"]).read_text()
         assert known.count("ssh-ed25519") == 2
+        # a reboot (Ansible's reboot module does this) brings the host back as a machine comes back: a new
+        # boot id, /run emptied, the disk kept, the same recorded pid (lab/boot_loop.py boots it again)
+        boot = lab.ssh("gpu", "touch /run/booted /root/kept; cat /proc/sys/kernel/random/boot_id").stdout.strip()
+        lab.ssh("gpu", "systemctl reboot", check=False)
+        nspawn = set(_run(["pgrep", "-g", str(pids[0])]).stdout.split())
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            again = lab.ssh("gpu", "cat /proc/sys/kernel/random/boot_id", check=False)
+            if again.returncode == 0 and again.stdout.strip() != boot:
+                break
+            time.sleep(1)
+        assert again.stdout.strip() != boot, "the host did not come back from its reboot"
+        assert lab.ssh("gpu", "ls /run/booted /root/kept", check=False).stdout.split() == ["/root/kept"]
+        assert [h["pid"] for h in lab.load()["hosts"]] == pids and lab.running()
+        nspawn |= set(_run(["pgrep", "-g", str(pids[0])]).stdout.split())
     finally:
         lab.down()
     after = snapshot()
@@ -259,7 +275,7 @@ def test_testhosts_up_down_leaves_nothing(tmp_path):
     assert not ours[0], f"network namespaces left behind: {ours[0]}"
     assert not ours[1], f"network links left behind: {ours[1]}"
     assert not ours[2], f"mounts left behind: {ours[2]}"
-    for pid in pids:
+    for pid in pids + [int(p) for p in nspawn]:  # the boot loops and every systemd-nspawn they ran
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
     assert not (tmp_path / "lab" / "lab.json").exists()
 
