@@ -145,7 +145,9 @@ def local_inventory(tmp_path: Path) -> Path:
 def _preflight(inv: Path, tmp_path: Path, extra: dict) -> subprocess.CompletedProcess:
     # Fits this machine's memory and disk and names a storage host: the defaults are for the GPU host.
     base = {"hs_dump_budget_gib": 1, "hs_shm_headroom_gib": 1, "hs_storage_host": "storage.example",
-            "hs_space_model_gib": 1}
+            "hs_space_model_gib": 1, "hs_model_revision": "0123456789abcdef0123456789abcdef01234567",
+            # the roles' platform, and this machine's (Debian 12 or Ubuntu 24.04, README's Install)
+            "hs_platforms": ["Ubuntu 24.04 x86_64", "Debian 12 x86_64"]}
     varfile = tmp_path / "extra.json"
     varfile.write_text(json.dumps({**base, **extra}))
     return _run([_tool("ansible-playbook"), "-i", str(inv), "-e", f"@{varfile}", "playbooks/preflight.yml"],
@@ -190,6 +192,12 @@ def test_preflight_accepts_the_defaults(local_inventory, tmp_path):
     ({"hs_space_venv_gib": -1}, "whole numbers of GiB"),
     ({"hs_space_model_gib": 100000}, "Not enough disk space on preflight-local"),
     ({"hs_space_model_gib": 100000}, "model 100000.0 GiB (/models/Kimi-K2.5)"),
+    ({"hs_platforms": ["Ubuntu 24.04 aarch64"]}, "the roles provision Ubuntu 24.04 aarch64 (hs_platforms)"),
+    ({"hs_model_revision": ""}, "hub needs hs_model_revision, the commit of moonshotai/Kimi-K2.5 to serve"),
+    ({"hs_model_revision": "main"}, "pin the one you validated, as the hub's main moves"),
+    ({"hs_model_source": "s3"}, "hs_model_source must be hub, http, rsync or none"),
+    ({"hs_model_source": "http"}, "http and rsync need hs_model_mirror_url"),
+    ({"hs_iommu_passthrough": "yes"}, "hs_iommu_passthrough and hs_pcie_acs_disable true or false"),
 ])
 def test_preflight_refuses_bad_inventory(local_inventory, tmp_path, extra, message):
     proc = _preflight(local_inventory, tmp_path, extra)
