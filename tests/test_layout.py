@@ -12,7 +12,7 @@
 - The patch's injected import names a module and function that exist.
 
 ``hs_patch/host/`` is in rooms by job (``driver/``, ``fidelity/``, ``readiness/``, ``patching/``,
-``drafter/``, ``export/``, ``shipping/``); at its top only the two CLIs and ``model_files``:
+``drafter/``, ``export/``, ``shipping/``, ``model/``); at its top only the two CLIs and ``model_files``:
 
 - the driver is imported, outside its room, by the CLI and by two modules that truly need a
   piece of it: the fidelity check reads the server's ``/generate`` answer with
@@ -68,7 +68,7 @@ def _is_module(name: str) -> bool:
     return (PKG.parent / (name.replace(".", "/") + ".py")).is_file() or (PKG.parent / name.replace(".", "/")).is_dir()
 
 
-ROOMS = ("drafter", "driver", "export", "fidelity", "patching", "readiness", "shipping")
+ROOMS = ("drafter", "driver", "export", "fidelity", "model", "patching", "readiness", "shipping")
 # outside the driver's room, who imports which of its modules, and why (the module docstring says it too)
 DRIVER_USERS = {
     "hs_patch/host/extract_cli.py": {"cli", "snapshot"},    # hs-extract: the drive and snapshot subcommands

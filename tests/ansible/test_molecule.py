@@ -145,7 +145,9 @@ def local_inventory(tmp_path: Path) -> Path:
 def _preflight(inv: Path, tmp_path: Path, extra: dict) -> subprocess.CompletedProcess:
     # Fits this machine's memory and disk and names a storage host: the defaults are for the GPU host.
     base = {"hs_dump_budget_gib": 1, "hs_shm_headroom_gib": 1, "hs_storage_host": "storage.example",
-            "hs_space_model_gib": 1}
+            "hs_space_model_gib": 1, "hs_model_revision": "0123456789abcdef0123456789abcdef01234567",
+            # the roles' platform, and this machine's (Debian 12 or Ubuntu 24.04, README's Install)
+            "hs_platforms": ["Ubuntu 24.04 x86_64", "Debian 12 x86_64"]}
     varfile = tmp_path / "extra.json"
     varfile.write_text(json.dumps({**base, **extra}))
     return _run([_tool("ansible-playbook"), "-i", str(inv), "-e", f"@{varfile}", "playbooks/preflight.yml"],
@@ -193,6 +195,12 @@ def test_preflight_accepts_the_defaults(local_inventory, tmp_path):
     ({"hs_space_venv_gib": -1}, "whole numbers of GiB"),
     ({"hs_space_model_gib": 100000}, "Not enough disk space on preflight-local"),
     ({"hs_space_model_gib": 100000}, "model 100000.0 GiB (/models/Kimi-K2.5)"),
+    ({"hs_platforms": ["Ubuntu 24.04 aarch64"]}, "the roles provision Ubuntu 24.04 aarch64 (hs_platforms)"),
+    ({"hs_model_revision": ""}, "hub needs hs_model_revision, the commit of moonshotai/Kimi-K2.5 to serve"),
+    ({"hs_model_revision": "main"}, "pin the one you validated, as the hub's main moves"),
+    ({"hs_model_source": "s3"}, "hs_model_source must be hub, http, rsync or none"),
+    ({"hs_model_source": "http"}, "http and rsync need hs_model_mirror_url"),
+    ({"hs_iommu_passthrough": "yes"}, "hs_iommu_passthrough and hs_pcie_acs_disable true or false"),
 ])
 def test_preflight_refuses_bad_inventory(local_inventory, tmp_path, extra, message):
     proc = _preflight(local_inventory, tmp_path, extra)
@@ -223,7 +231,8 @@ def test_preflight_skips_storage_when_shipping_is_off(local_inventory, tmp_path)
 
 @pytest.mark.slow
 def test_testhosts_up_down_leaves_nothing(tmp_path):
-    """Two hosts reach each other over SSH; down removes every netns, link, mount and process."""
+    """Two hosts reach each other over SSH, one reboots and comes back; down removes every netns, link, mount
+    and process."""
     if reason := _lab_prereqs():
         pytest.skip(reason)
     from lab.testhosts import Lab
@@ -259,6 +268,21 @@ def test_testhosts_up_down_leaves_nothing(tmp_path):
         # one pinned host key per host (the lab keeps strict host key checking on)
         known = Path(desc["known_hosts"]).read_text()
         assert known.count("ssh-ed25519") == 2
+        # a reboot (Ansible's reboot module does this) brings the host back as a machine comes back: a new
+        # boot id, /run emptied, the disk kept, the same recorded pid (lab/boot_loop.py boots it again)
+        boot = lab.ssh("gpu", "touch /run/booted /root/kept; cat /proc/sys/kernel/random/boot_id").stdout.strip()
+        lab.ssh("gpu", "systemctl reboot", check=False)
+        nspawn = set(_run(["pgrep", "-g", str(pids[0])]).stdout.split())
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            again = lab.ssh("gpu", "cat /proc/sys/kernel/random/boot_id", check=False)
+            if again.returncode == 0 and again.stdout.strip() != boot:
+                break
+            time.sleep(1)
+        assert again.stdout.strip() != boot, "the host did not come back from its reboot"
+        assert lab.ssh("gpu", "ls /run/booted /root/kept", check=False).stdout.split() == ["/root/kept"]
+        assert [h["pid"] for h in lab.load()["hosts"]] == pids and lab.running()
+        nspawn |= set(_run(["pgrep", "-g", str(pids[0])]).stdout.split())
     finally:
         lab.down()
     after = snapshot()
@@ -268,7 +292,7 @@ def test_testhosts_up_down_leaves_nothing(tmp_path):
     assert not ours[0], f"network namespaces left behind: {ours[0]}"
     assert not ours[1], f"network links left behind: {ours[1]}"
     assert not ours[2], f"mounts left behind: {ours[2]}"
-    for pid in pids:
+    for pid in pids + [int(p) for p in nspawn]:  # the boot loops and every systemd-nspawn they ran
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
     assert not (tmp_path / "lab" / "lab.json").exists()
 

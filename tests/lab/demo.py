@@ -7,12 +7,17 @@
 
 1. boots two local test hosts (tests/lab/testhosts.py: Debian 12, real systemd, real SSH, in
    their own network namespace): ``gpu`` (203.0.113.40) and ``storage`` (203.0.113.41);
-2. runs ``ansible-playbook site.yml`` against them with a generated inventory: the GPU
-   steps are faked (an ``nvidia-smi`` printing 8 RTX PRO 6000 rows, an ``nvidia-modprobe`` that logs, a
-   ``mokutil`` saying Secure Boot is off, no driver install),
-   SGLang 0.5.9 comes from a wheelhouse and is patched and verified, the server unit runs
-   the STAND-IN server (tests/lab/standin_server.py: not SGLang; it runs the deepseek_v2.py
-   Ansible just patched, on a tiny random DeepseekV3, through the real capture hook);
+2. runs ``ansible-playbook site.yml`` once against them, with the shipped
+   ``inventory/group_vars/gpu_hosts.yml`` and only what the lab must change (``GPU_VARS``): the GPU
+   host stands in for a fresh one whose NVIDIA driver is installed but not loaded (stand-in dpkg
+   packages: an ``nvidia-smi`` printing 8 RTX PRO 6000 rows once the "module" is loaded, an
+   ``nvidia-modprobe`` that logs, a ``mokutil`` saying Secure Boot is off), so the play reboots it for
+   real and goes on; SGLang 0.5.9 comes from a wheelhouse (with the stand-in server's torch and
+   transformers in its lock) and is patched and verified; the model stage downloads a tiny random
+   DeepseekV3 from a local stand-in of the Hugging Face hub (tests/lab/fake_hub.py, on this machine's
+   lab address) and verifies every file; the services stage starts the server unit, which runs the
+   STAND-IN server (tests/lab/standin_server.py: not SGLang; it runs the deepseek_v2.py Ansible just
+   patched, through the real capture hook), and waits for its health check;
 3. runs ``fab extract`` on the bundled dataset (examples/data/tiny_chat.jsonl) with the
    live dashboard, shipping to the storage host; the dataset holds bad lines ON PURPOSE
    (bad JSON, not UTF-8, no assistant turn, ...: examples/data/README.md), which the
@@ -36,7 +41,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
@@ -46,6 +50,7 @@ ROOT = HERE.parents[1]
 sys.path[:0] = [str(HERE.parent), str(ROOT)]  # run as a script: `lab` and the checkout's hs_patch importable
 
 from lab import wheelhouse_dir  # noqa: E402
+from lab.fake_hub import COMMIT, FakeHub  # noqa: E402
 from lab.hostcmd import file_locked, tools_of_this_python  # noqa: E402
 from lab.rootfs import CACHE_DIR  # noqa: E402
 from lab.testhosts import STOP_TIMEOUT_S, Lab  # noqa: E402
@@ -61,24 +66,38 @@ STANDIN_DIR = "/opt/hs-patch/standin"
 STANDIN_FILES = ("__init__.py", "standin_server.py", "standin_engine.py", "standin_requests.py", "standin_spec.py",
                  "sglang_sim.py", "hf_reference.py", "sglang_wheels.py", "hostcmd.py")
 STANDIN_NEEDS = ("torch==2.13.0", "transformers", "safetensors", "requests", "pyyaml")
-MODEL = "/models/tiny"
 EXAMPLE = ROOT / "examples" / "data" / "tiny_chat.jsonl"
+WHEELHOUSE = CACHE_DIR / "wheelhouse-standin"  # sglang's lock and the stand-in server's wheels
+STANDIN_WHEELS = CACHE_DIR / "standin-wheels"
+HUB_REPO = "hs-test/tiny"
 
-# What the test hosts need instead of the production defaults (the rest comes from
-# inventory/group_vars/gpu_hosts.yml, copied as it is).
+# What the test hosts need instead of the shipped defaults; everything else comes from
+# inventory/group_vars/gpu_hosts.yml, copied as it is (hs_reboot_allowed, the server started and
+# enabled at the end of the run, the health wait, the model check, the roles' defaults). Each line
+# says why the lab cannot keep the default.
 GPU_VARS = {
-    "hs_storage_host": STORAGE[0], "hs_dump_budget_gib": 2, "hs_shm_headroom_gib": 1,
-    "gpu_host_nvidia_driver_install": False, "gpu_host_apt_cache_valid_time": 0,
-    "gpu_host_cuda_toolkit_install": False, "gpu_host_kernel_module_check": False,
-    "gpu_host_nvidia_persistenced_service": False, "sglang_check_torch": False, "sglang_service_gpu_checks": False,
-    "gpu_host_nvidia_smi": "/usr/local/bin/nvidia-smi", "gpu_host_nvidia_version_file": "/etc/hs-test/nvidia-version",
-    "gpu_host_mokutil": "/usr/local/bin/mokutil", "sglang_service_nvidia_modprobe": "/usr/local/bin/nvidia-modprobe",
-    "hs_sglang_install_source": "wheelhouse", "hs_sglang_wheelhouse": str(CACHE_DIR / "wheelhouse"),
-    "sglang_pip_no_deps": True, "hs_model_path": MODEL, "hs_model_architecture": "DeepseekV3ForCausalLM",
-    "hs_capture_layers": [1, 2, 3], "sglang_service_restart_sec": 1,
+    # the lab's platform: Debian 12 test hosts (tests/lab/rootfs.py), no GPU, no network beyond the lab
+    "hs_platforms": ["Debian 12 x86_64"],
+    # the GPU fakes' paths: the kernel's files the stand-in driver cannot put where the kernel does
+    "gpu_host_nvidia_version_file": "/run/hs-test/nvidia-version",
+    "gpu_host_nvidia_module_version_file": "/run/hs-test/nvidia-module-version",
+    "gpu_host_modinfo": "/usr/local/bin/modinfo",
+    # nvidia-modprobe comes with the CUDA toolkit (not installed here): a stand-in that logs its calls
+    "sglang_service_nvidia_modprobe": "/usr/local/bin/nvidia-modprobe",
+    # no Ubuntu or NVIDIA archive: the stand-in driver came as dpkg packages, no CUDA toolkit, no apt refresh
+    "gpu_host_nvidia_driver_install": False, "gpu_host_cuda_toolkit_install": False,
+    "gpu_host_apt_cache_valid_time": 0, "sample_shipping_apt_cache_valid_time": 0,
+    # no PyPI on the test hosts: the wheelhouse (README's "Hosts without internet")
+    "hs_sglang_install_source": "wheelhouse", "hs_sglang_wheelhouse": str(WHEELHOUSE),
+    # no GPU: CPU torch in the venv, no JIT or all-reduce check, the stand-in server in SGLang's place
+    "sglang_check_torch": False, "sglang_service_gpu_checks": False,
     "sglang_service_launcher": f"{VENV}/bin/python {STANDIN_DIR}/lab/standin_server.py --installed-sglang "
                                "--write-caches --chunked-prefill-size 256",
-    "sample_shipping_apt_cache_valid_time": 0,
+    # the tiny model instead of Kimi-K2.5 (the hub's address is the lab's: provision() adds it)
+    "hs_model_repo": HUB_REPO, "hs_model_revision": COMMIT, "hs_model_architecture": "DeepseekV3ForCausalLM",
+    "hs_capture_layers": [1, 2, 3], "hs_space_model_gib": 1,
+    # the test hosts' memory
+    "hs_dump_budget_gib": 2, "hs_shm_headroom_gib": 1,
 }
 
 
@@ -120,7 +139,7 @@ class Demo:
                 pass
         return had
 
-    def _write_inventory(self) -> None:
+    def _write_inventory(self, more: dict | None = None) -> None:
         lab = self.lab.ansible_inventory()["all"]["hosts"]
         hosts = {"all": {"children": {"gpu_hosts": {"hosts": {g: lab[g] for g, _ in self.gpus}},
                                       "training_storage": {"hosts": {self.storage[0]: lab[self.storage[0]]}}}}}
@@ -129,7 +148,7 @@ class Demo:
         (self.inventory / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
         shutil.copy(ROOT / "inventory" / "group_vars" / "gpu_hosts.yml", self.inventory / "group_vars")
         for g, _ in self.gpus:
-            host_vars = {**GPU_VARS, "hs_storage_host": self.storage[0]}
+            host_vars = {**GPU_VARS, "hs_storage_host": self.storage[0], **(more or {})}
             (self.inventory / "host_vars" / f"{g}.yml").write_text(yaml.safe_dump(host_vars, sort_keys=False))
 
     def ssh(self, host: str, command: str, check: bool = True, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -146,45 +165,56 @@ class Demo:
 
     # ------------------------------------------------------------------ provisioning
     def provision(self) -> None:
+        """One ``ansible-playbook site.yml`` on fresh hosts, nothing by hand in between: the GPU hosts
+        reboot to load the (stand-in) driver, download the model from the (stand-in) hub and end serving."""
         say("wheels for the test hosts (cached)")
-        wheelhouse_dir.build(CACHE_DIR / "wheelhouse", SGLANG)  # the builder's layout: <pin>/ with its lock
-        standin = CACHE_DIR / "standin-wheels"
         with file_locked(CACHE_DIR / ".standin-wheels.lock"):
-            if not (standin / ".complete").exists():
-                run([sys.executable, "-m", "pip", "download", "-q", "-d", str(standin), *STANDIN_NEEDS])
-                (standin / ".complete").touch()
-        say("fake GPUs, the tiny model and the stand-in server on the GPU test host(s)")
+            if not (STANDIN_WHEELS / ".complete").exists():
+                run([sys.executable, "-m", "pip", "download", "-q", "-d", str(STANDIN_WHEELS), *STANDIN_NEEDS])
+                (STANDIN_WHEELS / ".complete").touch()
+        wheelhouse_dir.build(WHEELHOUSE, SGLANG, extra=STANDIN_WHEELS)  # the builder's layout: <pin>/, its lock
+        say("the stand-in driver (installed, not loaded: the play reboots), GPUs and server on the GPU test host(s)")
+        for gpu, _ in self.gpus:
+            self._gpu_host_files(gpu)
+        self.boot_ids = {gpu: self.boot_id(gpu) for gpu, _ in self.gpus}  # the boot site.yml starts in
         with tempfile.TemporaryDirectory() as tmp:
             from lab.tiny_model import make_tiny_model_dir
 
-            make_tiny_model_dir(Path(tmp) / "tiny")
-            for gpu, _ in self.gpus:
-                self._gpu_host_files(gpu, Path(tmp) / "tiny", standin)
-        say("ansible-playbook site.yml")
-        env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg")}
-        run(["ansible-playbook", "-i", str(self.inventory), str(ROOT / "site.yml")], cwd=ROOT, env=env)
-        say("the stand-in server's dependencies into the venv (a real host has them with SGLang)")
-        pip = f"{VENV}/bin/pip install -q --no-index --find-links {STANDIN_DIR}/wheels " + " ".join(
-            shlex.quote(x) for x in STANDIN_NEEDS)
-        with ThreadPoolExecutor(len(self.gpus)) as pool:  # test set-up only: the hosts install at once
-            list(pool.map(lambda g: self.ssh(g[0], pip, timeout=900), self.gpus))
+            hub = FakeHub(make_tiny_model_dir(Path(tmp) / "tiny"), HUB_REPO, bind=GATEWAY.split("/")[0])
+            try:
+                self._write_inventory({"hs_model_hub_endpoint": hub.url})
+                say(f"ansible-playbook site.yml (the model from the stand-in hub at {hub.url})")
+                env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg")}
+                run(["ansible-playbook", "-i", str(self.inventory), str(ROOT / "site.yml")], cwd=ROOT, env=env)
+            finally:
+                hub.close()
 
-    def _gpu_host_files(self, gpu: str, tiny: Path, standin: Path) -> None:
-        """Fake GPUs, the tiny model and the stand-in server's files on one GPU test host."""
-        self.ssh(gpu, f"mkdir -p /etc/hs-test /usr/local/bin {MODEL} {STANDIN_DIR}/wheels {STANDIN_DIR}/lab")
-        gpus = {"count": 8, "name": "NVIDIA RTX PRO 6000 Blackwell Server Edition", "driver": "580.95.05"}
-        self.ssh(gpu, f"echo {shlex.quote(json.dumps(gpus))} > /etc/hs-test/fake-gpus.json && "
-                      "printf 'NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release "
-                      "Build\\n' > /etc/hs-test/nvidia-version")
-        for fake in ("nvidia-smi", "nvidia-modprobe", "mokutil"):  # Secure Boot off, as no mokutil state says
-            self.rsync(str(ROOT / "molecule" / "shared" / "files" / f"fake-{fake}"),
-                       f"{self.addr(gpu)}:/usr/local/bin/{fake}")
-        self.ssh(gpu, "chmod 0755 /usr/local/bin/nvidia-smi /usr/local/bin/nvidia-modprobe /usr/local/bin/mokutil")
-        self.rsync(f"{tiny}/", f"{self.addr(gpu)}:{MODEL}/")
-        self.ssh(gpu, f"chmod -R a+rX {MODEL}")  # save_pretrained writes weights 0600
+    def boot_id(self, host: str) -> str:
+        return self.ssh(host, "cat /proc/sys/kernel/random/boot_id").stdout.strip()
+
+    def site(self, *args: str) -> subprocess.CompletedProcess:
+        """``ansible-playbook site.yml`` on the lab's inventory again (its output captured)."""
+        env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg")}
+        return subprocess.run(["ansible-playbook", "-i", str(self.inventory), str(ROOT / "site.yml"), *args], cwd=ROOT,
+                              env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=1800)
+
+    def _gpu_host_files(self, gpu: str) -> None:
+        """The stand-in driver and GPUs, and the stand-in server's files, on one GPU test host."""
+        lib = "/usr/local/lib/hs-test"
+        self.ssh(gpu, f"mkdir -p /etc/hs-test {lib} /usr/local/bin {STANDIN_DIR}/lab")
+        gpus = {"count": 8, "name": "NVIDIA RTX PRO 6000 Blackwell Server Edition", "driver": "580.95.05",
+                "module_file": GPU_VARS["gpu_host_nvidia_module_version_file"]}
+        self.ssh(gpu, f"echo {shlex.quote(json.dumps(gpus))} > /etc/hs-test/fake-gpus.json")
+        files = ROOT / "molecule" / "shared" / "files"
+        for fake in ("fake-nvidia-driver", "fake-nvidia-smi", "fake-nvidia-persistenced", "fake-mokutil"):
+            self.rsync(str(files / fake), f"{self.addr(gpu)}:{lib}/{fake}")
+        for fake in ("modinfo", "nvidia-modprobe"):
+            self.rsync(str(files / f"fake-{fake}"), f"{self.addr(gpu)}:/usr/local/bin/{fake}")
+        # installed as dpkg packages, the module not loaded until the next boot (a fresh host after apt install)
+        self.ssh(gpu, "chmod 0755 /usr/local/bin/modinfo /usr/local/bin/nvidia-modprobe && "
+                      f"python3 {lib}/fake-nvidia-driver")
         for f in STANDIN_FILES:
             self.rsync(str(HERE / f), f"{self.addr(gpu)}:{STANDIN_DIR}/lab/{f}")
-        self.rsync(f"{standin}/", f"{self.addr(gpu)}:{STANDIN_DIR}/wheels/")
 
     # ------------------------------------------------------------------ fab
     def fab(self, *args: str, check: bool = True, **kw) -> subprocess.CompletedProcess:

@@ -109,11 +109,12 @@ def remove_host(host: dict, stop_timeout_s: int) -> None:
     """Stop one lab host's systemd-nspawn (by recorded pid and start), unmount its overlay, delete its netns and veth."""
     pid = host.get("pid")
     if pid and alive(pid, host.get("pid_start")):
-        # nspawn turns SIGTERM into an orderly poweroff of the container (down() sent it already).
+        # boot_loop passes SIGTERM to nspawn, which powers the guest off in order (down() sent it already).
         os.kill(pid, signal.SIGTERM)
         if not wait_gone(pid, host.get("pid_start"), stop_timeout_s):
-            log(f"{host['name']}: no clean shutdown in {stop_timeout_s}s, killing pid {pid}")
-            os.kill(pid, signal.SIGKILL)
+            log(f"{host['name']}: no clean shutdown in {stop_timeout_s}s, killing pid {pid} and its process group")
+            # the recorded pid leads its group (boot_loop.py and the systemd-nspawn it runs)
+            os.killpg(pid, signal.SIGKILL) if os.getpgid(pid) == pid else os.kill(pid, signal.SIGKILL)
             if not wait_gone(pid, host.get("pid_start"), 10):
                 raise LabError(f"systemd-nspawn pid {pid} did not exit")
     with contextlib.suppress(ChildProcessError):

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Disposable SSH test hosts without Docker: debootstrap + overlayfs + netns + systemd-nspawn.
 
-Each host is a Debian 12 system booted with real systemd (``systemd-nspawn -b``)
+Each host is a Debian 12 system booted with real systemd (``systemd-nspawn -b``, under
+:mod:`lab.boot_loop`, so a guest that reboots comes back as a machine does, with its disk)
 on its own copy-on-write overlay of one cached root filesystem, in its own
 network namespace, reached over real SSH with a key generated for the lab.
 All hosts of one lab share a bridge in the root namespace (the gateway
@@ -185,8 +186,9 @@ class Lab:
 
         log = open(hdir / "console.log", "w")
         # --register=no/--keep-unit: this machine's PID 1 is not systemd (no machined, no scopes).
+        # Under boot_loop.py: a guest that reboots (exit 133) is booted again, as a machine comes back.
         proc = subprocess.Popen(
-            ["systemd-nspawn", "--boot", "--quiet", "--directory", str(merged), "--machine", host["machine"],
+            [sys.executable, str(HERE / "boot_loop.py"), "--", "systemd-nspawn", "--boot", "--quiet", "--directory", str(merged), "--machine", host["machine"],
              f"--network-namespace-path=/run/netns/{ns}", "--register=no", "--keep-unit",
              "--console=passive", "--resolv-conf=off", "--timezone=off", "--link-journal=no",
              # Like a real PID 1, let the guest's systemd grant LimitMEMLOCK=infinity to services
@@ -281,7 +283,7 @@ class Lab:
         started = time.monotonic()
         for host in state.get("hosts", []):
             if host.get("pid") and alive(host["pid"], host.get("pid_start")):
-                log(f"{host['name']}: shutting down (systemd-nspawn pid {host['pid']}, up to {STOP_TIMEOUT_S}s)")
+                log(f"{host['name']}: shutting down (boot loop pid {host['pid']}, up to {STOP_TIMEOUT_S}s)")
                 os.kill(host["pid"], signal.SIGTERM)
         for host in reversed(state.get("hosts", [])):
             try:

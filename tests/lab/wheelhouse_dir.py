@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import shutil
 import sys
 import zipfile
 from pathlib import Path
@@ -54,8 +55,20 @@ def standin_wheel(dest: Path, requirement: str) -> Path:
     return path
 
 
-def build(dest: Path, pin: str) -> Path:
-    """``dest/pin/`` with the sglang wheel, the overrides' and replacements' stand-ins and the lock; returns it."""
+def _pinned(path: Path) -> str:
+    """``name==version`` of a wheel or sdist file."""
+    from packaging.utils import parse_sdist_filename, parse_wheel_filename
+
+    name, version = (parse_wheel_filename(path.name) if path.suffix == ".whl" else parse_sdist_filename(path.name))[:2]
+    return f"{name}=={version}"
+
+
+def build(dest: Path, pin: str, extra: Path | None = None) -> Path:
+    """``dest/pin/`` with the sglang wheel, the overrides' and replacements' stand-ins and the lock; returns it.
+
+    ``extra``: a directory of wheels (a complete set, as ``pip download`` leaves it) added to the pin dir and
+    its lock, so the venv gets them through the role's own lock install (the end-to-end tests: the
+    stand-in server's torch and transformers, which a real host gets with SGLang's dependencies)."""
     with file_locked(dest.parent / f".{dest.name}.lock"):  # a molecule scenario and a demo may build it at once
         pin_dir = dest / pin
         pin_dir.mkdir(parents=True, exist_ok=True)
@@ -69,6 +82,14 @@ def build(dest: Path, pin: str) -> Path:
         lines.append(f"sglang=={pin} --hash=sha256:{file_sha256(wheel)[1]}")
         for req in RELEASES[pin].pip_overrides + RELEASES[pin].replaces:
             lines.append(f"{req} --hash=sha256:{file_sha256(standin_wheel(pin_dir, req))[1]}")
+        for path in sorted(extra.iterdir()) if extra else []:
+            if path.suffix in (".whl", ".gz", ".zip") and not path.name.startswith("sglang-"):
+                copy = pin_dir / path.name
+                if not copy.exists() or copy.stat().st_size != path.stat().st_size:
+                    tmp = copy.with_suffix(".tmp")
+                    shutil.copyfile(path, tmp)
+                    tmp.replace(copy)
+                lines.append(f"{_pinned(copy)} --hash=sha256:{file_sha256(copy)[1]}")
         write_text_atomic(pin_dir / "requirements.txt", "\n".join(lines) + "\n")
         return pin_dir
 

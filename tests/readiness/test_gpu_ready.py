@@ -69,7 +69,29 @@ def test_a_hung_all_reduce_is_reported_as_a_hang_with_the_likely_cause(monkeypat
     assert c.detail.startswith("HANG: the all-reduce over 2 CPUs did not finish in 8s")
     assert "'NCCL_P2P_LEVEL': 'SYS'" in c.detail and "00:01.1" in c.detail
     assert "nccl#1999" in c.fix and "NCCL_P2P_DISABLE" in c.fix and "iommu=pt" in c.fix
-    assert 8 <= took < 30, took  # bounded by the timeout, the stalled ranks killed
+    # P2P was on: one more try with NCCL_P2P_DISABLE=1 hung too, so it is not only the P2P path
+    assert "With NCCL_P2P_DISABLE=1 it hung too: not only the P2P path" in c.detail
+    assert 16 <= took < 45, took  # bounded by the timeout, twice, the stalled ranks killed each time
+
+
+def test_a_hang_with_p2p_on_only_says_p2p_off_works_and_what_to_set(monkeypatch):
+    """The B2 case (ACS or a translating IOMMU): the all-reduce hangs with P2P on and finishes with it
+    off. The check still fails (the server would hang with the settings it has) and says what to set."""
+    monkeypatch.setenv("HS_GPU_READY_STALL_RANK", "1")
+    monkeypatch.setenv("HS_GPU_READY_STALL_P2P", "1")  # the stalled rank hangs only while P2P is on
+    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    c = gr.nccl_check(2, 6, backend="gloo", device="cpu", mib=1)
+    assert not c.ok
+    assert c.detail.startswith("HANG: the all-reduce over 2 CPUs did not finish in 6s")
+    assert "With NCCL_P2P_DISABLE=1 it finished in" in c.detail and "the P2P path hangs here" in c.detail
+    assert c.fix.startswith('set hs_nccl_env: {NCCL_P2P_DISABLE: "1"} to serve now')
+    assert "hs_pcie_acs_disable" in c.fix and "hs_iommu_passthrough" in c.fix
+    # with P2P already off there is nothing more to try: one attempt, said so
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    monkeypatch.setenv("HS_GPU_READY_STALL_P2P", "0")
+    started = time.monotonic()
+    c = gr.nccl_check(2, 6, backend="gloo", device="cpu", mib=1)
+    assert not c.ok and "P2P is off already" in c.detail and time.monotonic() - started < 20
 
 
 def test_the_cli_prints_json_and_exits_non_zero_on_a_hang():

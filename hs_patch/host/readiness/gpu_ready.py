@@ -22,7 +22,9 @@ unit's environment: by the services role before it starts the server, by the uni
 - ``nccl``: one process per GPU over exactly ``--gpus`` GPUs (the tensor-parallel size; fewer
   visible is a failure), an all-reduce of 64 MiB through NCCL, the sum checked, under a
   timeout. A hang is reported as a hang, with the likely cause (P2P behind ACS or an IOMMU:
-  NVIDIA/nccl#1999, #2079; vllm#33041) and the NCCL_* settings in effect.
+  NVIDIA/nccl#1999, #2079; vllm#33041) and the NCCL_* settings in effect; with P2P on, the
+  all-reduce is tried once more with ``NCCL_P2P_DISABLE=1`` and the report says which setting
+  works and what to set (the check still fails: the server would hang with the settings it has).
 ``--no-gpu`` (the test hosts): ``pcie``, ``jit`` and ``nccl`` are reported as not checked.
 """
 
@@ -44,12 +46,11 @@ from typing import Mapping
 
 HANG_HELP = ("RTX PRO 6000 boards are known to hang multi-GPU NCCL with PCIe peer-to-peer on behind ACS "
              "redirection or an IOMMU in translation mode (NVIDIA/nccl#1999, #2079; vllm#33041). Fix: disable ACS "
-             "on the PCIe switches/root ports (BIOS, or setpci), boot with iommu=pt (or the IOMMU off), or set "
+             "on the PCIe switches/root ports (BIOS, or hs_pcie_acs_disable: true), boot with iommu=pt "
+             "(hs_iommu_passthrough: true, or the IOMMU off in the BIOS), or set "
              "hs_nccl_env: {NCCL_P2P_DISABLE: \"1\"} (traffic through host memory, slower), then run the check again")
 
 
-# Copied to the host alone and run without this package, so this script carries its own Check (the
-# other readiness script and the control node's preflight, hs_patch.control.remote, have theirs).
 # Copied to the host alone and run without this package, so this script carries its own Check (the
 # other readiness script and the control node's preflight, hs_patch.control.remote, have theirs).
 @dataclass
@@ -116,8 +117,8 @@ def write_probe(directory: str, keep_as: str = "") -> str:
     if not keep_as:
         os.unlink(path)
         return path
-    os.replace(path, os.path.join(directory, keep_as))
-    return os.path.join(directory, keep_as)
+    os.replace(path, kept := os.path.join(directory, keep_as))
+    return kept
 
 
 def cache_check(env: Mapping[str, str] | None = None) -> Check:
@@ -132,8 +133,6 @@ def cache_check(env: Mapping[str, str] | None = None) -> Check:
         return Check("caches", False, f"{len(bad)} of {len(dirs)} cache dir(s) not writable: {'; '.join(bad)}",
                      CACHE_FIX)
     return Check("caches", True, f"{len(dirs)} cache dir(s) writable: {', '.join(sorted(set(dirs.values())))}")
-
-
 
 
 # --------------------------------------------------------------------------- PCIe / IOMMU / ACS
@@ -188,8 +187,8 @@ def pcie_checks(smi: str = "nvidia-smi", sys_root: str = "/") -> list[Check]:
     state, why = iommu_state(sys_root)
     p2p_on = os.environ.get("NCCL_P2P_DISABLE", "0") in ("", "0")
     checks.append(Check("iommu", not (state == "translated" and p2p_on), f"{state}: {why}",
-                        "boot with iommu=pt (GRUB_CMDLINE_LINUX_DEFAULT in /etc/default/grub, update-grub, reboot) or "
-                        "set NCCL_P2P_DISABLE=1: P2P through a translating IOMMU hangs or crawls", warn=True))
+                        "boot with iommu=pt (hs_iommu_passthrough: true: a GRUB drop-in and the play's reboot) or set "
+                        "NCCL_P2P_DISABLE=1: P2P through a translating IOMMU hangs or crawls", warn=True))
     if os.geteuid() != 0:  # lspci shows the ACS capability to root only
         return checks + [Check("acs", True, "not read (needs root: the services role checks it as root)", warn=True)]
     rc, lspci = _run(["lspci", "-vvv"])
@@ -197,8 +196,9 @@ def pcie_checks(smi: str = "nvidia-smi", sys_root: str = "/") -> list[Check]:
     checks.append(Check("acs", rc == 0 and not (redirect and p2p_on),
                         (f"ACS redirects peer traffic on {len(redirect)} bridge(s): {', '.join(redirect[:8])}" if redirect
                          else "no ACS redirection") if rc == 0 else f"lspci -vvv failed: {lspci[-200:]}",
-                        "disable ACS on those bridges (BIOS: PCIe ACS off; or setpci -s BDF ECAP_ACS+0x6.w=0000 at "
-                        "every boot), or set NCCL_P2P_DISABLE=1" if rc == 0 else "run as root with pciutils installed",
+                        "disable ACS on those bridges (BIOS: PCIe ACS off; or hs_pcie_acs_disable: true, a boot unit "
+                        "running setpci ECAP_ACS+0x6.w=0000), or set NCCL_P2P_DISABLE=1" if rc == 0
+                        else "run as root with pciutils installed",
                         warn=True))
     return checks
 
@@ -293,7 +293,9 @@ def _worker(rank: int, world: int, port: int, backend: str, device: str, mib: in
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout))
     x = torch.full((mib << 18,), float(rank + 1), device=dev)
-    if os.environ.get("HS_GPU_READY_STALL_RANK") == str(rank):  # fault injection for the tests: a hung rank
+    # fault injection for the tests: a hung rank (HS_GPU_READY_STALL_P2P=1: only while P2P is on)
+    if os.environ.get("HS_GPU_READY_STALL_RANK") == str(rank) and not (
+            os.environ.get("HS_GPU_READY_STALL_P2P") == "1" and os.environ.get("NCCL_P2P_DISABLE") == "1"):
         time.sleep(timeout * 10)
     started = time.monotonic()
     dist.all_reduce(x)
@@ -307,42 +309,55 @@ def _worker(rank: int, world: int, port: int, backend: str, device: str, mib: in
     sys.exit(0 if ok else 3)
 
 
-def nccl_check(gpus: int, timeout: int, *, backend: str = "nccl", device: str = "cuda", mib: int = 64,
-               pcie: list[Check] | None = None) -> Check:
+def _all_reduce(gpus: int, timeout: int, backend: str, device: str, mib: int,
+                env: Mapping[str, str]) -> tuple[str, str]:
+    """('ok', seconds) | ('hang', ranks killed) | ('failed', error) of one all-reduce over ``gpus`` processes."""
     port = _free_port()
-    env_used = {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")}
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "_worker", str(r), str(gpus), str(port),
-                               backend, device, str(mib), str(timeout)],
+                               backend, device, str(mib), str(timeout)], env={**os.environ, **env},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(gpus)]
     deadline = time.monotonic() + timeout
-    hung = False
-    for p in procs:
-        try:
+    try:
+        for p in procs:
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            hung = True
-            break
-    if hung:
+    except subprocess.TimeoutExpired:
         for p in procs:  # our own children, by pid
             if p.poll() is None:
                 p.kill()
-        for p in procs:
             p.wait()
-        stuck = [r for r, p in enumerate(procs) if p.returncode not in (0,)]
-        risks = [c.detail for c in (pcie or []) if not c.ok]
-        return Check("nccl all-reduce", False,
-                     f"HANG: the all-reduce over {gpus} {device.upper()}s did not finish in {timeout}s (ranks "
-                     f"{stuck} killed); NCCL settings {env_used or 'none (defaults: P2P on)'}"
-                     + (f"; this host: {'; '.join(risks)}" if risks else ""), HANG_HELP)
+        return "hang", str([r for r, p in enumerate(procs) if p.returncode not in (0,)])
     outs = [(p.returncode, p.stdout.read(), p.stderr.read()) for p in procs]
     bad = [(r, rc, err) for r, (rc, _, err) in enumerate(outs) if rc != 0]
     if bad:
         r, rc, err = bad[0]
-        return Check("nccl all-reduce", False, f"rank {r} failed (exit {rc}): {err.strip()[-800:]}",
-                     "read the error above (NCCL_DEBUG=INFO in hs_nccl_env shows more)")
-    secs = max(json.loads(o.strip().splitlines()[-1])["seconds"] for _, o, _ in outs)
-    return Check("nccl all-reduce", True, f"{mib} MiB over {gpus} {device.upper()}s in {secs:.3f}s, sum correct; "
-                 f"NCCL settings {env_used or 'defaults'}")
+        return "failed", f"rank {r} failed (exit {rc}): {err.strip()[-800:]}"
+    return "ok", f"{max(json.loads(o.strip().splitlines()[-1])['seconds'] for _, o, _ in outs):.3f}"
+
+
+def nccl_check(gpus: int, timeout: int, *, backend: str = "nccl", device: str = "cuda", mib: int = 64,
+               pcie: list[Check] | None = None) -> Check:
+    env_used = {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")}
+    state, said = _all_reduce(gpus, timeout, backend, device, mib, {})
+    if state == "failed":
+        return Check("nccl all-reduce", False, said, "read the error above (NCCL_DEBUG=INFO in hs_nccl_env shows more)")
+    if state == "ok":
+        return Check("nccl all-reduce", True, f"{mib} MiB over {gpus} {device.upper()}s in {float(said):.3f}s, sum "
+                     f"correct; NCCL settings {env_used or 'defaults'}")
+    risks = [c.detail for c in (pcie or []) if not c.ok]
+    hang = (f"HANG: the all-reduce over {gpus} {device.upper()}s did not finish in {timeout}s (ranks {said} killed); "
+            f"NCCL settings {env_used or 'none (defaults: P2P on)'}" + (f"; this host: {'; '.join(risks)}" if risks else ""))
+    look = ("look for a GPU fallen off the bus or an Xid (nvidia-smi -q, dmesg), and run with NCCL_DEBUG=INFO in "
+            "hs_nccl_env to see where it stops")
+    if env_used.get("NCCL_P2P_DISABLE", "0") not in ("", "0"):
+        return Check("nccl all-reduce", False, hang + "; P2P is off already, so the hang is not the P2P path's", look)
+    # One more try with peer-to-peer off says whether the P2P path is the cause, and what to set.
+    state, said = _all_reduce(gpus, timeout, backend, device, mib, {"NCCL_P2P_DISABLE": "1"})
+    if state == "ok":
+        return Check("nccl all-reduce", False, f"{hang}. With NCCL_P2P_DISABLE=1 it finished in {float(said):.3f}s: "
+                     "the P2P path hangs here", "set hs_nccl_env: {NCCL_P2P_DISABLE: \"1\"} to serve now (traffic "
+                     "through host memory, slower); to keep P2P, remove its cause and run the check again: " + HANG_HELP)
+    return Check("nccl all-reduce", False, f"{hang}. With NCCL_P2P_DISABLE=1 it "
+                 f"{'hung too' if state == 'hang' else 'failed: ' + said}: not only the P2P path", f"{look}; {HANG_HELP}")
 
 
 def _nccl_over(gpus: int, timeout: int, backend: str, device: str, pcie: list[Check]) -> Check:

@@ -71,3 +71,47 @@ def test_base_packages(host, pkg):
 def test_fake_gpus_back_to_eight(host):
     conf = json.loads(host.file("/etc/hs-test/fake-gpus.json").content_string)
     assert conf["count"] == 8
+
+
+# needrestart's own decision (needrestart 3.6, the loop over $nrconf{override_rc} after reading
+# /etc/needrestart/conf.d/*.conf): the first regex that matches the unit name decides, 0 = leave it.
+NEEDRESTART = r"""
+our %nrconf = (defno => 0, override_rc => {});
+do $ARGV[0]; die "parse: $@" if $@;
+for my $rc (@ARGV[1..$#ARGV]) {
+    my $restart = !$nrconf{defno};
+    foreach my $re (sort keys %{$nrconf{override_rc}}) {
+        next unless($rc =~ /$re/);
+        $restart = $nrconf{override_rc}->{$re};
+        last;
+    }
+    print "$rc ", ($restart ? "restart" : "deferred"), "\n";
+}
+"""
+
+
+def test_needrestart_leaves_the_server_and_the_extraction_alone(host):
+    conf = "/etc/needrestart/conf.d/hs-patch.conf"
+    units = ["sglang.service", "hs-drive-kimi-v1.service", "hs-ship-kimi-v1.service", "nvidia-persistenced.service",
+             "ssh.service", "cron.service", "sglang-other.service"]
+    out = host.check_output(f"perl -e {_quote(NEEDRESTART)} {conf} {' '.join(units)}")
+    said = dict(line.split() for line in out.splitlines())
+    assert said == {"sglang.service": "deferred", "hs-drive-kimi-v1.service": "deferred",
+                    "hs-ship-kimi-v1.service": "deferred", "nvidia-persistenced.service": "deferred",
+                    "ssh.service": "restart", "cron.service": "restart", "sglang-other.service": "restart"}
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("'", "'\"'\"'") + "'"
+
+
+def test_the_kernel_is_held_with_the_driver(host):
+    """The policy: no upgrade installs a kernel the held DKMS driver was not built for (kernel-hold.yml)."""
+    selections = dict(line.split() for line in host.check_output(
+        "dpkg --get-selections linux-image-amd64 linux-image-6.1.0-hs-test").splitlines())
+    assert selections == {"linux-image-amd64": "hold", "linux-image-6.1.0-hs-test": "install"}
+
+
+def test_the_kernel_check_saw_the_stand_in_kernel(host):
+    assert host.file("/boot/vmlinuz-6.1.0-hs-test").exists
+    assert host.check_output("/usr/local/bin/modinfo -k 6.1.0-hs-test -F version nvidia") == "580.95.05"
