@@ -199,7 +199,7 @@ def _depth(a: argparse.Namespace, model_dir: str, layers: int, index: int, prist
     extra = ["--sleep-on-idle", "--max-total-tokens", str(kv_tokens)]
     if not a.sweep_weights:
         extra += ["--load-format", "dummy"]
-    drive_extra = () if a.sweep_weights else ("--no-fidelity-check",)
+    drive_extra = (() if a.sweep_weights else ("--no-fidelity-check",)) + tuple(os.environ.get("HS_SWEEP_DRIVE_ARGS", "").split())
     servers: dict[str, Server] = {}
     try:
         before = GpuMemory.used()

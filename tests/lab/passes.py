@@ -35,7 +35,7 @@ class Batch:
 
 def attention_input(x: torch.Tensor) -> torch.Tensor:
     """What a layer whose input norm weight is all ones reads: ``x`` normalised (as the check derives it)."""
-    return rms_norm(x, torch.ones(x.shape[-1], dtype=x.dtype), 1e-6)
+    return rms_norm(x, torch.ones(x.shape[-1], dtype=x.dtype, device=x.device), 1e-6)
 
 
 def play(hook: Any, batch: Batch, ids: torch.Tensor, layers: Mapping[int, torch.Tensor], pre: torch.Tensor,
