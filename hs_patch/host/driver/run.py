@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Container, Optional
 
-from hs_patch import __version__, intent, kv_cache, store
-from hs_patch.host.driver import capture_check, chat, dataset, limits, missing, reconcile, runstate
+from hs_patch import __version__, intent, store
+from hs_patch.host.driver import capture_check, chat, dataset, limits, missing, reconcile, runstate, startup
 from hs_patch.host.driver.backpressure import BackPressure, disk_usage
 from hs_patch.host.driver.capture_dir import CaptureWatcher
 from hs_patch.host.driver.client import HEALTH_PROBE_IDS, RetryPolicy, SGLangClient, read_api_key, redact_url
@@ -213,39 +213,43 @@ class Driver(SampleSteps):
         return Summary(self.status.state, self.exit_code, self.status.message, doc)
 
     def _prepare(self, resumed: bool) -> None:
+        """Everything before the first request; the server's /health and /server_info are asked in a thread while
+        the tokenizer loads and the run's state and dataset are read (startup.py)."""
         cfg = self.cfg
+        steps = startup.Timings()
+        self.client = SGLangClient(cfg.server, policy=RetryPolicy(cfg.retries, cfg.backoff, cfg.backoff_max),
+                                   timeout=cfg.request_timeout, on_retry=self._on_retry,
+                                   should_stop=self.stop.is_set, api_key=read_api_key(cfg.api_key_file))
+        server = startup.Pending("hs-server-checks", lambda: (
+            startup.check_server(self.client, cfg.server_wait, cfg.max_tokens), steps.since()))
         if self.tokenizer is None:
             self.tokenizer = chat.load_tokenizer(cfg.model, cfg.trust_remote_code)
         self.vocab = chat.vocab_bound(self.tokenizer, cfg.model)
         self.longest_token = limits.longest_token_chars(self.tokenizer)
+        steps.mark("tokenizer_s")
         self.max_chars = dataset.line_limit(cfg.max_tokens, cfg.max_line_chars)
         done = self.done = runstate.load_done(self.samples_dir, self.state_dir / runstate.SHIPPED)
-        self._reconcile(done)  # before the server is waited for: a refusal comes at once
-        self.client = SGLangClient(cfg.server, policy=RetryPolicy(cfg.retries, cfg.backoff, cfg.backoff_max),
-                                   timeout=cfg.request_timeout, on_retry=self._on_retry,
-                                   should_stop=self.stop.is_set, api_key=read_api_key(cfg.api_key_file))
-        self.client.wait_healthy(cfg.server_wait)
-        info = self.client.server_info(timeout=cfg.server_wait)
-        if info.get("disable_radix_cache") is not True:
-            raise runstate.RunError("the server runs with the radix cache on: a cached prefix is never computed, so "
-                                    "it cannot be captured. Restart SGLang with --disable-radix-cache")
-        short = kv_cache.shortfall(info, cfg.max_tokens)
-        if short:
-            raise runstate.RunError(short)
+        self._reconcile(done)  # before the server's answers are waited for: a refusal comes at once
+        counts = dataset.count_lines(cfg.data, self.max_chars, limit=cfg.limit, owns=cfg.owns())
+        self.status.c.total = counts.lines
+        self.status.c.blank = counts.blank
+        steps.mark("dataset_s")
+        info, answered = server.result()
+        steps.mark("server_wait_s")
         self.server_version = str(info.get("version", ""))
         self.limit = limits.effective(cfg.max_tokens, info)
         checked = capture_check.check(self.client, self.capture_dir, self.tokenizer, f"hs-{cfg.run}-",
                                       timeout=cfg.raw_timeout, release=self.server_version,
                                       fingerprints=cfg.fidelity_check)
+        steps.mark("capture_check_s")
         self._start_fidelity()
-        counts = dataset.count_lines(cfg.data, self.max_chars, limit=cfg.limit, owns=cfg.owns())
-        self.status.c.total = counts.lines
-        self.status.c.blank = counts.blank
+        steps.mark("fidelity_s")
         self.bp = BackPressure([str(self.capture_dir), str(self.samples_dir)], high=cfg.high_water,
                                low=cfg.low_water, usage=self.usage, on_change=self._on_pressure)
         self.ledger.write("run_start", resumed=resumed, driver=__version__,
                           params=dict(asdict(cfg), server=redact_url(cfg.server)), capture_check=checked,
                           max_tokens_effective=self.limit.tokens, blank_lines=counts.blank,
+                          startup=steps.record(server_checks_s=answered),
                           fidelity_check=cfg.fidelity_settings(), weaker_check=self.weaker_check,
                           server={k: info.get(k) for k in ("version", "model_path", "tp_size", "chunked_prefill_size",
                                                            "disable_radix_cache", "standin")},
