@@ -62,6 +62,6 @@ def make_remote_tokenizer_dir(model_dir: str | Path, out: str | Path) -> Path:
     cfg = {"tokenizer_class": "StandinTikTokenizer",
            "auto_map": {"AutoTokenizer": ["tokenization_standin.StandinTikTokenizer", None]},
            "added_tokens_decoder": specials, "model_max_length": 1 << 20,
-           **{k: fast[k] for k in ("bos_token", "eos_token", "unk_token") if k in fast}}
+           **{k: fast[k] for k in ("bos_token", "eos_token", "unk_token", "chat_template") if k in fast}}
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
     return out
