@@ -101,7 +101,7 @@ def drive(code: Path, pythonpath: str, base: Path, url: str, capture: Path, mode
 
 
 def which_hs_patch(code: Path, pythonpath: str) -> str:
-    probe = "import hs_patch, transformers; print(hs_patch.__file__, transformers.__version__)"
+    probe = "import hs_patch as p, transformers as t; print(p.__file__, t.__version__)"
     env = dict(os.environ, PYTHONPATH=":".join(p for p in (pythonpath, str(code), os.environ.get("PYTHONPATH")) if p))
     return subprocess.run([sys.executable, "-c", probe], env=env, cwd="/", capture_output=True,
                           text=True).stdout.strip()

@@ -12,8 +12,9 @@ in the same order: the tokenizer's and the dataset's refusals first, then the se
 The fidelity check's weights (the LM head in fp32, the embedding weight's row checksums: torch's
 import and gigabytes of reading on Kimi-K2.5) are read in a thread begun once the first request is
 sent (begun before it, the import held the interpreter's lock while the first request was being
-made: 0.3 s later on the dev VM): only the first sample's check waits for them (``sample_steps.py``). :func:`process_started` and :class:`Timings` put the start-up's steps in the
-ledger's ``run_start`` (``startup``), so a run says where its start went.
+made: 0.3 s later on the dev VM): only the first sample's check waits for them (``sample_steps.py``).
+:func:`process_started` and :class:`Timings` put the start-up's steps in the ledger's ``run_start``
+(``startup``), so a run says where its start went.
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ def process_started() -> Optional[float]:
 
 
 class Timings:
-    """Seconds of each start-up step (``run_start``'s ``startup``): ``mark(name)`` ends a step begun at the last mark."""
+    """Seconds of each start-up step (``run_start``'s ``startup``): ``mark(name)`` ends the step begun at the last
+    mark."""
 
     def __init__(self) -> None:
         self.t0 = self._last = time.monotonic()
