@@ -115,7 +115,8 @@ def config_only_model(a: argparse.Namespace, layers: int) -> str:
 
 SETTINGS = ("prompts", "tokens", "long_prompts", "long_tokens", "concurrency", "chunk", "reps", "round_offset",
             "sweep_hidden", "sweep_weights", "sweep_env", "mem_fraction", "capture_mem_fraction")
-FIRST_START_S = 240.0  # a server's start before one was timed in the record (the first on a fresh machine: 183 s)
+START_S, ROUND_S = 120.0, 60.0  # a server's start and a round before the record has timed one (H100: the first start
+# on a fresh machine 183 s, compiling kernels; later ones about 60 s; rounds 30-50 s)
 
 
 def sweep(a: argparse.Namespace, tag: str, model_for: Optional[Callable[[int], str]] = None) -> dict:
@@ -203,8 +204,8 @@ def _depth(a: argparse.Namespace, model_dir: str, layers: int, index: int, prist
         "state_bytes_per_token": state_bytes_per_token(hidden, layers), "timing": {}}
     parent["runs"][str(layers)] = res
     timing = res.setdefault("timing", {})
-    starts = 2 * timing.get("server_start_s", FIRST_START_S)
-    if _left(a) < starts + 2 * timing.get("round_s", 60.0):
+    start_s, round_s = _estimates(parent, timing)
+    if _left(a) < 2 * start_s + 1.5 * round_s:  # both servers, the warm-up round and one measured round
         return False
     dump = Path(a.dump_root) / f"dump-sweep-{tag}"
     shutil.rmtree(dump, ignore_errors=True)
@@ -235,7 +236,7 @@ def _depth(a: argparse.Namespace, model_dir: str, layers: int, index: int, prist
             prompts = _prompts(a, rng, count, warmup=not rnd)  # made for every round: the same in a resumed call
             if rnd and rnd <= done:
                 continue  # measured in an earlier call
-            if rnd and _left(a) < 1.3 * timing.get("round_s", 0.0):
+            if rnd and _left(a) < 1.2 * timing.get("round_s", round_s):
                 return False
             t_round = time.time()
             _round(a, res, servers, model_dir, dump, prompts, rnd, index, tag, drive_extra)
@@ -266,6 +267,15 @@ def _profile(a: argparse.Namespace, res: dict, servers: dict[str, Server], model
     res["capture"]["profile"] = threads.profile or {"error": ["no py-spy on PATH, or no hook status"]}
     res["capture"]["profile_threads_cpu_s_per_GB"] = threads.per_gb(sum(map(len, prompts)) *
                                                                     res["state_bytes_per_token"] / 1e9)
+
+
+def _estimates(parent: dict, timing: dict) -> tuple[float, float]:
+    """(a server's start, a round) in seconds: this depth's as timed, else the longest of any depth in the record (on
+    this machine, in an earlier call: the rows are sized alike at every depth), else START_S and ROUND_S."""
+    known = [r.get("timing", {}) for r in parent["runs"].values()]
+    start = timing.get("server_start_s") or max((t.get("server_start_s", 0) for t in known), default=0) or START_S
+    rnd = timing.get("round_s") or max((t.get("round_s", 0) for t in known), default=0) or ROUND_S
+    return start, rnd
 
 
 def _round(a: argparse.Namespace, res: dict, servers: dict[str, Server], model_dir: str, dump: Path,

@@ -221,6 +221,19 @@ def test_py_spy_stacks_are_told_apart_by_thread_and_what_they_were_doing(tmp_pat
     assert got["scheduler"] == [["serve (x.py:1) > poll (libc.so.6)", 7, 1.0]]
 
 
+def test_a_call_of_the_documented_length_starts_a_depth_on_a_fresh_machine_and_later():
+    """--call-seconds 520 (bench/RESULTS.md, "For the next GPU session"): a depth starts when both servers, the warm-up
+    and one measured round fit; what is not timed yet is estimated from the record's other depths, else defaults that
+    let the first depth of a fresh machine start (a too careful estimate would stop every call before any depth)."""
+    import sweep
+
+    start, rnd = sweep._estimates({"runs": {}}, {})
+    assert 2 * start + 1.5 * rnd < 520 - 60  # the call's set-up before its first depth: patch, copies, models
+    timed = {"runs": {"2": {"timing": {"server_start_s": 150.0, "round_s": 45.0}}, "4": {"timing": {}}}}
+    assert sweep._estimates(timed, {}) == (150.0, 45.0)  # a depth not run yet: the machine's own timings
+    assert sweep._estimates(timed, {"server_start_s": 70.0, "round_s": 40.0}) == (70.0, 40.0)
+
+
 def test_sweep_env_refuses_what_would_change_the_measured_rate():
     import sweep
 
