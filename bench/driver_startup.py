@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,36 +41,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-import requests  # noqa: E402
-
+from lab.drive_runs import standin_process  # noqa: E402
 from lab.remote_tokenizer import make_remote_tokenizer_dir  # noqa: E402
 from lab.runcheck import write_chats  # noqa: E402
 from lab.tiny_model import make_tiny_model_dir  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(base: Path, model: Path, health_sleep: float) -> tuple[subprocess.Popen, str, Path]:
-    port, capture = free_port(), base / "capture"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "lab" / "standin_server.py"), "--model", str(model),
-                             "--port", str(port), "--capture-dir", str(capture), "--threads", "1",
-                             "--health-sleep-s", str(health_sleep)],
-                            stdout=open(base / "server.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if requests.get(url + "/server_info", timeout=1).ok:
-                return proc, url, capture
-        except requests.RequestException:
-            pass
-        if proc.poll() is not None:
-            raise SystemExit(f"the stand-in server exited: see {base}/server.log")
-        time.sleep(0.2)
-    raise SystemExit("the stand-in server did not come up in 120 s")
 
 
 def drive(code: Path, pythonpath: str, base: Path, url: str, capture: Path, model: Path, data: Path, remote: bool,
@@ -143,7 +116,8 @@ def main() -> None:
                 raise SystemExit("--server needs --capture-dir and --model")
             proc, url, capture = None, a.server, Path(a.capture_dir)
         else:
-            proc, url, capture = start_server(base, model, a.health_sleep)
+            capture = base / "capture"
+            proc, url = standin_process(model, capture, base / "server.log", "--health-sleep-s", str(a.health_sleep))
         try:
             for rep in range(a.reps):
                 for name in a.models.split(","):

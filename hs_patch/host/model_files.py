@@ -9,9 +9,10 @@ a single ``model.safetensors``.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -80,8 +81,9 @@ def find_name(directory: str | Path, candidates: Sequence[str], what: str) -> st
                          f"{sorted(names)[:5]}")
 
 
-def read_tensor(directory: str | Path, name: str) -> "torch.Tensor":
-    """One tensor by name, and nothing else of the checkpoint."""
+@contextmanager
+def _shard_of(directory: str | Path, name: str, framework: str) -> Iterator[Any]:
+    """The open shard that holds tensor ``name`` (``safe_open``); ModelFileError when it cannot be read."""
     from safetensors import SafetensorError, safe_open
 
     directory = Path(directory)
@@ -89,29 +91,27 @@ def read_tensor(directory: str | Path, name: str) -> "torch.Tensor":
     if shard is None:
         raise ModelFileError(f"{directory}: no tensor {name!r}")
     try:
-        with safe_open(str(directory / shard), "pt") as f:
-            t = f.get_tensor(name)
+        with safe_open(str(directory / shard), framework) as f:
+            yield f
     except (SafetensorError, OSError) as e:
         raise ModelFileError(f"{directory / shard}: cannot read {name!r} ({e})") from None
+
+
+def read_tensor(directory: str | Path, name: str) -> "torch.Tensor":
+    """One tensor by name, and nothing else of the checkpoint."""
+    with _shard_of(directory, name, "pt") as f:
+        t = f.get_tensor(name)
     if not t.is_floating_point():
         raise ModelFileError(f"{name!r} is {t.dtype} (quantized?): the check needs a floating-point tensor")
     return t
 
 
 def tensor_shape(directory: str | Path, name: str) -> tuple[tuple[int, ...], str]:
-    """(shape, safetensors dtype such as ``BF16``) of one tensor, from its shard's header: nothing is read."""
-    from safetensors import SafetensorError, safe_open
-
-    directory = Path(directory)
-    shard = weight_map(directory).get(name)
-    if shard is None:
-        raise ModelFileError(f"{directory}: no tensor {name!r}")
-    try:
-        with safe_open(str(directory / shard), "numpy") as f:
-            s = f.get_slice(name)
-            return tuple(s.get_shape()), str(s.get_dtype())
-    except (SafetensorError, OSError) as e:
-        raise ModelFileError(f"{directory / shard}: cannot read {name!r} ({e})") from None
+    """(shape, safetensors dtype such as ``BF16``) of one tensor, from its shard's header: nothing is read
+    (``numpy``: no torch import for it)."""
+    with _shard_of(directory, name, "numpy") as f:
+        s = f.get_slice(name)
+        return tuple(s.get_shape()), str(s.get_dtype())
 
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
