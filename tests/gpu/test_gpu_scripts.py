@@ -222,9 +222,10 @@ def test_py_spy_stacks_are_told_apart_by_thread_and_what_they_were_doing(tmp_pat
 
 
 def test_a_call_of_the_documented_length_starts_a_depth_on_a_fresh_machine_and_later():
-    """--call-seconds 520 (bench/RESULTS.md, "For the next GPU session"): a depth starts when both servers, the warm-up
-    and one measured round fit; what is not timed yet is estimated from the record's other depths, else defaults that
-    let the first depth of a fresh machine start (a too careful estimate would stop every call before any depth)."""
+    """--call-seconds 520 (bench/RESULTS.md section 11, the next GPU session): a depth starts when both servers, the
+    warm-up and one measured round fit; what is not timed yet is estimated from the record's other depths, else
+    defaults that let the first depth of a fresh machine start (a too careful estimate would stop every call before
+    any depth)."""
     import sweep
 
     start, rnd = sweep._estimates({"runs": {}}, {})
