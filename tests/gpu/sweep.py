@@ -377,7 +377,7 @@ def summarize_sweep(k: str, f: dict) -> None:
           "first request; /pristine as a whole process")
     for layers, r in f["runs"].items():
         runs = [x for x in r.get("driver", {}).get("runs", []) if x.get("first_request_s") is not None]
-        if runs and r.get("pristine", {}).get("tok_s"):
+        if runs and "ratios" in r:  # (a depth cut short has no medians yet)
             med = {k: statistics.median(x[k] for x in runs) for k in ("wall_s", "active_s", "first_request_s")}
             whole = r["driver"]["median_tok_s"] * med["active_s"] / med["wall_s"] / r["pristine"]["median_tok_s"]
             print(f"  {layers:>6}  {med['wall_s']:.2f} / {med['active_s']:.2f} / {med['first_request_s']:.2f}  "

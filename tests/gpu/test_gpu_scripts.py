@@ -9,6 +9,7 @@ lent machine. It checks the mechanics, not the speeds.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import socket
 import sys
@@ -160,6 +161,10 @@ def test_sweep_phase_runs_every_depth_end_to_end_on_standins(standin_site, tmp_p
     a.sweep_layers = "4,16"
     cut = sweep.sweep(a, "cpu", model_for=models.get)
     assert "16" in cut["stopped"] and "same command again" in cut["stopped"]
+    sweep.summarize_sweep("sweep_cut", cut)  # says NOT DONE
+    partial = json.loads(json.dumps(cut))
+    partial["runs"]["4"].pop("ratios")  # a depth cut between its rounds: no medians yet
+    sweep.summarize_sweep("sweep_partial", partial)
     a.call_seconds = 0
     res = sweep.sweep(a, "cpu", model_for=models.get)  # continues: 4 is measured, 16 is run
     assert res["calls"] == 3 and "stopped" not in res
