@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Container, Optional
 
-from hs_patch import __version__, intent, store
-from hs_patch.host.driver import capture_check, chat, dataset, limits, missing, reconcile, runstate, startup
+from hs_patch import __version__, intent, kv_cache, store
+from hs_patch.host.driver import capture_check, chat, dataset, limits, missing, reconcile, runstate
 from hs_patch.host.driver.backpressure import BackPressure, disk_usage
 from hs_patch.host.driver.capture_dir import CaptureWatcher
 from hs_patch.host.driver.client import HEALTH_PROBE_IDS, RetryPolicy, SGLangClient, read_api_key, redact_url
@@ -32,6 +32,7 @@ from hs_patch.host.driver.adopt import same_filesystem
 from hs_patch.host.driver.runstatus import RunStatus, nothing_extracted
 from hs_patch.host.driver.order import InOrder
 from hs_patch.host.driver.turns import Turns
+from hs_patch.host.driver.startup import Pending, Timings, ask_server
 from hs_patch.host.driver.sample_steps import (CAPTURE_PARAMS, EXIT_ERROR, EXIT_FAILURES, EXIT_INCOMPLETE,  # noqa: F401
                                         EXIT_OK, EXIT_SIGNAL, SampleSteps)  # (re-exported)
 
@@ -216,12 +217,11 @@ class Driver(SampleSteps):
         """Everything before the first request; the server's /health and /server_info are asked in a thread while
         the tokenizer loads and the run's state and dataset are read (startup.py)."""
         cfg = self.cfg
-        steps = startup.Timings()
+        steps = Timings()
         self.client = SGLangClient(cfg.server, policy=RetryPolicy(cfg.retries, cfg.backoff, cfg.backoff_max),
                                    timeout=cfg.request_timeout, on_retry=self._on_retry,
                                    should_stop=self.stop.is_set, api_key=read_api_key(cfg.api_key_file))
-        server = startup.Pending("hs-server-checks", lambda: (
-            startup.check_server(self.client, cfg.server_wait, cfg.max_tokens), steps.since()))
+        server = Pending("hs-server-checks", lambda: (ask_server(self.client, cfg.server_wait), steps.since()))
         if self.tokenizer is None:
             self.tokenizer = chat.load_tokenizer(cfg.model, cfg.trust_remote_code)
         self.vocab = chat.vocab_bound(self.tokenizer, cfg.model)
@@ -236,6 +236,12 @@ class Driver(SampleSteps):
         steps.mark("dataset_s")
         info, answered = server.result()
         steps.mark("server_wait_s")
+        if info.get("disable_radix_cache") is not True:
+            raise runstate.RunError("the server runs with the radix cache on: a cached prefix is never computed, so "
+                                    "it cannot be captured. Restart SGLang with --disable-radix-cache")
+        short = kv_cache.shortfall(info, cfg.max_tokens)
+        if short:
+            raise runstate.RunError(short)
         self.server_version = str(info.get("version", ""))
         self.limit = limits.effective(cfg.max_tokens, info)
         checked = capture_check.check(self.client, self.capture_dir, self.tokenizer, f"hs-{cfg.run}-",

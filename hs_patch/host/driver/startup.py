@@ -5,7 +5,7 @@ state and the dataset, and asks the server three things: ``/health`` (SGLang's h
 ``input_ids [0]`` and then sleeps a whole second before it answers), ``/server_info`` (the radix
 cache, the KV cache pool, the input limit), and the capture check's probe (``capture_check.py``:
 it needs the tokenizer). One after another that was their sum (issue #36: 10-11 s on the H100
-host); :func:`check_server` runs the first two in a thread (:class:`Pending`) while the tokenizer
+host); :func:`ask_server` runs the first two in a thread (:class:`Pending`) while the tokenizer
 loads, so the start-up costs the longer of the two, then the probe. What fails is said as before,
 in the same order: the tokenizer's and the dataset's refusals first, then the server's.
 
@@ -24,9 +24,7 @@ import threading
 import time
 from typing import Any, Callable, Generic, Mapping, Optional, TypeVar
 
-from hs_patch import kv_cache
 from hs_patch.host.driver.client import SGLangClient
-from hs_patch.host.driver.runstate import RunError
 
 T = TypeVar("T")
 
@@ -64,18 +62,10 @@ class Pending(Generic[T]):
         return self._value  # type: ignore[return-value]
 
 
-def check_server(client: SGLangClient, wait: float, max_tokens: int) -> dict[str, Any]:
-    """``/health`` (waited for up to ``wait`` s), then ``/server_info``: the server's info, or RunError saying what to
-    change (radix cache on, a KV cache pool shorter than the longest sample)."""
+def ask_server(client: SGLangClient, wait: float) -> dict[str, Any]:
+    """``/health`` (waited for up to ``wait`` s), then ``/server_info``: the server's info (the driver judges it)."""
     client.wait_healthy(wait)
-    info = client.server_info(timeout=wait)
-    if info.get("disable_radix_cache") is not True:
-        raise RunError("the server runs with the radix cache on: a cached prefix is never computed, so "
-                       "it cannot be captured. Restart SGLang with --disable-radix-cache")
-    short = kv_cache.shortfall(info, max_tokens)
-    if short:
-        raise RunError(short)
-    return info
+    return client.server_info(timeout=wait)
 
 
 def process_started() -> Optional[float]:
