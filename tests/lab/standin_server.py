@@ -29,7 +29,8 @@ tokens from greedy decoding whatever the temperature (the transformers model wit
 cache); 400 with ``{"error": {"message"}}`` for bad input.
 ``GET /health`` and ``/health_generate``: like SGLang, when idle they prefill ``input_ids
 [0]`` with a ``HEALTH_CHECK_`` rid (a capturing server writes it as a sample);
-``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0`` makes ``/health`` answer without it.
+``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0`` makes ``/health`` answer without it; ``--health-sleep-s 1``
+makes it answer no sooner than SGLang's handler does (it sleeps a second first: start-up benchmarks).
 ``GET /get_server_info`` (and ``/server_info``): ``version`` (the release), ``disable_radix_cache:
 true``, ``chunked_prefill_size``, ``tp_size: 1``, ``context_length`` (the server argument: null unless
 ``--context-length`` is given, as in SGLang), ``max_total_num_tokens`` and ``max_req_input_len`` (SGLang's
