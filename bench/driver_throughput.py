@@ -28,8 +28,6 @@ import json
 import os
 import resource
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,14 +40,9 @@ import requests  # noqa: E402
 import torch  # noqa: E402
 
 from hs_patch.host.driver.run import DriveConfig, Driver  # noqa: E402
+from lab.drive_runs import standin_process  # noqa: E402
 from lab.runcheck import assert_complete, write_chats  # noqa: E402
 from lab.tiny_model import make_tiny_model_dir  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def part_a(base: Path, samples: int, words: int, concurrencies: list[int], hidden: int, awaiting: list[int],
@@ -60,27 +53,18 @@ def part_a(base: Path, samples: int, words: int, concurrencies: list[int], hidde
     out = []
     for conc, wait in [(c, w) for c in concurrencies for w in awaiting]:
         run = base / f"c{conc}-a{wait}"
-        port = free_port()
-        server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "lab" / "standin_server.py"), "--model", str(model),
-                                   "--port", str(port), "--capture-dir", str(run / "capture"), "--threads", "1",
-                                   "--settle-delay-ms", str(settle_ms)],
-                                  stdout=open(base / "server.log", "ab"), stderr=subprocess.STDOUT)
+        server, url = standin_process(model, run / "capture", base / "server.log", "--settle-delay-ms",
+                                      str(settle_ms))
         try:
-            for _ in range(300):
-                try:
-                    if requests.get(f"http://127.0.0.1:{port}/get_server_info", timeout=1).ok:
-                        break
-                except requests.RequestException:
-                    time.sleep(0.2)
             cfg = DriveConfig(run=f"bench{conc}", data=[str(data)], model=str(model),
-                              server=f"http://127.0.0.1:{port}", capture_dir=str(run / "capture"),
+                              server=url, capture_dir=str(run / "capture"),
                               state_dir=str(run / "state"), samples_dir=str(run / "samples"), concurrency=conc,
                               awaiting=wait)
             cpu0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
             summary = Driver(cfg).run()
             wall = time.perf_counter() - t0
             cpu1 = resource.getrusage(resource.RUSAGE_SELF)
-            info = requests.get(f"http://127.0.0.1:{port}/get_server_info", timeout=5).json()
+            info = requests.get(f"{url}/get_server_info", timeout=5).json()
         finally:
             server.terminate()
             server.wait(30)

@@ -9,9 +9,10 @@ a single ``model.safetensors``.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -67,7 +68,7 @@ def weight_map(directory: str | Path) -> dict[str, str]:
         raise ModelFileError(f"{directory}: no model.safetensors.index.json and no model.safetensors")
     from safetensors import safe_open
 
-    with safe_open(str(single), "pt") as f:
+    with safe_open(str(single), "numpy") as f:  # the header only ("numpy": no torch import for a listing)
         return {name: single.name for name in f.keys()}
 
 
@@ -80,8 +81,9 @@ def find_name(directory: str | Path, candidates: Sequence[str], what: str) -> st
                          f"{sorted(names)[:5]}")
 
 
-def read_tensor(directory: str | Path, name: str) -> "torch.Tensor":
-    """One tensor by name, and nothing else of the checkpoint."""
+@contextmanager
+def _shard_of(directory: str | Path, name: str, framework: str) -> Iterator[Any]:
+    """The open shard that holds tensor ``name`` (``safe_open``); ModelFileError when it cannot be read."""
     from safetensors import SafetensorError, safe_open
 
     directory = Path(directory)
@@ -89,13 +91,51 @@ def read_tensor(directory: str | Path, name: str) -> "torch.Tensor":
     if shard is None:
         raise ModelFileError(f"{directory}: no tensor {name!r}")
     try:
-        with safe_open(str(directory / shard), "pt") as f:
-            t = f.get_tensor(name)
+        with safe_open(str(directory / shard), framework) as f:
+            yield f
     except (SafetensorError, OSError) as e:
         raise ModelFileError(f"{directory / shard}: cannot read {name!r} ({e})") from None
+
+
+def read_tensor(directory: str | Path, name: str) -> "torch.Tensor":
+    """One tensor by name, and nothing else of the checkpoint."""
+    with _shard_of(directory, name, "pt") as f:
+        t = f.get_tensor(name)
     if not t.is_floating_point():
         raise ModelFileError(f"{name!r} is {t.dtype} (quantized?): the check needs a floating-point tensor")
     return t
+
+
+def tensor_shape(directory: str | Path, name: str) -> tuple[tuple[int, ...], str]:
+    """(shape, safetensors dtype such as ``BF16``) of one tensor, from its shard's header: nothing is read
+    (``numpy``: no torch import for it)."""
+    with _shard_of(directory, name, "numpy") as f:
+        s = f.get_slice(name)
+        return tuple(s.get_shape()), str(s.get_dtype())
+
+
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+def check_head_and_norm(directory: str | Path) -> ModelInfo:
+    """What :func:`head_and_norm` refuses, from the headers alone (names, shapes, floating-point dtypes): a
+    run is refused at once, before the tensors are read (the driver reads them after its first request)."""
+    info = model_info(directory)
+    shapes = []
+    for what, names in (("LM head", LM_HEAD_NAMES), ("final norm weight", NORM_NAMES)):
+        name = find_name(directory, names, what)
+        shape, dtype = tensor_shape(directory, name)
+        if dtype not in FLOAT_DTYPES:
+            raise ModelFileError(f"{name!r} is {dtype} (quantized?): the check needs a floating-point tensor")
+        shapes.append(shape)
+    _fits(directory, *shapes, info)
+    return info
+
+
+def _fits(directory: str | Path, head: Sequence[int], norm: Sequence[int], info: ModelInfo) -> None:
+    if tuple(norm) != (info.hidden_size,) or len(head) != 2 or head[1] != info.hidden_size:
+        raise ModelFileError(f"{directory}: LM head {tuple(head)} / norm {tuple(norm)} do not fit "
+                             f"hidden size {info.hidden_size}")
 
 
 def head_and_norm(directory: str | Path) -> tuple["torch.Tensor", "torch.Tensor", ModelInfo]:
@@ -103,9 +143,7 @@ def head_and_norm(directory: str | Path) -> tuple["torch.Tensor", "torch.Tensor"
     info = model_info(directory)
     head = read_tensor(directory, find_name(directory, LM_HEAD_NAMES, "LM head"))
     norm = read_tensor(directory, find_name(directory, NORM_NAMES, "final norm weight"))
-    if tuple(norm.shape) != (info.hidden_size,) or head.dim() != 2 or head.shape[1] != info.hidden_size:
-        raise ModelFileError(f"{directory}: LM head {tuple(head.shape)} / norm {tuple(norm.shape)} do not fit "
-                             f"hidden size {info.hidden_size}")
+    _fits(directory, head.shape, norm.shape, info)
     return head, norm, info
 
 

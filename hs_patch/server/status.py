@@ -42,3 +42,11 @@ class StatusFile:
                                                               sort_keys=True))
             except OSError as e:  # a status file must never stop capture
                 log.warning("hs_patch: cannot write %s: %s", self.path.name, e)
+
+
+def capture_threads() -> dict[str, int]:
+    """The capture's threads in this process by name (coordinator, writers, hashers) and their kernel thread ids:
+    what a reader outside the server needs to tell their CPU time apart in /proc (the GPU sweep does; Python
+    3.12 gives the kernel no thread names)."""
+    return {t.name: t.native_id for t in threading.enumerate()
+            if t.name.startswith("hs_patch") and t.native_id is not None}

@@ -54,7 +54,7 @@ from hs_patch.server.contents import Contents
 from hs_patch.server.inplace import InPlaceSample, OpenPrompt
 from hs_patch.server.ranks import skipped
 from hs_patch.server.records import PassRecord, WriterStats, pass_timeline
-from hs_patch.server.status import StatusFile
+from hs_patch.server.status import StatusFile, capture_threads
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -403,4 +403,4 @@ class Writer:
                 "bytes": st.bytes, "merged": st.merged, "skipped": st.skipped, "errors": st.errors,
                 "with_intent": st.with_intent, "duplicates": st.duplicates, "skip_rid_prefix": self.skip_rid_prefix,
                 "queued": self.pending(), "error": None if self.error is None else str(self.error),
-                "last_pass": self.last_pass, **self.extra_status()}
+                "last_pass": self.last_pass, "threads": capture_threads(), **self.extra_status()}

@@ -122,3 +122,50 @@ def test_a_resume_under_a_weaker_check_is_refused_unless_accepted_and_each_sampl
                   ["rows_per_chunk"] for e in store.read_manifest(tmp_path / "samples").values())
     assert rows == [4, 8], "each sample says how it was checked"
     assert drive(standin, tiny_model_dir, tmp_path, [data]).exit_code == EXIT_OK  # stronger again: allowed
+
+
+def test_the_heads_weights_are_read_only_once_a_request_is_sent(standin, tiny_model_dir, tmp_path, monkeypatch):
+    """Issue #36: the LM head (4.7 GB in fp32 on Kimi-K2.5) and the embedding are read after the first request, not
+    on the way to it; a run that sends nothing never reads them. Their names and shapes are still checked at start."""
+    reads = []
+    real = fidelity.LMHead.from_model_dir
+    monkeypatch.setattr(fidelity.LMHead, "from_model_dir", classmethod(lambda cls, d: reads.append(d) or real(d)))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "no answer"}]}\n')
+    s = drive(standin, tiny_model_dir, tmp_path / "nothing", [bad])
+    assert s.status["samples"]["rejected"] == 1 and reads == []
+    good = tmp_path / "good.jsonl"
+    write_chats(good, 2)
+    assert drive(standin, tiny_model_dir, tmp_path / "two", [good]).exit_code == EXIT_OK
+    assert reads == [str(tiny_model_dir)]
+    start = next(e for e in ledger(tmp_path / "two" / "state") if e["event"] == "run_start")
+    assert {"tokenizer_s", "server_checks_s", "capture_check_s", "prepare_s"} <= set(start["startup"])
+
+
+def test_a_head_that_does_not_fit_is_refused_at_start_from_its_header(standin, tiny_model_dir, tmp_path):
+    import shutil
+
+    model = tmp_path / "other-width"
+    shutil.copytree(tiny_model_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(dict(cfg, hidden_size=cfg["hidden_size"] * 2)))
+    data = tmp_path / "d.jsonl"
+    write_chats(data, 1)
+    with pytest.raises(runstate.RunError, match="do not fit hidden size"):
+        drive(standin, model, tmp_path, [data])
+    assert not [e for e in ledger(tmp_path / "state") if e["event"] == "sent"]
+
+
+def test_weights_unreadable_after_the_start_stop_the_run_saying_why(standin, tiny_model_dir, tmp_path, monkeypatch):
+    from hs_patch.host.driver.run import EXIT_ERROR
+    from hs_patch.host.model_files import ModelFileError
+
+    def unreadable(cls, d):
+        raise ModelFileError(f"{d}/model.safetensors: cannot read 'lm_head.weight' (I/O error)")
+
+    monkeypatch.setattr(fidelity.LMHead, "from_model_dir", classmethod(unreadable))
+    data = tmp_path / "d.jsonl"
+    write_chats(data, 3)
+    s = drive(standin, tiny_model_dir, tmp_path, [data])
+    assert s.exit_code == EXIT_ERROR and "cannot read the LM head" in s.message and "I/O error" in s.message
+    assert s.status["samples"]["done"] == 0 and not list((tmp_path / "samples").glob("*.safetensors"))

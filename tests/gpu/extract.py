@@ -58,14 +58,17 @@ def _drive(a: argparse.Namespace, server: Server, model_dir: str, dump: Path, pr
            "--data", str(data), "--model", model_dir, "--server", server.url, "--capture-dir", str(dump),
            "--state-dir", str(work / "state"), "--samples-dir", str(samples), "--concurrency", str(a.concurrency),
            "--max-tokens", str(max(len(p) for p in prompts)), "--raw-timeout", "600", "--server-wait", "120", *extra]
-    t = time.perf_counter()
+    t, launched = time.perf_counter(), time.time()
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=server.env)
     wall = time.perf_counter() - t
     ledger = [json.loads(x) for x in (work / "state" / "ledger.jsonl").read_text().splitlines() if x.strip()]
     sent = [e["t"] for e in ledger if e["event"] == "sent"]
     done = [e["t"] for e in ledger if e["event"] == "done"]
+    start = next((e for e in ledger if e["event"] == "run_start"), {})
     res = {"exit_code": out.returncode, "wall_s": round(wall, 2), "done": len(done),
            "active_s": round(max(done) - min(sent), 3) if done and sent else None,
+           # the start-up (issue #36): the command to its first request, and where it went (run_start's startup)
+           "first_request_s": round(min(sent) - launched, 3) if sent else None, "startup": start.get("startup"),
            "stderr_tail": out.stderr[-2000:] if out.returncode else ""}
     if out.returncode or len(done) != len(prompts):
         raise RuntimeError(f"hs-extract drive: exit {out.returncode}, {len(done)}/{len(prompts)} done:\n"
@@ -186,4 +189,5 @@ def summarize_extraction(k: str, f: dict) -> None:
     for name, xs in f["ratios_per_round"].items():
         print(f"  {name:18}{statistics.median(xs):7.3f}  rounds {[round(x, 3) for x in xs]}")
     print(f"  hs-extract drive whole-process wall times (imports, tokenizer, health check included): "
-          f"{f['driver_wall_s']} s")
+          f"{f['driver_wall_s']} s; command to first request: "
+          f"{[r.get('first_request_s') for r in f['driver'].get('runs', [])[1:]]} s")

@@ -35,22 +35,26 @@ output in bench/RESULTS.md). In one run it:
    same-pass fidelity check (fp32 lm_head argmax vs SGLang's own top-1 from
    return_logprob) on every position of batched and chunked prompts, its near-tie margins,
    wrong states, the --derive-post-norm gap and the check's CPU cost at Kimi-K2.5's head size;
-8. sweep (``tests/gpu/sweep.py``, not in the default phases; ONE call of about 9 minutes on the H200:
-   ``--phases sweep``): issue #22's rate sweep: 8, 16 and 32 layers of the kimi-layer preset (about
-   2.1, 1.0 and 0.5 GB/s of states), pristine vs capture until written vs ``hs-extract drive`` side by
-   side in rotating order, and the GPU memory held and grown under load by each server (with
-   ``--chunk 16384 --long-prompts 8``: the peak at 16K-token passes, capture on vs off);
-9. sabotage (``tests/gpu/sabotage.py``, not in the default phases; ONE call of about 2-3 minutes:
+8. sweep (``tests/gpu/sweep.py``, not in the default phases: ``--phases sweep``): issue #22's rate sweep at
+   the depths of ``--sweep-layers`` (kimi-layer preset: 8, 16 and 32 layers make about 2.1, 1.0 and 0.5 GB/s
+   of states; 2 and 4 outrun the writer), pristine vs capture until written vs ``hs-extract drive`` side by
+   side in rotating order, the GPU memory held and grown under load by each server (with ``--chunk 16384
+   --long-prompts 8``: the peak at 16K-token passes, capture on vs off) and the capture threads' CPU per GB;
+   in calls of at most ``--call-seconds``, the same command again continuing the record kept in ``--work``;
+9. startup (``tests/gpu/startup.py``, not in the default phases; ONE call of about 5 minutes: ``--phases
+   startup``): issue #36's start-up of ``hs-extract drive`` on the GPU host's software against a real
+   capturing server, before (``--startup-code``) and after, the command to the first request and the whole run;
+10. sabotage (``tests/gpu/sabotage.py``, not in the default phases; ONE call of about 2-3 minutes:
    ``--phases sabotage``): issue #25's wrong captures (wrong layer, a rank's partial sum, zeros,
    pre-norm zeros, another prompt's rows in a chunked prompt's first chunk, the pre-norm state as
    the post-norm one, rows misplaced in the staging buffer, a shift) made on purpose in the real
    server's capture hook, each rejected by the driver's check while clean samples pass (with
    the norm relation's chi-square per block on the real fused kernels), and the fingerprints'
    GPU time per pass at Kimi-K2.5's width;
-10. writes everything as JSON under --out as it goes and prints a table last.
+11. writes everything as JSON under --out as it goes and prints a table last.
 
 usage: python3 tests/gpu/proof.py --site /tmp/site --out "$OUT"
-       [--phases fidelity,extract,throughput,micro,production,tp,sabotage,sweep]
+       [--phases fidelity,extract,throughput,micro,production,tp,sabotage,sweep,startup]
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ from common import REC, Server, hs_patch_cli, start_phase, wait_for_samples  # n
 from extract import extraction, summarize_extraction  # noqa: E402
 from hs_patch import reader, store  # noqa: E402
 from production import production  # noqa: E402
+from startup import startup, summarize_startup  # noqa: E402
 from sabotage import sabotage, summarize_sabotage  # noqa: E402
 from sweep import summarize_sweep, sweep  # noqa: E402
 from throughput import copy_microbench, projection, summarize, throughput  # noqa: E402
@@ -227,6 +232,18 @@ def main() -> int:
                     help="sweep phase: the capturing server's hook settings beyond the defaults, e.g. "
                     "HS_CAPTURE_SLOTS=4,HS_CAPTURE_WRITERS=12 (not LAYERS or FINAL: the rates assume the default "
                     "capture)")
+    ap.add_argument("--startup-code", default=".base", help="startup phase: the checkout of the code before (its "
+                    "hs_patch/ is enough: git archive main hs_patch | tar -x -C .base, carried)")
+    ap.add_argument("--startup-reps", type=int, default=3, help="startup phase: runs of each row and code")
+    ap.add_argument("--startup-prompts", default="1,64", help="startup phase: dataset sizes")
+    ap.add_argument("--call-seconds", type=float, default=0, help="sweep phase: stop cleanly before a depth or round "
+                    "that would end after this many seconds from the start (0: no limit); the record is kept in "
+                    "--work, and the same command again on the same (warm) machine continues it")
+    ap.add_argument("--capture-mem-fraction", type=float, default=0, help="sweep phase: the capturing server's "
+                    "--mem-fraction-static (0: --mem-fraction); SGLang takes it of the memory free at the server's "
+                    "start, after the pristine server's (32 layers on an 80 GB card: 0.85)")
+    ap.add_argument("--writer-profile", action="store_true", help="sweep phase: py-spy (on PATH) records the capturing "
+                    "scheduler during each depth's first measured capture row; its hottest frames per thread group")
     ap.add_argument("--sweep-weights", action="store_true", help="sweep phase: write real random checkpoints "
                     "(slower; the driver's fidelity check on) instead of SGLang's --load-format dummy")
     ap.add_argument("--hidden", default="1024", help="comma-separated hidden sizes to run, e.g. 1024,7168")
@@ -294,6 +311,8 @@ def main() -> int:
                 s = sabotage(a, model(a, h, a.layers), tag)
                 REC.log(f"{tag} sabotage: clean pass {s['all_clean_pass']}, every case rejected "
                         f"{s['all_cases_rejected']}")
+            if "startup" in phases:
+                startup(a, model(a, h, a.layers), tag)
             if "production" in phases:
                 p = production(a, model(a, h, a.layers), tag)
                 REC.log(f"{tag} production check: agree {p['agree']}/{p['positions']}, first token "
@@ -361,6 +380,8 @@ def summary(r: dict) -> None:
             summarize_extraction(k, f)
         if k.startswith("sweep_") and "runs" in f:
             summarize_sweep(k, f)
+        if k.startswith("startup_") and "runs" in f:
+            summarize_startup(k, f)
         if k.startswith("micro_"):
             print(f"\n{k}: clone {f['clone_ms']:.3f} ms ({f['clone_GBps']:.0f} GB/s), "
                   f"D2H {f['d2h_ms_side_stream']:.3f} ms ({f['d2h_GBps']:.0f} GB/s) for {f['tokens']}x{f['hidden']} bf16")

@@ -9,6 +9,7 @@ lent machine. It checks the mechanics, not the speeds.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import socket
 import sys
@@ -70,6 +71,25 @@ def test_extraction_phase_runs_end_to_end_on_standins(standin_site, tiny_model_d
     assert set(res["ratios"]) == {"capture/pristine", "driver/pristine"}
     assert res["hook_status"]["errors"] == 0 and res["hook_status"]["with_intent"] > 0
     extract.summarize_extraction("extract_cpu", res)
+    assert all(run["first_request_s"] > 0 and run["startup"]["tokenizer_s"] >= 0 for run in runs)
+
+
+def test_startup_phase_runs_the_bench_against_the_capturing_server(standin_site, tiny_model_dir, tmp_path):
+    """Issue #36's start-up on the GPU host, rehearsed: a capturing server started as the GPU phase starts SGLang,
+    then bench/driver_startup.py --server against it, before and after (here both this checkout), each model's
+    tokenizer both ways (its own, and as remote code), the fidelity check on (the model has weights)."""
+    import startup
+
+    a = argparse.Namespace(site=str(standin_site), work=str(tmp_path / "work"), dump_root=str(tmp_path / "dumps"),
+                           chunk=64, port=free_port_block(4) - 1, mem_fraction=0.3, tp_size=1,
+                           startup_code=str(ROOT), startup_reps=1, startup_prompts="1")
+    res = startup.startup(a, str(tiny_model_dir), "cpu")
+    runs = res["runs"]
+    assert {(r["code"], r["model"]) for r in runs} == {(c, m) for c in ("before", "after") for m in ("fast", "remote")}
+    assert all(r["samples"] == 1 and r["first_request_s"] > 0 and r["process_s"] >= r["first_request_s"]
+               for r in runs)
+    assert all(r["startup"]["capture_check_s"] >= 0 for r in runs), "this checkout's start-up steps, both 'codes'"
+    startup.summarize_startup("startup_cpu", res)
 
 
 @pytest.mark.slow
@@ -122,16 +142,32 @@ def test_sweep_phase_runs_every_depth_end_to_end_on_standins(standin_site, tmp_p
     """Issue #22's rate sweep, rehearsed: two depths, each with its pristine and capturing server started as
     the GPU phase starts SGLang (dummy weights asked for; the stand-in loads the tiny model's), the three
     rows in an order that rotates with the depth, and the driver without the fidelity check (dummy weights
-    have no LM head to read)."""
+    have no LM head to read). Run as the GPU session runs it (issue #36): calls of the same command on one
+    machine, each continuing the record the last one kept in --work, and one stopped by its time limit
+    before a depth it could not finish."""
     import sweep
     from lab.tiny_model import make_tiny_model_dir
 
     a = argparse.Namespace(site=str(standin_site), work=str(tmp_path / "work"), dump_root=str(tmp_path / "dumps"),
                            prompts=4, tokens=40, long_prompts=1, long_tokens=150, concurrency=2, chunk=64, reps=1,
                            port=free_port_block(4) - 1, mem_fraction=0.3, tp_size=1, warmup_prompts=2,
-                           round_offset=0, sweep_layers="4,16", sweep_hidden=64, sweep_weights=False,
-                           sweep_env="HS_CAPTURE_SLOTS=4")
-    res = sweep.sweep(a, "cpu", model_for=lambda n: str(make_tiny_model_dir(tmp_path / f"model-l{n}", layers=n)))
+                           round_offset=0, sweep_layers="4", sweep_hidden=64, sweep_weights=False,
+                           sweep_env="HS_CAPTURE_SLOTS=4", call_seconds=0, capture_mem_fraction=0,
+                           writer_profile=True)
+    models = {n: str(make_tiny_model_dir(tmp_path / f"model-l{n}", layers=n)) for n in (4, 16)}
+    first = sweep.sweep(a, "cpu", model_for=models.get)
+    assert list(first["runs"]) == ["4"] and "stopped" not in first
+    a.call_seconds = 1  # the next call has no time left: it starts no server and says how to go on
+    a.sweep_layers = "4,16"
+    cut = sweep.sweep(a, "cpu", model_for=models.get)
+    assert "16" in cut["stopped"] and "same command again" in cut["stopped"]
+    sweep.summarize_sweep("sweep_cut", cut)  # says NOT DONE
+    partial = json.loads(json.dumps(cut))
+    partial["runs"]["4"].pop("ratios")  # a depth cut between its rounds: no medians yet
+    sweep.summarize_sweep("sweep_partial", partial)
+    a.call_seconds = 0
+    res = sweep.sweep(a, "cpu", model_for=models.get)  # continues: 4 is measured, 16 is run
+    assert res["calls"] == 3 and "stopped" not in res
     runs = res["runs"]
     assert list(runs) == ["4", "16"]  # 4: the shallow depth that measures the writer's ceiling
     assert [r["order"] for r in runs.values()] == [[["pristine", "capture", "driver"]],
@@ -151,10 +187,57 @@ def test_sweep_phase_runs_every_depth_end_to_end_on_standins(standin_site, tmp_p
         assert lp["landed_after_response_s"] < r["capture"]["tail_s"][0] + 1, lp
         cpu = {row: r[row]["server_cpu_s_per_GB"] for row in extract.ROWS}
         assert all(len(v) == 1 and v[0] > 0 for v in cpu.values()), cpu  # each row's server process group, /proc
+        # the capturing process's threads, the writer's told apart by the ids hook_status.json gives (the tiny
+        # model's writes take less than a clock tick: the stand-in's torch threads, "other", take the time here)
+        (threads,) = r["capture"]["writer_threads_cpu_s_per_GB"]
+        assert {"coordinator", "writers", "scheduler", "other"} <= set(threads), threads
+        assert all(v >= 0 for t in threads.values() for v in t.values()) and threads["other"]["user"] > 0, threads
+        assert r["timing"]["server_start_s"] > 0 and r["timing"]["round_s"] > 0
+        # --writer-profile: one more capture row, not measured, py-spy's where there is one (none here)
+        assert r["capture"]["profile"] and "writers" in r["capture"]["profile_threads_cpu_s_per_GB"]
+        assert len(r["capture"]["tok_s"]) == 1
     logs = sorted((tmp_path / "logs").glob("server-sw-*.log"))
     assert len(logs) == 4 and all("--load-format dummy" in p.read_text() for p in logs), "dummy weights asked for"
     assert all("host staging (4 x " in p.read_text() for p in logs if p.name.endswith("-capture.log")), "--sweep-env"
     sweep.summarize_sweep("sweep_cpu", res)
+
+
+def test_py_spy_stacks_are_told_apart_by_thread_and_what_they_were_doing(tmp_path):
+    """py-spy 0.4's raw output with --threads (seen on the dev VM against the stand-in's writer): each stack rooted
+    at ``thread (TID): NAME``; idle waits apart from the busy samples' shares."""
+    import proc_cpu
+
+    raw = tmp_path / "raw.txt"
+    raw.write_text(
+        "thread (100): MainThread;serve (x.py:1);poll (libc.so.6) 7\n"
+        "thread (101): hs_patch-write_0;Thread.run (threading.py:982);_worker (concurrent/futures/thread.py:81);"
+        "0x7f (libc.so.6) 90\n"
+        "thread (101): hs_patch-write_0;_worker (concurrent/futures/thread.py:83);write_temp (hs_patch/store.py:289);"
+        "_range_sha256 (hs_patch/files.py:255);sha256_block_data_order_shaext (libcrypto.so.3) 6\n"
+        "thread (102): hs_patch-write_1;write_temp (hs_patch/store.py:289);pwrite_all (hs_patch/files.py:124);"
+        "__libc_pwrite64 (libc.so.6) 2\n"
+        "thread (103): hs_patch-hash_0;_range_sha256 (hs_patch/files.py:255);sha256_update (libcrypto.so.3) 4\n"
+        "thread (104): hs_patch-writer;Writer._coordinate (hs_patch/server/writer.py:150) 1\n")
+    got = proc_cpu.hottest_frames(raw, pid=100)
+    assert got["writers"][0] == ["idle", 90, round(90 / 98, 3)]
+    assert got["writers"][1] == ["_range_sha256 (hs_patch/files.py:255) > sha256_block_data_order_shaext "
+                                 "(libcrypto.so.3)", 6, 0.75]
+    assert got["writers"][2][2] == 0.25 and set(got) == {"scheduler", "writers", "hashers", "coordinator"}
+    assert got["scheduler"] == [["serve (x.py:1) > poll (libc.so.6)", 7, 1.0]]
+
+
+def test_a_call_of_the_documented_length_starts_a_depth_on_a_fresh_machine_and_later():
+    """--call-seconds 520 (bench/RESULTS.md section 11, the next GPU session): a depth starts when both servers, the
+    warm-up and one measured round fit; what is not timed yet is estimated from the record's other depths, else
+    defaults that let the first depth of a fresh machine start (a too careful estimate would stop every call before
+    any depth)."""
+    import sweep
+
+    start, rnd = sweep._estimates({"runs": {}}, {})
+    assert 2 * start + 1.5 * rnd < 520 - 60  # the call's set-up before its first depth: patch, copies, models
+    timed = {"runs": {"2": {"timing": {"server_start_s": 150.0, "round_s": 45.0}}, "4": {"timing": {}}}}
+    assert sweep._estimates(timed, {}) == (150.0, 45.0)  # a depth not run yet: the machine's own timings
+    assert sweep._estimates(timed, {"server_start_s": 70.0, "round_s": 40.0}) == (70.0, 40.0)
 
 
 def test_sweep_env_refuses_what_would_change_the_measured_rate():

@@ -29,7 +29,8 @@ tokens from greedy decoding whatever the temperature (the transformers model wit
 cache); 400 with ``{"error": {"message"}}`` for bad input.
 ``GET /health`` and ``/health_generate``: like SGLang, when idle they prefill ``input_ids
 [0]`` with a ``HEALTH_CHECK_`` rid (a capturing server writes it as a sample);
-``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0`` makes ``/health`` answer without it.
+``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0`` makes ``/health`` answer without it; ``--health-sleep-s 1``
+makes it answer no sooner than SGLang's handler does (it sleeps a second first: start-up benchmarks).
 ``GET /get_server_info`` (and ``/server_info``): ``version`` (the release), ``disable_radix_cache:
 true``, ``chunked_prefill_size``, ``tp_size: 1``, ``context_length`` (the server argument: null unless
 ``--context-length`` is given, as in SGLang), ``max_total_num_tokens`` and ``max_req_input_len`` (SGLang's
@@ -59,6 +60,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -87,6 +89,7 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     engine: Engine
     api_key: Optional[str] = None
+    health_sleep: float = 0.0  # SGLang's /health sleeps a second before it answers (--health-sleep-s 1: benchmarks)
 
     def _authorized(self) -> bool:
         """As SGLang's --api-key (sglang.srt.utils.auth): every path but /health* and /metrics needs
@@ -118,14 +121,18 @@ class Handler(BaseHTTPRequestHandler):
         elif self.path in ("/health", "/health_generate"):
             generate = self.path == "/health_generate" or os.environ.get(
                 "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "1").lower() not in ("0", "false")
-            if not generate or not self.engine.idle():
+            if not generate:
                 self._send(200)
                 return
+            t0 = time.monotonic()
             try:
-                self.engine.submit(Request(f"HEALTH_CHECK_{uuid.uuid4().hex}", [0], 1), timeout=20)
-                self._send(200)
+                if self.engine.idle():
+                    self.engine.submit(Request(f"HEALTH_CHECK_{uuid.uuid4().hex}", [0], 1), timeout=20)
+                code = 200
             except RuntimeError:
-                self._send(503)
+                code = 503
+            time.sleep(max(0.0, self.health_sleep - (time.monotonic() - t0)))
+            self._send(code)
         else:
             self._send(404, {"detail": "Not Found"})
 
@@ -151,9 +158,10 @@ class Handler(BaseHTTPRequestHandler):
 class StandinServer:
     """The stand-in, started in this process (tests) or by :func:`main`."""
 
-    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, api_key: Optional[str] = None):
+    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, api_key: Optional[str] = None,
+                 health_sleep: float = 0.0):
         self.engine = engine
-        handler = type("BoundHandler", (Handler,), {"engine": engine, "api_key": api_key})
+        handler = type("BoundHandler", (Handler,), {"engine": engine, "api_key": api_key, "health_sleep": health_sleep})
         handler_server = type("StandinHTTPServer", (ThreadingHTTPServer,), {"request_queue_size": 128})
         self.httpd = handler_server((host, port), handler)
         self.httpd.daemon_threads = True
@@ -215,6 +223,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                     "directory the environment names (hs_patch's gpu_ready.cache_dirs: XDG_CACHE_HOME, "
                     "TVM_FFI_CACHE_DIR, ... and transformers' module cache), as the real server's libraries do, and "
                     "exit naming the first one that refuses (the services role's sandbox must allow each)")
+    ap.add_argument("--health-sleep-s", type=float, default=0.0, help="benchmarks: /health answers this long after it "
+                    "was asked at the earliest, as SGLang's (0.5.9-0.5.23: its handler sleeps 1 s before it looks for "
+                    "an answer) (default: %(default)s)")
     ap.add_argument("--api-key", help="require this key (Authorization: Bearer), as SGLang's --api-key")
     ap.add_argument("--config", help="SGLang's --config file: its api-key is used like --api-key")
     g = ap.add_argument_group("EAGLE-3 (emulated over greedy decoding: lab/standin_spec.py)")
@@ -242,7 +253,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                     speculative=Speculative.from_args(a.speculative_algorithm, a.speculative_draft_model_path,
                                                       a.speculative_num_steps, a.speculative_eagle_topk,
                                                       a.speculative_num_draft_tokens))
-    server = StandinServer(engine, a.host, a.port, api_key=a.api_key or read_config_api_key(a.config))
+    server = StandinServer(engine, a.host, a.port, api_key=a.api_key or read_config_api_key(a.config),
+                           health_sleep=a.health_sleep_s)
     if ignored:
         log.info("stand-in: SGLang server flags accepted and ignored: %s", " ".join(ignored))
     log.warning("STAND-IN server, NOT SGLang: patched forward of SGLang %s on a tiny transformers model, "

@@ -184,15 +184,13 @@ def check_model_dir(model_dir: str) -> None:
 
 
 def load_tokenizer(model_dir: str, trust_remote_code: bool = False) -> Any:
-    """The served model's tokenizer; ValueError saying what to give if ``model_dir`` is not one."""
-    from pathlib import Path
+    """The served model's tokenizer (``AutoTokenizer``'s, :mod:`hs_patch.host.driver.tokenizer`); ValueError saying
+    what to give if ``model_dir`` is not one."""
+    from hs_patch.host.driver import tokenizer
 
     check_model_dir(model_dir)
-    p = Path(model_dir)
-    from transformers import AutoTokenizer
-
     try:
-        return AutoTokenizer.from_pretrained(str(p), trust_remote_code=trust_remote_code)
+        return tokenizer.load(model_dir, trust_remote_code)
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds; one clear message
         hint = "" if trust_remote_code else " (Kimi-K2/K2.5's tokenizer needs --trust-remote-code)"
         raise ValueError(f"cannot load the tokenizer of --model {model_dir}{hint}: {type(e).__name__}: {e}"[:800]) \

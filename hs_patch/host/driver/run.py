@@ -32,6 +32,7 @@ from hs_patch.host.driver.adopt import same_filesystem
 from hs_patch.host.driver.runstatus import RunStatus, nothing_extracted
 from hs_patch.host.driver.order import InOrder
 from hs_patch.host.driver.turns import Turns
+from hs_patch.host.driver.startup import Pending, Timings, ask_server
 from hs_patch.host.driver.sample_steps import (CAPTURE_PARAMS, EXIT_ERROR, EXIT_FAILURES, EXIT_INCOMPLETE,  # noqa: F401
                                         EXIT_OK, EXIT_SIGNAL, SampleSteps)  # (re-exported)
 
@@ -213,19 +214,28 @@ class Driver(SampleSteps):
         return Summary(self.status.state, self.exit_code, self.status.message, doc)
 
     def _prepare(self, resumed: bool) -> None:
+        """Everything before the first request; the server's /health and /server_info are asked in a thread while
+        the tokenizer loads and the run's state and dataset are read (startup.py)."""
         cfg = self.cfg
+        steps = Timings()
+        self.client = SGLangClient(cfg.server, policy=RetryPolicy(cfg.retries, cfg.backoff, cfg.backoff_max),
+                                   timeout=cfg.request_timeout, on_retry=self._on_retry,
+                                   should_stop=self.stop.is_set, api_key=read_api_key(cfg.api_key_file))
+        server = Pending("hs-server-checks", lambda: (ask_server(self.client, cfg.server_wait), steps.since()))
         if self.tokenizer is None:
             self.tokenizer = chat.load_tokenizer(cfg.model, cfg.trust_remote_code)
         self.vocab = chat.vocab_bound(self.tokenizer, cfg.model)
         self.longest_token = limits.longest_token_chars(self.tokenizer)
+        steps.mark("tokenizer_s")
         self.max_chars = dataset.line_limit(cfg.max_tokens, cfg.max_line_chars)
         done = self.done = runstate.load_done(self.samples_dir, self.state_dir / runstate.SHIPPED)
-        self._reconcile(done)  # before the server is waited for: a refusal comes at once
-        self.client = SGLangClient(cfg.server, policy=RetryPolicy(cfg.retries, cfg.backoff, cfg.backoff_max),
-                                   timeout=cfg.request_timeout, on_retry=self._on_retry,
-                                   should_stop=self.stop.is_set, api_key=read_api_key(cfg.api_key_file))
-        self.client.wait_healthy(cfg.server_wait)
-        info = self.client.server_info(timeout=cfg.server_wait)
+        self._reconcile(done)  # before the server's answers are waited for: a refusal comes at once
+        counts = dataset.count_lines(cfg.data, self.max_chars, limit=cfg.limit, owns=cfg.owns())
+        self.status.c.total = counts.lines
+        self.status.c.blank = counts.blank
+        steps.mark("dataset_s")
+        info, answered = server.result()
+        steps.mark("server_wait_s")
         if info.get("disable_radix_cache") is not True:
             raise runstate.RunError("the server runs with the radix cache on: a cached prefix is never computed, so "
                                     "it cannot be captured. Restart SGLang with --disable-radix-cache")
@@ -237,15 +247,15 @@ class Driver(SampleSteps):
         checked = capture_check.check(self.client, self.capture_dir, self.tokenizer, f"hs-{cfg.run}-",
                                       timeout=cfg.raw_timeout, release=self.server_version,
                                       fingerprints=cfg.fidelity_check)
+        steps.mark("capture_check_s")
         self._start_fidelity()
-        counts = dataset.count_lines(cfg.data, self.max_chars, limit=cfg.limit, owns=cfg.owns())
-        self.status.c.total = counts.lines
-        self.status.c.blank = counts.blank
+        steps.mark("fidelity_s")
         self.bp = BackPressure([str(self.capture_dir), str(self.samples_dir)], high=cfg.high_water,
                                low=cfg.low_water, usage=self.usage, on_change=self._on_pressure)
         self.ledger.write("run_start", resumed=resumed, driver=__version__,
                           params=dict(asdict(cfg), server=redact_url(cfg.server)), capture_check=checked,
                           max_tokens_effective=self.limit.tokens, blank_lines=counts.blank,
+                          startup=steps.record(server_checks_s=answered),
                           fidelity_check=cfg.fidelity_settings(), weaker_check=self.weaker_check,
                           server={k: info.get(k) for k in ("version", "model_path", "tp_size", "chunked_prefill_size",
                                                            "disable_radix_cache", "standin")},

@@ -24,7 +24,8 @@ from hs_patch.host.driver.missing import Failure
 from hs_patch.host.driver.turns import Turn
 from hs_patch.host.fidelity import settings
 from hs_patch.host.fidelity.policy import FidelityMonitor
-from hs_patch.host.model_files import ModelFileError
+from hs_patch.host.driver.startup import Pending
+from hs_patch.host.model_files import ModelFileError, check_head_and_norm
 
 EXIT_OK, EXIT_ERROR, EXIT_INCOMPLETE, EXIT_FAILURES, EXIT_SIGNAL = 0, 1, 3, 4, 130  # hs-extract drive's exit codes
 CAPTURE_PARAMS = {"max_new_tokens": 1, "temperature": 0.0}  # 1 new token: the least that runs a prefill
@@ -33,28 +34,48 @@ CAPTURE_PARAMS = {"max_new_tokens": 1, "temperature": 0.0}  # 1 new token: the l
 class SampleSteps:
     """The per-sample half of the driver (its attributes are set up by ``Driver``)."""
 
-    checker: Optional[fidelity.FidelityChecker] = None
+    checker: Optional[Pending[fidelity.FidelityChecker]] = None   # loaded in a thread (startup.py)
     monitor: Optional[FidelityMonitor] = None
 
     def _start_fidelity(self) -> None:
-        """The production fidelity check: the LM head read by name from the model dir (--no-fidelity-check: off)."""
+        """The production fidelity check (--no-fidelity-check: off): the LM head and final norm found by name in the
+        model dir's headers now, so a run that cannot be checked is refused before its first request; their weights
+        (and the embedding's row checksums) read in a thread from the first request on: the first sample's check
+        waits for them."""
         cfg = self.cfg
         if not cfg.fidelity_check:
             return
         try:
-            head = fidelity.LMHead.from_model_dir(cfg.model)
+            check_head_and_norm(cfg.model)
         except (ModelFileError, OSError, KeyError, ValueError) as e:
-            raise runstate.RunError(f"the fidelity check cannot read the LM head and final norm from {cfg.model}: "
-                                    f"{e}. Point --model at the served model's directory, or run with "
-                                    "--no-fidelity-check (then nothing checks the dumped states)") from None
-        self.checker = fidelity.FidelityChecker(head, self.state_dir, tie_tolerance=cfg.fidelity_tie_tolerance,
-                                                positions=cfg.fidelity_positions, batch=cfg.concurrency,
-                                                rows=cfg.fidelity_rows, gaps=cfg.fidelity_gap_positions)
+            raise runstate.RunError(self._unreadable(e)) from None
+        self.checker = Pending("hs-fidelity-load", self._load_checker, start=False)  # at the first request (_capture)
         self.monitor = FidelityMonitor(cfg.fidelity_max_consecutive)
 
+    def _unreadable(self, e: BaseException) -> str:
+        return (f"the fidelity check cannot read the LM head and final norm from {self.cfg.model}: {e}. Point --model "
+                "at the served model's directory, or run with --no-fidelity-check (then nothing checks the dumped "
+                "states)")
+
+    def _load_checker(self) -> fidelity.FidelityChecker:
+        cfg = self.cfg
+        try:
+            head = fidelity.LMHead.from_model_dir(cfg.model)
+        except (ModelFileError, OSError, KeyError, ValueError) as e:
+            raise runstate.RunError(self._unreadable(e)) from None
+        checker = fidelity.FidelityChecker(head, self.state_dir, tie_tolerance=cfg.fidelity_tie_tolerance,
+                                           positions=cfg.fidelity_positions, batch=cfg.concurrency,
+                                           rows=cfg.fidelity_rows, gaps=cfg.fidelity_gap_positions)
+        prefetch_embeddings(checker, cfg.model)
+        return checker
+
     def _stop_fidelity(self) -> None:
-        if self.checker is not None:
-            self.checker.close()
+        if self.checker is not None and self.checker.started():  # never started: no sample was sent
+            try:
+                checker = self.checker.result()
+            except Exception:  # noqa: BLE001 - never loaded: each sample that needed it failed saying why
+                return
+            checker.close()
 
     def _check_fidelity(self, rec: dataset.Record, key: str, entry: dict, response: dict) -> Optional[dict]:
         """The check's result for the sample's manifest line if every plane of the sample the hook wrote is
@@ -64,7 +85,13 @@ class SampleSteps:
             return {}
         path = self.capture_dir / entry["file"]
         try:
-            chk = self.checker.check(key, path, response, sample_id=rec.sample_id, run=self.cfg.run)
+            checker = self.checker.result()
+        except runstate.RunError as e:  # the weights could not be read after all: no sample can be checked
+            self._failed(rec, key, "fidelity", str(e))
+            self.request_stop(str(e), EXIT_ERROR)
+            return None
+        try:
+            chk = checker.check(key, path, response, sample_id=rec.sample_id, run=self.cfg.run)
             meta = reader.read_header(path).metadata
         except (store.SampleError, ClientError, OSError, RuntimeError, ValueError, KeyError) as e:
             self._failed(rec, key, "fidelity", f"the fidelity check could not run: {e}")
@@ -249,6 +276,8 @@ class SampleSteps:
         self.ledger.write("sent", sample_id=rec.sample_id, key=key, rid=rid, tokens=len(ids),
                           loss_tokens=sum(mask), truncated_from=prov["truncated_from"] or None)
         self.status.update(in_flight=1)
+        if self.checker is not None:
+            self.checker.start()  # the fidelity check's weights, read while the server computes (startup.py)
         adopted = False
         try:
             extra = fidelity.request_fields(key, len(ids), fraction=cfg.fidelity_fraction,
@@ -299,3 +328,25 @@ class SampleSteps:
 def refused(e: ClientError) -> bool:
     """The server refused this very request (HTTP 400: its input): it refuses it again on every run."""
     return isinstance(e, ServerRejected) and e.status == 400
+
+
+def prefetch_embeddings(checker: fidelity.FidelityChecker, model_dir: str) -> None:
+    """The embedding weight's row checksums in the weight's own dtype (the samples' dtype on every served model we
+    know), made now instead of in the first sample's check; another dtype is made when a sample needs it."""
+    import torch
+
+    from hs_patch.host.fidelity.checksums import EMBED_NAMES
+    from hs_patch.host.model_files import find_name, tensor_shape
+
+    if checker.embeddings is None:
+        return
+    try:
+        _, dtype = tensor_shape(model_dir, find_name(model_dir, EMBED_NAMES, "embedding weight"))
+    except ModelFileError:
+        return  # the check says so when a sample needs it
+    as_torch = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}.get(dtype)
+    if as_torch is not None:
+        try:
+            checker.embeddings.table(as_torch)
+        except Exception:  # noqa: BLE001 - made again, and said, when a sample needs it (as without the prefetch)
+            pass
