@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import random
 import shutil
 import statistics
@@ -211,7 +212,9 @@ def _depth(a: argparse.Namespace, model_dir: str, layers: int, index: int, prist
     extra = ["--sleep-on-idle", "--max-total-tokens", str(kv_tokens)]
     if not a.sweep_weights:
         extra += ["--load-format", "dummy"]
-    drive_extra = (() if a.sweep_weights else ("--no-fidelity-check",)) + tuple(os.environ.get("HS_SWEEP_DRIVE_ARGS", "").split())
+    # HS_SWEEP_DRIVE_ARGS: more hs-extract drive options for every driver row (e.g. --fidelity-gap-positions 0)
+    drive_extra = ((() if a.sweep_weights else ("--no-fidelity-check",))
+                   + tuple(os.environ.get("HS_SWEEP_DRIVE_ARGS", "").split()))
     servers: dict[str, Server] = {}
     done = len(res["order"])
     try:
