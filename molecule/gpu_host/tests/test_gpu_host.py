@@ -1,6 +1,7 @@
 """State of the test host after the gpu_host role (via playbooks/provision.yml)."""
 
 import json
+import time
 
 import pytest
 
@@ -53,7 +54,13 @@ def test_persistence_mode_survives_a_restart_of_the_daemon(host):
     assert host.service("nvidia-persistenced").is_enabled
     # what a reboot does: persistence off, the daemon started again by systemd
     host.run_test("echo Disabled > /var/lib/hs-test/persistence && systemctl restart nvidia-persistenced")
-    rows = host.check_output("nvidia-smi --query-gpu=persistence_mode --format=csv,noheader").splitlines()
+    # the unit is Type=simple: `systemctl restart` returns once the daemon is forked, before it has set the
+    # mode (a loaded CI host saw "Disabled" here); wait for it, at most 30 s
+    for _ in range(60):
+        rows = host.check_output("nvidia-smi --query-gpu=persistence_mode --format=csv,noheader").splitlines()
+        if rows == ["Enabled"] * 8:
+            break
+        time.sleep(0.5)
     assert rows == ["Enabled"] * 8
 
 
