@@ -226,6 +226,36 @@ def test_preflight_skips_storage_when_shipping_is_off(local_inventory, tmp_path)
     assert proc.returncode == 0, _tail(proc)
 
 
+def test_a_dry_run_on_a_fresh_host_passes_the_driver_checks_and_a_real_run_keeps_them(tmp_path):
+    """README's first command, `ansible-playbook site.yml --check --diff`, on a fresh host: the driver is only
+    simulated there, so no package, no module and no nvidia-smi exist yet. The kernel-module and GPU checks stopped
+    that dry run ("The driver package ... is not installed", "nvidia-smi failed"); in check mode they now say what
+    a real run checks, and a real run still refuses a host without them."""
+    boot = tmp_path / "boot"
+    boot.mkdir()
+    (boot / "vmlinuz-6.8.0-31-generic").write_text("")
+    play = tmp_path / "fresh.yml"
+    play.write_text(yaml.safe_dump([{
+        "name": "The gpu_host checks on a host without a driver", "hosts": "localhost", "gather_facts": False,
+        "vars": {"gpu_host_boot_dir": str(boot), "gpu_host_modinfo": str(tmp_path / "no-modinfo"),
+                 "gpu_host_nvidia_userspace_package": "hs-test-no-such-driver-package",
+                 "gpu_host_nvidia_smi": str(tmp_path / "no-nvidia-smi"),
+                 "gpu_host_nvidia_version_file": str(tmp_path / "no-version-file")},
+        "tasks": [{"name": f"Run {f}", "ansible.builtin.include_role": {"name": "gpu_host", "tasks_from": f}}
+                  for f in ("kernel-modules.yml", "gpu-checks.yml")]}]))
+    argv = [_tool("ansible-playbook"), "-i", "localhost,", "-c", "local", "-e",
+            f"ansible_python_interpreter={sys.executable}", str(play)]
+    dry = _run([*argv, "--check"], timeout=300)
+    assert dry.returncode == 0, _tail(dry)
+    flat = " ".join(dry.stdout.split())
+    assert "Check mode: hs-test-no-such-driver-package is not installed yet" in flat, _tail(dry)
+    assert "no-nvidia-smi does not answer yet" in flat, _tail(dry)
+    real = _run(argv, timeout=300)
+    assert real.returncode != 0
+    assert "The driver package hs-test-no-such-driver-package is not installed" in " ".join(real.stdout.split()), \
+        _tail(real)
+
+
 # --- the test-host lab ----------------------------------------------------------------------
 
 
