@@ -137,14 +137,17 @@ def local_inventory(tmp_path: Path) -> Path:
     inv = tmp_path / "inventory"
     inv.mkdir()
     (inv / "group_vars").symlink_to(ROOT / "inventory" / "group_vars")
-    (inv / "hosts.yml").write_text(yaml.safe_dump({"all": {"children": {"gpu_hosts": {"hosts": {
-        "preflight-local": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}}}}}}))
+    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+    # the managed storage host the pre-flight reaches: this machine too
+    (inv / "hosts.yml").write_text(yaml.safe_dump({"all": {"children": {
+        "gpu_hosts": {"hosts": {"preflight-local": local}},
+        "training_storage": {"hosts": {"storage-local": local}}}}}))
     return inv
 
 
 def _preflight(inv: Path, tmp_path: Path, extra: dict) -> subprocess.CompletedProcess:
     # Fits this machine's memory and disk and names a storage host: the defaults are for the GPU host.
-    base = {"hs_dump_budget_gib": 1, "hs_shm_headroom_gib": 1, "hs_storage_host": "storage.example",
+    base = {"hs_dump_budget_gib": 1, "hs_shm_headroom_gib": 1, "hs_storage_host": "storage-local",
             "hs_space_model_gib": 1, "hs_model_revision": "0123456789abcdef0123456789abcdef01234567",
             # the roles' platform, and this machine's (Debian 12 or Ubuntu 24.04, README's Install)
             "hs_platforms": ["Ubuntu 24.04 x86_64", "Debian 12 x86_64"]}
@@ -187,6 +190,8 @@ def test_preflight_accepts_the_defaults(local_inventory, tmp_path):
     ({"hs_venv_releases_dir": "venvs"}, "hs_venv_releases_dir an absolute path"),
     ({"hs_storage_host": ""}, "set hs_storage_host"),
     ({"hs_storage_managed": False}, "hs_storage_host_key to its SSH host key"),
+    # not in the inventory, and a name that never resolves (RFC 6761): nothing is contacted
+    ({"hs_storage_host": "storage.invalid"}, "The control node cannot reach the storage host storage.invalid"),
     ({"hs_s3_url": "s3://Bad_Bucket/p"}, "Shipping goes to a bucket (hs_s3_url) but its settings are off"),
     ({"hs_s3_url": "s3://hs-runs/p", "hs_s3_endpoint": "https://k:s@s3.lab"}, "without credentials in it"),
     ({"hs_s3_url": "s3://hs-runs/p", "hs_s3_access_key_id": "AK"}, "both set (from the vault) or both empty"),
