@@ -261,6 +261,25 @@ def test_a_dry_run_on_a_fresh_host_passes_the_driver_checks_and_a_real_run_keeps
         _tail(real)
 
 
+def test_a_dry_run_on_a_fresh_host_passes_the_shipping_stage_before_its_user_exists(tmp_path):
+    """The same dry run reached the shipping stage and stopped there: gpu_host's creation of the service user is
+    only simulated, and sample_shipping refused the missing user. In check mode it says what a real run sets up;
+    a real run still refuses a missing user (nothing is contacted: the storage host's name never resolves)."""
+    play = tmp_path / "ship.yml"
+    play.write_text(yaml.safe_dump([{
+        "name": "sample_shipping before its user exists", "hosts": "localhost", "gather_facts": False,
+        "roles": [{"role": "sample_shipping", "sample_shipping_user": "hs-test-no-such-user",
+                   "sample_shipping_storage_host": "storage.invalid"}]}]))
+    argv = [_tool("ansible-playbook"), "-i", "localhost,", "-c", "local", "-e",
+            f"ansible_python_interpreter={sys.executable}", str(play)]
+    dry = _run([*argv, "--check"], timeout=300)
+    assert dry.returncode == 0, _tail(dry)
+    assert "Check mode: user hs-test-no-such-user does not exist yet" in " ".join(dry.stdout.split()), _tail(dry)
+    real = _run(argv, timeout=300)
+    assert real.returncode != 0
+    assert "User hs-test-no-such-user does not exist on localhost" in " ".join(real.stdout.split()), _tail(real)
+
+
 # --- the test-host lab ----------------------------------------------------------------------
 
 
