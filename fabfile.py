@@ -158,12 +158,13 @@ def _say(msg: str) -> None:
                            "shard holds now in other shards (lines inserted or removed before them), or none of the "
                            "run's lines left (another file?); appended, removed and changed lines need nothing "
                            "(docs/driver.md)",
-    "server-timeout": "seconds to wait for the server to become healthy (default 1800)", **WATCH,
+    "server-timeout": "seconds to wait for the server to become healthy (default 3600, the services role's health wait: "
+                      "a ~600 GB load and a first start's JIT compiles)", **WATCH,
     "detach": "start and return without the dashboard"})
 @_errors
 def extract(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_password_file=None,
             ask_vault_pass=False, dataset=None, run=None, limit=0, regenerate=False, remote_dataset=False,
-            server_timeout=1800, interval=2, detach=False, hosts=None, reassign=None,
+            server_timeout=3600, interval=2, detach=False, hosts=None, reassign=None,
             dead_after=dashboard.DEAD_AFTER_S, max_tokens=remote.MAX_SAMPLE_TOKENS, accept_changed_data=False):
     """Preflight, start the server, run the driver and the shipper as systemd units, watch them live."""
     _check_numbers("extract", interval=interval, dead_after=dead_after, limit=limit, max_tokens=max_tokens)

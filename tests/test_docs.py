@@ -96,3 +96,39 @@ def test_help_texts_have_no_raw_markup(argv):
     out = subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "``" not in out.stdout and ":mod:" not in out.stdout and ":class:" not in out.stdout, out.stdout
+
+
+def _help_options(argv: list[str]) -> set[str]:
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, (argv, out.stderr)
+    return set(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", out.stdout)) | {"-h", "--help"}
+
+
+def test_every_option_the_docs_give_a_command_is_one_it_takes():
+    """An operator copies the commands of README and docs/ as they stand: each option written after `fab TASK`,
+    `hs-extract SUB`, `hs-patch SUB` or `hs-model SUB` on one line must be one that command's --help lists."""
+    from hs_patch.host.extract_cli import build_parser
+
+    py = [sys.executable, "-m"]
+    extract_subs = next(a for a in build_parser()._actions if a.dest == "command").choices
+    commands = {"hs-extract": {s: py + ["hs_patch.host.extract_cli", s, "--help"] for s in extract_subs},
+                "hs-patch": {s: py + ["hs_patch.host.patch_cli", s, "--help"]
+                             for s in ("apply", "verify", "revert", "status", "inspect", "check-args")},
+                "hs-model": {s: py + ["hs_patch.host.model.cli", s, "--help"] for s in ("fetch", "verify")},
+                "fab": {t: [str(Path(sys.executable).parent / "fab"), "--help", t]
+                        for t in ("extract", "status", "stop", "ship", "verify")}}
+    known: dict[tuple[str, str], set[str]] = {}
+    wrong = []
+    use = re.compile(r"\b(hs-extract|hs-patch|hs-model|fab)\s+(?:--help\s+)?([a-z][a-z-]*)([^`\n|]*)")
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for n, line in enumerate(doc.read_text().splitlines(), 1):
+            for tool, sub, rest in use.findall(line):
+                if sub not in commands[tool]:
+                    continue  # prose ("fab names the unit ..."), not a command
+                if (tool, sub) not in known:
+                    known[tool, sub] = _help_options(commands[tool][sub])
+                for opt in re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)(?=[\s=\]`,;.)]|$)", rest):
+                    if opt not in known[tool, sub] and not opt.startswith("--no-"):
+                        wrong.append(f"{doc.relative_to(ROOT)}:{n}: {tool} {sub} takes no {opt}")
+    assert not wrong, "\n".join(wrong)

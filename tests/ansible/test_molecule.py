@@ -137,14 +137,17 @@ def local_inventory(tmp_path: Path) -> Path:
     inv = tmp_path / "inventory"
     inv.mkdir()
     (inv / "group_vars").symlink_to(ROOT / "inventory" / "group_vars")
-    (inv / "hosts.yml").write_text(yaml.safe_dump({"all": {"children": {"gpu_hosts": {"hosts": {
-        "preflight-local": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}}}}}}))
+    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+    # the managed storage host the pre-flight reaches: this machine too
+    (inv / "hosts.yml").write_text(yaml.safe_dump({"all": {"children": {
+        "gpu_hosts": {"hosts": {"preflight-local": local}},
+        "training_storage": {"hosts": {"storage-local": local}}}}}))
     return inv
 
 
 def _preflight(inv: Path, tmp_path: Path, extra: dict) -> subprocess.CompletedProcess:
     # Fits this machine's memory and disk and names a storage host: the defaults are for the GPU host.
-    base = {"hs_dump_budget_gib": 1, "hs_shm_headroom_gib": 1, "hs_storage_host": "storage.example",
+    base = {"hs_dump_budget_gib": 1, "hs_shm_headroom_gib": 1, "hs_storage_host": "storage-local",
             "hs_space_model_gib": 1, "hs_model_revision": "0123456789abcdef0123456789abcdef01234567",
             # the roles' platform, and this machine's (Debian 12 or Ubuntu 24.04, README's Install)
             "hs_platforms": ["Ubuntu 24.04 x86_64", "Debian 12 x86_64"]}
@@ -187,6 +190,8 @@ def test_preflight_accepts_the_defaults(local_inventory, tmp_path):
     ({"hs_venv_releases_dir": "venvs"}, "hs_venv_releases_dir an absolute path"),
     ({"hs_storage_host": ""}, "set hs_storage_host"),
     ({"hs_storage_managed": False}, "hs_storage_host_key to its SSH host key"),
+    # not in the inventory, and a name that never resolves (RFC 6761): nothing is contacted
+    ({"hs_storage_host": "storage.invalid"}, "The control node cannot reach the storage host storage.invalid"),
     ({"hs_s3_url": "s3://Bad_Bucket/p"}, "Shipping goes to a bucket (hs_s3_url) but its settings are off"),
     ({"hs_s3_url": "s3://hs-runs/p", "hs_s3_endpoint": "https://k:s@s3.lab"}, "without credentials in it"),
     ({"hs_s3_url": "s3://hs-runs/p", "hs_s3_access_key_id": "AK"}, "both set (from the vault) or both empty"),
@@ -224,6 +229,55 @@ def test_preflight_takes_a_bucket_without_a_storage_host(local_inventory, tmp_pa
 def test_preflight_skips_storage_when_shipping_is_off(local_inventory, tmp_path):
     proc = _preflight(local_inventory, tmp_path, {"hs_storage_host": "", "hs_ship_enabled": False})
     assert proc.returncode == 0, _tail(proc)
+
+
+def test_a_dry_run_on_a_fresh_host_passes_the_driver_checks_and_a_real_run_keeps_them(tmp_path):
+    """README's first command, `ansible-playbook site.yml --check --diff`, on a fresh host: the driver is only
+    simulated there, so no package, no module and no nvidia-smi exist yet. The kernel-module and GPU checks stopped
+    that dry run ("The driver package ... is not installed", "nvidia-smi failed"); in check mode they now say what
+    a real run checks, and a real run still refuses a host without them."""
+    boot = tmp_path / "boot"
+    boot.mkdir()
+    (boot / "vmlinuz-6.8.0-31-generic").write_text("")
+    play = tmp_path / "fresh.yml"
+    play.write_text(yaml.safe_dump([{
+        "name": "The gpu_host checks on a host without a driver", "hosts": "localhost", "gather_facts": False,
+        "vars": {"gpu_host_boot_dir": str(boot), "gpu_host_modinfo": str(tmp_path / "no-modinfo"),
+                 "gpu_host_nvidia_userspace_package": "hs-test-no-such-driver-package",
+                 "gpu_host_nvidia_smi": str(tmp_path / "no-nvidia-smi"),
+                 "gpu_host_nvidia_version_file": str(tmp_path / "no-version-file")},
+        "tasks": [{"name": f"Run {f}", "ansible.builtin.include_role": {"name": "gpu_host", "tasks_from": f}}
+                  for f in ("kernel-modules.yml", "gpu-checks.yml")]}]))
+    argv = [_tool("ansible-playbook"), "-i", "localhost,", "-c", "local", "-e",
+            f"ansible_python_interpreter={sys.executable}", str(play)]
+    dry = _run([*argv, "--check"], timeout=300)
+    assert dry.returncode == 0, _tail(dry)
+    flat = " ".join(dry.stdout.split())
+    assert "Check mode: hs-test-no-such-driver-package is not installed yet" in flat, _tail(dry)
+    assert "no-nvidia-smi does not answer yet" in flat, _tail(dry)
+    real = _run(argv, timeout=300)
+    assert real.returncode != 0
+    assert "The driver package hs-test-no-such-driver-package is not installed" in " ".join(real.stdout.split()), \
+        _tail(real)
+
+
+def test_a_dry_run_on_a_fresh_host_passes_the_shipping_stage_before_its_user_exists(tmp_path):
+    """The same dry run reached the shipping stage and stopped there: gpu_host's creation of the service user is
+    only simulated, and sample_shipping refused the missing user. In check mode it says what a real run sets up;
+    a real run still refuses a missing user (nothing is contacted: the storage host's name never resolves)."""
+    play = tmp_path / "ship.yml"
+    play.write_text(yaml.safe_dump([{
+        "name": "sample_shipping before its user exists", "hosts": "localhost", "gather_facts": False,
+        "roles": [{"role": "sample_shipping", "sample_shipping_user": "hs-test-no-such-user",
+                   "sample_shipping_storage_host": "storage.invalid"}]}]))
+    argv = [_tool("ansible-playbook"), "-i", "localhost,", "-c", "local", "-e",
+            f"ansible_python_interpreter={sys.executable}", str(play)]
+    dry = _run([*argv, "--check"], timeout=300)
+    assert dry.returncode == 0, _tail(dry)
+    assert "Check mode: user hs-test-no-such-user does not exist yet" in " ".join(dry.stdout.split()), _tail(dry)
+    real = _run(argv, timeout=300)
+    assert real.returncode != 0
+    assert "User hs-test-no-such-user does not exist on localhost" in " ".join(real.stdout.split()), _tail(real)
 
 
 # --- the test-host lab ----------------------------------------------------------------------

@@ -395,3 +395,20 @@ def test_both_dashboards_follow_until_done_and_end_on_a_silent_host_or_ctrl_c():
 
 def last_line(out: io.StringIO) -> str:
     return out.getvalue().rstrip().splitlines()[-1]
+
+
+def test_fab_waits_for_the_server_as_long_as_the_services_role_does():
+    """fab extract starts a stopped server and waits for its health: with 1800 s it gave up on a ~600 GB load with
+    a first start's JIT that the role's own wait (sglang_service_health_retries x _delay) lets through."""
+    import inspect
+
+    import yaml
+
+    import fabfile
+
+    role = yaml.safe_load((ROOT / "roles/sglang_service/defaults/main.yml").read_text())
+    wait = role["sglang_service_health_retries"] * role["sglang_service_health_delay"]
+    default = inspect.signature(fabfile.extract.body).parameters["server_timeout"].default
+    assert default == wait, (default, wait)
+    out = _fab("--help", "extract")
+    assert f"(default {wait}," in " ".join(out.stdout.split()), out.stdout
