@@ -52,8 +52,8 @@ ENV_DOCS = (
      "(float8_e4m3fn with one fp32 scale a token a plane, amax/448, quantized on the GPU before the copy to the "
      "host: half the plane bytes through PCIe, host staging and disk; format hs_patch.sample/5, docs/samples.md; "
      "one more work buffer of slot tokens x hidden x 2 bytes on the GPU). The fingerprints are of the values "
-     "before quantization, the checksums of the bytes stored. The driver's fidelity check does not judge fp8 "
-     "samples yet and refuses them: use bf16 where the check runs."),
+     "before quantization, the checksums of the bytes stored. The driver's fidelity check judges fp8 rows but "
+     "not yet its logit gaps, so the driver refuses an fp8 server while the check is on: use bf16 where it runs."),
     ("HS_CAPTURE_CHECK_ROWS", "16", "With HS_CAPTURE_FINAL=none only: the LM head's input at each prompt's last N "
      "positions is kept in the sample (tensor check.post_norm, N x hidden x 2 bytes) for the fidelity check's "
      "logit gaps, which tie every sample to its own request (hs-extract drive --fidelity-gap-positions, "

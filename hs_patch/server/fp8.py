@@ -11,11 +11,13 @@ work buffer of the model's dtype (``x / s`` rounded to bf16, then to e4m3fn: the
 adds at most bf16's 2^-9 relative to e4m3's 2^-4), clamped to +-448 and cast into the fp8 rows.
 Nothing sized by the pass is allocated.
 
-The error bound readers (the fidelity check) may rely on, per element of a normal row:
-``|dequantized - x| <= 2^-4 |x| + 2^-9 s`` (e4m3 has 3 mantissa bits: a relative rounding error of
-at most 2^-4 for scaled values in its normal range, 2^-6 and up; below it the subnormal spacing
-2^-9, of which half, 2^-10, plus the double rounding's share, is bounded by 2^-9 s). See
-:func:`block_tolerance`.
+The error bound readers (the fidelity check) may rely on, per element x of a row with scale s,
+dequantized in fp32: ``|q s - x| <= (2^-4 + 2^-9) |x| + 2^-9 s``. e4m3 has 3 mantissa bits: rounding
+to nearest errs by at most half a unit, 2^-4 of the value at the bottom of its binade, for scaled
+values in its normal range (2^-6 and up); the work buffer's rounding of x / s to bf16 first adds at
+most 2^-9 of the value (double rounding; the clamp to 448 is within it); below the normal range the
+subnormal spacing is 2^-9 (in units of s), half of which, with the bf16 share, 2^-9 s bounds. Read
+as bf16, add bf16's own rounding, 2^-8 |x|. See :func:`block_tolerance`.
 
 The exact checksum of a stored fp8 row (:func:`hs_patch.server.fingerprint.word_sums`, of the bytes
 actually stored) covers its scale too: the scale's 32-bit word is added, modulo 2^32, to the last
@@ -39,8 +41,8 @@ SOURCE_META = "source_dtype"   # what the engine computed (bfloat16): the check 
 SCALE_SUFFIX = ".scale"        # tensor "<plane>.scale", F32 [N]: one scale a token
 FP8_MAX = 448.0
 MIN_SCALE = 2.0 ** -126
-REL_ERROR = 2.0 ** -4          # e4m3: 3 mantissa bits, round to nearest
-ABS_ERROR = 2.0 ** -9          # times the row's scale: the subnormal spacing's half, plus double rounding
+REL_ERROR = 2.0 ** -4 + 2.0 ** -9  # e4m3's half unit (3 mantissa bits), + x / s rounded to bf16 first
+ABS_ERROR = 2.0 ** -9              # times the row's scale: e4m3's subnormal range
 
 
 def scale_name(plane: str) -> str:
@@ -91,7 +93,9 @@ def add_scale_word(sums: "torch.Tensor", scale: "torch.Tensor") -> None:
 
 def block_tolerance(abs_block_sums: "torch.Tensor", scale: "torch.Tensor", block: int) -> "torch.Tensor":
     """How far the block sums of a dequantized row may lie from the block sums of the row the engine held:
-    ``sum |e| <= 2^-4 sum |x| + block * 2^-9 s``, and ``sum |x| <= sum |dequantized| / (1 - 2^-4)``. From the
+    ``sum |e| <= REL sum |x| + block * 2^-9 s``, and ``sum |x| <= (sum |dequantized| + block * 2^-9 s) / (1 - REL)``
+    (REL = 2^-4 + 2^-9). From the
     dequantized rows' block sums of absolute values [T, BLOCKS] and their scales [T]; fp32 [T, BLOCKS]."""
     rel = REL_ERROR / (1.0 - REL_ERROR)
-    return abs_block_sums * rel + scale.reshape(-1, 1) * (block * ABS_ERROR)
+    absolute = scale.float().reshape(-1, 1) * (block * ABS_ERROR)
+    return abs_block_sums * rel + absolute * (1.0 + rel)

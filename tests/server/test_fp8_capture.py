@@ -17,6 +17,7 @@ import torch
 
 from conftest import FAMILY_REPRESENTATIVES
 from hs_patch import lazy_sample, reader, store
+from hs_patch.host.fidelity import check as fidelity_check
 from hs_patch.host.fidelity.rows import check_rows
 from hs_patch.host.patching import inspection
 from hs_patch.releases import RELEASES, TARGET, apply_edits
@@ -130,13 +131,17 @@ def test_fp8_zero_rows_and_the_scale_in_the_checksum():
     assert torch.equal(a[[0, 1, 3]], b[[0, 1, 3]]) and not torch.equal(a[2], b[2])
 
 
-def test_the_fidelity_check_refuses_fp8_samples_it_cannot_judge(release_sources, tiny_model, refs, tmp_path):
+def test_the_row_checks_judge_fp8_and_the_logit_checks_refuse_it(release_sources, tiny_model, refs, tmp_path):
+    """check_rows judges fp8 rows (tests/server/test_fp8_fingerprints.py: clean pass, sabotage rejected); the
+    driver's same-pass top-1 and logit gaps have no fp8 allowance yet and refuse such a sample, saying so."""
     d = tmp_path / "dump"
     capture(release_sources, tiny_model, refs, d, FAMILY_REPRESENTATIVES[-1], "both")
-    e = next(iter(store.read_manifest(d).values()))
-    with lazy_sample.open_sample(d / e["file"], entry=e) as s:
-        with pytest.raises(store.SampleError, match="does not check fp8 ones yet"):
-            check_rows(s, None)
+    for e in store.read_manifest(d).values():
+        with lazy_sample.open_sample(d / e["file"], entry=e) as s:
+            r = check_rows(s, None)
+            assert r.problems == [] and "bytes = checksums (every stored plane)" in r.every_row
+            with pytest.raises(store.SampleError, match="do not judge fp8 final states yet"):
+                fidelity_check.refuse_unjudged(s)
 
 
 def test_capture_dtype_knob():
@@ -156,3 +161,20 @@ def test_a_sample_whose_format_and_planes_disagree_is_refused(tmp_path):
     with pytest.raises(store.SampleError, match="not one this hs_patch reads"):
         reader.is_fp8(tmp_path / "x", dict(meta, **{fp8.META: "fp8/per-block-128"}))
     assert not reader.is_fp8(tmp_path / "x", {"format": store.FORMAT, "dtype": "bfloat16"})
+
+
+def test_a_changed_scale_in_the_file_fails_its_row_checksum(release_sources, tiny_model, refs, tmp_path):
+    """The host's checksum of an fp8 row covers its scale: one scale's byte changed on disk fails that row only."""
+    from hs_patch.host.fidelity.checksums import tensor_spans
+    from lab.sample_files import flip_byte
+
+    d = tmp_path / "dump"
+    capture(release_sources, tiny_model, refs, d, FAMILY_REPRESENTATIVES[-1], "both")
+    key = store.sample_key(refs["c"].ids)
+    path = d / store.read_manifest(d)[key]["file"]
+    start, _ = tensor_spans(path)[fp8.scale_name("layer.1")]
+    flip_byte(path, start + 4 * 5 + 1, 0x01)  # row 5's scale, a low mantissa bit: within the fp8 envelope
+    with lazy_sample.open_sample(path) as s:
+        problems = check_rows(s, None).problems
+    assert problems == ["layer.1: the bytes of 1 of 11 rows (e.g. [5]) differ from what the forward pass held at "
+                        "capture: rows misplaced, replaced, shifted or corrupted between the GPU and the file"], problems
