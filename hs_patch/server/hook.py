@@ -148,7 +148,9 @@ class CaptureHook:
         if cfg.slot_tokens < 1:
             raise capture_config.ConfigError("HS_CAPTURE_SLOT_TOKENS must be >= 1 (or unset: the server's "
                                              "--chunked-prefill-size)")
-        self.check_rows = cfg.check_rows if cfg.final == "none" else 0
+        # the LM head's input at each prompt's last rows, as the engine computed it (bf16), for the fidelity check's
+        # logits: where no final plane is stored, and where the stored ones are fp8
+        self.check_rows = cfg.check_rows if cfg.final == "none" or self.fp8 else 0
         slots = [Slot(cfg.slot_tokens, len(self.planes), len(self.streams), hidden_size, itemsize, pinned, device,
                       nchecksums=len(self.checksums), check=bool(self.check_rows), fp8=self.fp8)
                  for _ in range(cfg.slots)]  # all staging memory now: never an allocation on the forward path

@@ -224,7 +224,7 @@ class Pass:
 
     def checksum(self, k: int, t: torch.Tensor, scale: Optional[torch.Tensor] = None) -> None:
         """Checksum stream ``k`` (the exact word sums of each row's bytes) from the tensor stored, now: the live
-        one, or its fp8 rows with their ``scale`` (folded into the last block: :func:`hs_patch.server.fp8.add_scale_word`)."""
+        one, or its fp8 rows with their ``scale`` (folded into the last block: :func:`fp8.add_scale_word`)."""
         self._mark(self.checksummed, k, self.hook.checksums, t)
         out = self.slot.on(t, self.slot.cs, self.slot.cs_device)
         fingerprint.word_sums(t, out[k, : self.tokens])
@@ -364,7 +364,8 @@ class Pass:
             scales=slot.sc[:, :n] if hook.fp8 else None))
 
     def keep_check_rows(self, post_norm: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """HS_CAPTURE_FINAL=none: each part's last ``counts[j]`` rows of the LM head's input, one after another,
+        """HS_CAPTURE_FINAL=none or fp8 planes: each part's last ``counts[j]`` rows of the LM head's input (as the
+        engine computed it), one after another,
         into the slot's check buffer (on a GPU snapshotted into a device buffer made at start, then only those
         rows copied to the host on the side stream)."""
         self._check_shape("the LM head's input", post_norm)

@@ -111,7 +111,8 @@ def test_fp8_round_trip_through_the_real_hook(version, final, release_sources, t
     assert whole["clean"] and whole["ok"] == 3
     one = inspection.inspect(str(got[store.sample_key(refs["a"].ids)].path), deep=True)
     assert one["clean"] and "as fp8 (float8_e4m3fn" in one["message"]
-    assert one["tensors"]["layer.0"] == [[23, h], "float8_e4m3fn"] and one["tensors"]["layer.0.scale"] == [[23], "float32"]
+    assert one["tensors"]["layer.0"] == [[23, h], "float8_e4m3fn"]
+    assert one["tensors"]["layer.0.scale"] == [[23], "float32"]
 
 
 def test_fp8_zero_rows_and_the_scale_in_the_checksum():
@@ -131,17 +132,24 @@ def test_fp8_zero_rows_and_the_scale_in_the_checksum():
     assert torch.equal(a[[0, 1, 3]], b[[0, 1, 3]]) and not torch.equal(a[2], b[2])
 
 
-def test_the_row_checks_judge_fp8_and_the_logit_checks_refuse_it(release_sources, tiny_model, refs, tmp_path):
+def test_fp8_samples_keep_the_check_rows_in_bf16_for_the_logits(release_sources, tiny_model, refs, tmp_path):
     """check_rows judges fp8 rows (tests/server/test_fp8_fingerprints.py: clean pass, sabotage rejected); the
-    driver's same-pass top-1 and logit gaps have no fp8 allowance yet and refuse such a sample, saying so."""
+    logit checks read the LM head's input at the last rows, kept in bf16 beside the fp8 planes (HS_CAPTURE_CHECK_ROWS,
+    16 by default), exactly what the engine computed (tests/fidelity/test_fp8_drive.py: the driver's whole check)."""
     d = tmp_path / "dump"
     capture(release_sources, tiny_model, refs, d, FAMILY_REPRESENTATIVES[-1], "both")
+    head = fidelity_check.LMHead(torch.zeros(2, tiny_model.config.hidden_size), tiny_model.model.norm.weight, 1e-6)
     for e in store.read_manifest(d).values():
         with lazy_sample.open_sample(d / e["file"], entry=e) as s:
             r = check_rows(s, None)
             assert r.problems == [] and "bytes = checksums (every stored plane)" in r.every_row
-            with pytest.raises(store.SampleError, match="do not judge fp8 final states yet"):
-                fidelity_check.refuse_unjudged(s)
+            n = s.num_tokens
+            first = fidelity_check.check_from(s)
+            last_part = n - int(s.metadata["chunks"].split(",")[-1])
+            assert first == n - min(16, last_part)  # the last part's last rows (a: 23 tokens in parts of 8 and 15)
+            ref = next(v for v in refs.values() if store.sample_key(v.ids) == s.key)
+            states, plane = head.post_norm(s, first, n)
+            assert plane == store.CHECK_TENSOR and torch.equal(states, ref.post_norm[first:])
 
 
 def test_capture_dtype_knob():
@@ -177,4 +185,5 @@ def test_a_changed_scale_in_the_file_fails_its_row_checksum(release_sources, tin
     with lazy_sample.open_sample(path) as s:
         problems = check_rows(s, None).problems
     assert problems == ["layer.1: the bytes of 1 of 11 rows (e.g. [5]) differ from what the forward pass held at "
-                        "capture: rows misplaced, replaced, shifted or corrupted between the GPU and the file"], problems
+                        "capture: rows misplaced, replaced, shifted or corrupted between the GPU and the file"], \
+        problems

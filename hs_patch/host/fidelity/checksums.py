@@ -58,7 +58,7 @@ def mismatched_rows(path: Path, checksums: "torch.Tensor", names: Sequence[str],
                     rows: int, *, scaled: bool = False) -> dict[str, list[int]]:
     """Plane -> the rows whose bytes in the file differ from their checksum (every row of every stored
     plane); ``checksums`` I32 [L, C, BLOCKS] with ``names`` its streams. ``scaled`` (an fp8 sample): each
-    row's scale word, from ``<plane>.scale``, is in its last block's sum (:func:`hs_patch.server.fp8.add_scale_word`)."""
+    row's scale word, from ``<plane>.scale``, is in its last block's sum (:func:`fp8.add_scale_word`)."""
     import numpy as np
 
     spans = tensor_spans(path)

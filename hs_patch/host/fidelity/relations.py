@@ -143,7 +143,8 @@ def quantized_allowance(predicted: "torch.Tensor", stored: "torch.Tensor", scale
     for an fp8 sample's rows read dequantized (``stored``, bf16 [rows, H], with their ``scale`` [rows]) while the
     stream is of the rows before quantization (:mod:`hs_patch.server.fp8`):
 
-    - each stored element x^ errs from the engine's x by at most b = (R / (1 - R) + 2^-8) |x^| + 2 x 2^-9 s, R = 2^-4 + 2^-9
+    - each stored element x^ errs from the engine's x by at most b = (R / (1 - R) + 2^-8) |x^| + 2 x 2^-9 s
+      (R = 2^-4 + 2^-9)
       (e4m3's rounding, bounded from the stored value, plus the dequantized value's rounding to bf16); through
       the norm each predicted element by b |w| / rms(x^): these independent, bounded, round-to-nearest errors
       add to a block sum's variance proxy like the bf16 units do;
