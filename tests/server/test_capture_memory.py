@@ -155,3 +155,21 @@ def test_the_capture_states_what_it_made_at_start(tmp_path):
         assert h.device_bytes == 0, "no GPU here: no device buffers"
     finally:
         h.close()
+
+
+def test_fp8_staging_holds_the_planes_in_half_the_bytes(tmp_path):
+    """HS_CAPTURE_DTYPE=fp8: each staging buffer's planes take one byte a value (+ a scale a row), beside the room
+    for the bf16 check rows; the CPU work buffer is the one pass-sized buffer more, made at start."""
+    sizes = {}
+    for dtype in ("bf16", "fp8"):
+        cfg = config.CaptureConfig(enabled=True, directory=str(tmp_path / dtype), layers=LAYERS, final="both",
+                                   slots=3, slot_tokens=128, dtype=dtype)
+        h = hook.CaptureHook(cfg, hidden_size=64, metadata={"sglang_release": "t"})
+        try:
+            sizes[dtype] = h.host_bytes
+        finally:
+            h.close()
+    planes = 5
+    bf16_planes, fp8_planes = planes * 128 * 64 * 2, planes * 128 * 64 + planes * 128 * 4
+    check_room, work = 128 * 64 * 2, 128 * 64 * 2
+    assert sizes["fp8"] - sizes["bf16"] == 3 * (fp8_planes - bf16_planes + check_room) + work
