@@ -16,8 +16,16 @@ of --rows rows. Printed: the smallest eps (relative error of the plane's rows, |
 bisection over 12 steps, for each relation, kind and chunk size; and the clean rows' chi-square over its
 bound (the room a right sample has). Seeded: the same numbers every run.
 
+``--fp8`` (HS_CAPTURE_DTYPE=fp8, issue #35): the wrong plane is stored as the hook stores it, fp8 with a
+scale a row (:func:`hs_patch.server.fp8.quantize`), and read back dequantized; its fingerprint is still the
+one taken before quantization, so the additive relation is the bf16 one; the norm relation reads the
+dequantized rows with the fp8 allowance (:func:`relations.quantized_allowance`); and ``stored``: the rows
+read against the plane's own fingerprint within the fp8 envelope (the row checks' bound for fp8 rows: a
+plane quantized wrong, e.g. with a wrong scale), the fingerprint being of the right plane here.
+
     python3 bench/fidelity_floors.py                       # hidden 7168, chunks of 1, 8, 64 and 512 rows
     python3 bench/fidelity_floors.py --hidden 1024 --update 0.01
+    python3 bench/fidelity_floors.py --fp8
 """
 
 from __future__ import annotations
@@ -33,7 +41,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hs_patch.host.fidelity import relations  # noqa: E402
 from hs_patch.host.model_files import rms_norm  # noqa: E402
-from hs_patch.server import fingerprint  # noqa: E402
+from hs_patch.server import fingerprint, fp8  # noqa: E402
+
+FP8 = False  # --fp8: the plane stored as fp8 with a scale a row, read dequantized
+
+
+def stored(plane: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plane as it is read back: itself (bf16), or quantized to fp8 and dequantized (with its scales)."""
+    if not FP8:
+        return plane, torch.ones(plane.shape[0])
+    q, s = torch.empty(plane.shape, dtype=torch.float8_e4m3fn), torch.empty(plane.shape[0])
+    fp8.quantize(plane, torch.empty_like(plane), q, s)
+    return fp8.dequantize(q, s), s
 
 
 def states(rows: int, hidden: int, update: float, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -65,9 +84,17 @@ def ratios(plane: torch.Tensor, h: torch.Tensor, a: torch.Tensor, mid: torch.Ten
     z2 = relations.additive(fp, streams, 1, 1, h.shape[1])
     rec, _ = relations.judge(z2, [0] * rows, 1)
     out["additive"] = rec["ratio"]
-    pred = rms_norm(plane, torch.ones(h.shape[1], dtype=h.dtype), 1e-6)
-    rec, _ = relations.judge(relations.standardised(pred, fp[:, 5]), [0] * rows, 1)
+    read, scale = stored(plane)
+    ones = torch.ones(h.shape[1], dtype=h.dtype)
+    pred = rms_norm(read, ones, 1e-6)
+    allow = relations.quantized_allowance(pred, read, scale, ones, 1e-6) if FP8 else None
+    rec, _ = relations.judge(relations.standardised(pred, fp[:, 5], allow), [0] * rows, 1)
     out["norm"] = rec["ratio"]
+    if FP8:  # the rows read against the RIGHT plane's fingerprint, within the envelope (a bound: max ratio)
+        deq = read.float()
+        l1 = deq.abs().unflatten(-1, (fingerprint.BLOCKS, -1)).sum(-1)
+        tol = fp8.block_tolerance(l1, scale, h.shape[1] // fingerprint.BLOCKS) + 1e-4 * l1
+        out["stored"] = float(((fingerprint.block_sums(deq) - fingerprint.block_sums(h)).abs() / tol).max())
     return out
 
 
@@ -90,22 +117,27 @@ def main() -> None:
     p.add_argument("--update", type=float, default=0.05, help="the layer's update, relative to h (default 0.05)")
     p.add_argument("--rows", default="1,8,64,512", help="chunk sizes (rows judged together)")
     p.add_argument("--seed", type=int, default=33)
+    p.add_argument("--fp8", action="store_true", help="the plane stored as fp8 with a scale a row (see above)")
     a = p.parse_args()
+    global FP8
+    FP8 = a.fp8
+    checks = ("additive", "norm", "stored") if FP8 else ("additive", "norm")
     out = []
     for rows in (int(x) for x in a.rows.split(",")):
         h, upd, mid = states(rows, a.hidden, a.update, a.seed)
         clean = ratios(h, h, upd, mid, rows)
         row = {"rows": rows, "clean_ratio": clean}
         for kind in ("scale", "partial", "other"):
-            for relation in ("additive", "norm"):
+            for relation in checks:
                 row[f"{kind}/{relation}"] = floor(kind, relation, h, upd, mid, rows, a.update)
         out.append(row)
         print(json.dumps(row), flush=True)
-    print("| rows in the chunk | clean chi2/bound (additive, norm) | " + " | ".join(
-        f"{k} ({r})" for k in ("scale", "partial", "other") for r in ("additive", "norm")) + " |")
+    print(f"| rows in the chunk | clean ratio ({', '.join(checks)}) | " + " | ".join(
+        f"{k} ({r})" for k in ("scale", "partial", "other") for r in checks) + " |")
     for row in out:
-        cells = " | ".join(f"{row[f'{k}/{r}']:.2e}" for k in ("scale", "partial", "other") for r in ("additive", "norm"))
-        print(f"| {row['rows']} | {row['clean_ratio']['additive']:.3f}, {row['clean_ratio']['norm']:.3f} | {cells} |")
+        cells = " | ".join(f"{row[f'{k}/{r}']:.2e}" for k in ("scale", "partial", "other") for r in checks)
+        clean = ", ".join(f"{row['clean_ratio'][r]:.3f}" for r in checks)
+        print(f"| {row['rows']} | {clean} | {cells} |")
 
 
 if __name__ == "__main__":

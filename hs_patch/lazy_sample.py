@@ -4,7 +4,9 @@
 :func:`hs_patch.reader.read_sample` on its header (format tag, every declared plane's dtype
 and shape, the fingerprint and checksum tensors', that the token ids hash to the key; given its manifest
 entry, size and sha256 first); :class:`LazySample` then reads one tensor, or a few rows of a
-plane, at a time, so memory holds what was asked for, not the file.
+plane, at a time, so memory holds what was asked for, not the file. An fp8 sample's planes are read
+dequantized to the dtype the engine computed (bf16) unless asked for raw (``raw=True``, scales by
+:meth:`LazySample.scale`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from hs_patch.reader import check_entry, record_shapes
+from hs_patch.reader import check_entry, is_fp8, record_shapes, source_dtype
+from hs_patch.server import fp8
 from hs_patch.store import FORMATS_READ, SampleError, sample_key
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -29,6 +32,9 @@ class LazySample:
 
     def __init__(self, path: Path, handle: Any, metadata: dict[str, str], names: set[str]):
         self.path, self._f, self.metadata, self._names = path, handle, metadata, names
+        self._fp8 = is_fp8(path, metadata)
+        self._planes = set(metadata.get("planes", "").split(","))
+        self._source = source_dtype(metadata) if self._fp8 else None
 
     @property
     def key(self) -> str:
@@ -42,20 +48,39 @@ class LazySample:
     def num_tokens(self) -> int:
         return int(self.metadata["num_tokens"])
 
+    @property
+    def fp8(self) -> bool:
+        """Its planes are fp8 with a scale a token (checked at open: :func:`hs_patch.reader.is_fp8`)."""
+        return self._fp8
+
     def has(self, name: str) -> bool:
         return name in self._names
 
-    def tensor(self, name: str) -> "torch.Tensor":
-        """A copy of one tensor (``input_ids``, a plane, ``loss_mask``)."""
+    def tensor(self, name: str, *, raw: bool = False) -> "torch.Tensor":
+        """A copy of one tensor (``input_ids``, a plane, ``loss_mask``); an fp8 sample's plane dequantized to the
+        dtype the engine computed (bf16), or as stored with ``raw`` (its scales: :meth:`scale`)."""
         if name not in self._names:
             raise SampleError(f"{self.path}: no tensor {name!r} (it has {sorted(self._names)})")
-        return self._f.get_tensor(name)
+        t = self._f.get_tensor(name)
+        return t if raw or not self._dequantize(name) else fp8.dequantize(t, self.scale(name), self._source)
 
-    def rows(self, name: str, start: int, stop: int) -> "torch.Tensor":
-        """Rows [start, stop) of a plane, reading only those bytes."""
+    def rows(self, name: str, start: int, stop: int, *, raw: bool = False) -> "torch.Tensor":
+        """Rows [start, stop) of a plane, reading only those bytes (fp8: dequantized unless ``raw``)."""
         if name not in self._names:
             raise SampleError(f"{self.path}: no tensor {name!r} (it has {sorted(self._names)})")
-        return self._f.get_slice(name)[start:stop]
+        t = self._f.get_slice(name)[start:stop]
+        if raw or not self._dequantize(name):
+            return t
+        return fp8.dequantize(t, self._f.get_slice(fp8.scale_name(name))[start:stop], self._source)
+
+    def scale(self, name: str) -> "torch.Tensor":
+        """An fp8 plane's scales, F32 [L]; SampleError for a bf16 sample."""
+        if not self._fp8:
+            raise SampleError(f"{self.path}: its planes are {self.metadata.get('dtype')}, not fp8: no scales")
+        return self._f.get_tensor(fp8.scale_name(name))
+
+    def _dequantize(self, name: str) -> bool:
+        return self._fp8 and name in self._planes
 
     def close(self) -> None:
         self._f.__exit__(None, None, None)
@@ -86,7 +111,11 @@ def open_sample(path: str | os.PathLike, *, entry: Mapping[str, Any] | None = No
         f.__enter__()
     except (SafetensorError, OSError, ValueError) as e:
         raise SampleError(f"{path}: not a readable safetensors file ({e})") from None
-    sample = LazySample(path, f, dict(f.metadata() or {}), set(f.keys()))
+    try:
+        sample = LazySample(path, f, dict(f.metadata() or {}), set(f.keys()))
+    except BaseException:
+        f.__exit__(None, None, None)
+        raise
     try:
         meta = sample.metadata
         if meta.get("format") not in FORMATS_READ:

@@ -1,5 +1,5 @@
-"""Reading and checking samples, every format in :data:`hs_patch.store.FORMATS_READ` (1 to 3; see
-:mod:`hs_patch.store` for the format).
+"""Reading and checking samples, every format in :data:`hs_patch.store.FORMATS_READ` (1 to 5; see
+:mod:`hs_patch.store` for the format; 5: fp8 planes, read dequantized unless asked for raw).
 
 ``read_sample`` validates one file (format tag, planes and shapes, dtype, that the token
 ids hash to the sample's key, and size + sha256 against its manifest entry);
@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
 from hs_patch.files import UNREADABLE, digests_apart, file_digest, json_lines, size_change
-from hs_patch.server import fingerprint
-from hs_patch.store import (CHECK_ROWS, CHECK_TENSOR, DTYPE_NAMES, FORMATS_READ, MANIFEST, SUFFIX, SampleError,
-                             sample_key)
+from hs_patch.server import fingerprint, fp8
+from hs_patch.store import (CHECK_ROWS, CHECK_TENSOR, DTYPE_NAMES, FORMAT_FP8, FORMATS_READ, MANIFEST, SUFFIX,
+                             SampleError, sample_key)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -46,8 +46,35 @@ class Sample:
     def planes(self) -> list[str]:
         return self.metadata["planes"].split(",")
 
-    def plane(self, name: str) -> "torch.Tensor":
-        return self.tensors[name]
+    @property
+    def fp8(self) -> bool:
+        """Its planes are fp8 with a scale a token (HS_CAPTURE_DTYPE=fp8: :mod:`hs_patch.server.fp8`)."""
+        return fp8.is_fp8(self.metadata)
+
+    def plane(self, name: str, *, raw: bool = False) -> "torch.Tensor":
+        """Plane ``name`` [L, H]: as stored for bf16 samples; for fp8 samples dequantized to the dtype the engine
+        computed (bf16), or with ``raw`` the stored float8_e4m3fn rows (their scales: :meth:`scale`)."""
+        t = self.tensors[name]
+        if raw or not self.fp8:
+            return t
+        return fp8.dequantize(t, self.scale(name), source_dtype(self.metadata))
+
+    def scale(self, name: str) -> "torch.Tensor":
+        """An fp8 plane's scales, F32 [L] (``q.float() * scale`` per row); SampleError for a bf16 sample."""
+        if not self.fp8:
+            raise SampleError(f"{self.path}: its planes are {self.metadata.get('dtype')}, not fp8: no scales")
+        return self.tensors[fp8.scale_name(name)]
+
+
+def source_dtype(metadata: Mapping[str, str]) -> "torch.dtype":
+    """The dtype the engine computed the planes in: an fp8 sample's ``source_dtype`` (bfloat16), else its ``dtype``."""
+    import torch
+
+    name = metadata.get(fp8.SOURCE_META) or metadata.get("dtype", "")
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise SampleError(f"the sample's dtype {name!r} is not a torch dtype")
+    return dtype
 
 
 def check_entry(path: Path, entry: Mapping[str, Any]) -> None:
@@ -112,7 +139,8 @@ def check_sample(path: Path, metadata: Mapping[str, str], tensors: Mapping[str, 
     if "loss_mask" in tensors and tuple(tensors["loss_mask"].shape) != (n,):
         raise SampleError(f"{path}: loss_mask must have shape ({n},)")
     records = record_shapes(path, metadata, n)
-    for name in (fingerprint.TENSOR, fingerprint.CHECKSUM_TENSOR, CHECK_TENSOR):
+    scales = [fp8.scale_name(p) for p in planes] if is_fp8(path, metadata) else []
+    for name in (fingerprint.TENSOR, fingerprint.CHECKSUM_TENSOR, CHECK_TENSOR, *scales):
         got, want = tensors.get(name), records.get(name)
         if (None if got is None else [list(got.shape), DTYPE_NAMES.get(str(got.dtype))]) != \
                 (want and [want[1], want[0]]):
@@ -164,8 +192,24 @@ def record_shapes(path: Path, metadata: Mapping[str, str], n: int) -> dict[str, 
             raise SampleError(f"{path}: check_rows={metadata.get(CHECK_ROWS)!r} is not a row count") from None
         if not 0 < rows <= n:
             raise SampleError(f"{path}: check_rows={rows} does not fit its {n} tokens")
-        out[CHECK_TENSOR] = (DTYPE_NAMES.get("torch." + metadata.get("dtype", ""), "?"), [rows, hidden])
+        source = metadata.get(fp8.SOURCE_META) or metadata.get("dtype", "")  # fp8: kept as the engine computed
+        out[CHECK_TENSOR] = (DTYPE_NAMES.get("torch." + source, "?"), [rows, hidden])
+    if is_fp8(path, metadata):  # one scale a token a plane
+        out.update({fp8.scale_name(p): ("F32", [n]) for p in metadata.get("planes", "").split(",") if p})
     return out
+
+
+def is_fp8(path: Path, metadata: Mapping[str, str]) -> bool:
+    """Whether the sample's planes are fp8 (:func:`hs_patch.server.fp8.is_fp8`); SampleError for a scheme or
+    format this hs_patch cannot read."""
+    try:
+        quantized = fp8.is_fp8(metadata)
+    except ValueError as e:
+        raise SampleError(f"{path}: {e}") from None
+    if quantized != (metadata.get("format") == FORMAT_FP8):
+        raise SampleError(f"{path}: format {metadata.get('format')!r} with planes of {metadata.get('dtype')!r}: fp8 "
+                          f"planes are format {FORMAT_FP8} and only they are")
+    return quantized
 
 
 ADD_FIELDS = {"key": str, "file": str, "bytes": int, "sha256": str}

@@ -53,7 +53,8 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["file_sha256", "write_text_atomic"]  # re-exported: the shared helpers of hs_patch.files
 
 FORMAT = "hs_patch.sample/4"  # 4: + the checksum tensor and the additive relation's streams (issue #33)
-FORMATS_READ = ("hs_patch.sample/1", "hs_patch.sample/2", "hs_patch.sample/3", FORMAT)
+FORMAT_FP8 = "hs_patch.sample/5"  # 5: fp8 planes with a scale a token (HS_CAPTURE_DTYPE=fp8, issue #35); bf16 stay 4
+FORMATS_READ = ("hs_patch.sample/1", "hs_patch.sample/2", "hs_patch.sample/3", FORMAT, FORMAT_FP8)
 SUFFIX = ".safetensors"
 MANIFEST = "manifest.jsonl"
 ERRORS = "errors.jsonl"

@@ -48,16 +48,26 @@ ENV_DOCS = (
      "request ids in the forward batch: 0.5.10 and later)."),
     ("HS_CAPTURE_RANK", "0", "The tensor-parallel rank that writes (after the all-reduce every rank holds the "
      "full residual stream)."),
-    ("HS_CAPTURE_CHECK_ROWS", "16", "With HS_CAPTURE_FINAL=none only: the LM head's input at each prompt's last N "
-     "positions is kept in the sample (tensor check.post_norm, N x hidden x 2 bytes) for the fidelity check's "
-     "logit gaps, which tie every sample to its own request (hs-extract drive --fidelity-gap-positions, "
-     "default 16); 0: none kept, and nothing ties such a sample to its request."),
+    ("HS_CAPTURE_DTYPE", "bf16", "How the planes are stored: bf16 (the model's own values, exact) or fp8 "
+     "(float8_e4m3fn with one fp32 scale a token a plane, amax/448, quantized on the GPU before the copy to the "
+     "host: half the plane bytes through PCIe, host staging and disk; format hs_patch.sample/5, docs/samples.md; "
+     "made at start besides: one work buffer of slot tokens x hidden x 2 bytes on the GPU, and in each staging "
+     "buffer the check rows' room, slot tokens x hidden x 2 bytes, as with HS_CAPTURE_FINAL=none). The "
+     "fingerprints are of the values "
+     "before quantization, the checksums of the bytes stored; the fidelity check's logits come from the bf16 "
+     "check rows kept beside them (HS_CAPTURE_CHECK_ROWS)."),
+    ("HS_CAPTURE_CHECK_ROWS", "16", "With HS_CAPTURE_FINAL=none or HS_CAPTURE_DTYPE=fp8 only: the LM head's input "
+     "at each prompt's last N positions, as the engine computed it (bf16), is kept in the sample (tensor "
+     "check.post_norm, N x hidden x 2 bytes) for the fidelity check's logit gaps, which tie every sample to its own "
+     "request (hs-extract drive --fidelity-gap-positions, default 16); 0: none kept, and nothing ties such a sample "
+     "to its request."),
 )
 
 ENV_PREFIX = "HS_CAPTURE"
 DEFAULT_DIR = "/dev/shm/hs_capture"
 DEFAULT_LAYERS = ()  # unset: SGLang's EAGLE-3 default for the model's depth (CaptureConfig.for_model)
 FINAL_CHOICES = ("pre", "post", "both", "none")
+DTYPE_CHOICES = ("bf16", "fp8")
 
 
 class ConfigError(ValueError):
@@ -78,6 +88,7 @@ class CaptureConfig:
     skip_rid_prefix: str = "nocap-"
     rank: int = 0
     check_rows: int = 16  # HS_CAPTURE_FINAL=none: the LM head's input kept at each prompt's last positions
+    dtype: str = "bf16"  # HS_CAPTURE_DTYPE: bf16 (the model's values) or fp8 (e4m3fn + a scale a token a plane)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -142,6 +153,10 @@ def from_env(env: Mapping[str, str] | None = None) -> CaptureConfig:
     final = env.get("HS_CAPTURE_FINAL", "").strip() or CaptureConfig.final
     if final not in FINAL_CHOICES:
         raise ConfigError(f"HS_CAPTURE_FINAL={final!r}: choose one of {', '.join(FINAL_CHOICES)}")
+    dtype = env.get("HS_CAPTURE_DTYPE", "").strip().lower() or CaptureConfig.dtype
+    if dtype not in DTYPE_CHOICES:
+        raise ConfigError(f"HS_CAPTURE_DTYPE={dtype!r}: choose bf16 (the default, exact) or fp8 (float8_e4m3fn with "
+                          "a scale a token a plane)")
     directory = env.get("HS_CAPTURE_DIR", "").strip() or DEFAULT_DIR
     if not os.path.isabs(directory):
         raise ConfigError(f"HS_CAPTURE_DIR={directory!r} must be an absolute path")
@@ -166,4 +181,5 @@ def from_env(env: Mapping[str, str] | None = None) -> CaptureConfig:
         skip_rid_prefix=env.get("HS_CAPTURE_SKIP_RID_PREFIX", "nocap-"),
         rank=_int(env, "HS_CAPTURE_RANK", 0, 0),
         check_rows=_int(env, "HS_CAPTURE_CHECK_ROWS", 16, 0),
+        dtype=dtype,
     )

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from hs_patch import intent as intents
 from hs_patch import store
-from hs_patch.server import fingerprint
+from hs_patch.server import fingerprint, fp8
 from hs_patch.server.inplace import InPlaceSample, OpenPrompt
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -34,6 +34,7 @@ class Contents:
         self.directory, self.planes, self.metadata, self.fsync = directory, list(planes), dict(metadata), fsync
         self.fingerprinted = fingerprint.META in metadata  # then every pass brings its fingerprint rows
         self.checksummed = fingerprint.CHECKSUM_META in metadata  # and its checksum rows
+        self.fp8 = fp8.META in metadata  # and, fp8 planes, their scales
 
     def start_open(self, ids: "torch.Tensor", full: int, rid: Optional[str], like: "torch.Tensor") -> OpenPrompt:
         """The in-place file of a prompt longer than this pass, laid out for all ``full`` tokens."""
@@ -49,13 +50,14 @@ class Contents:
 
     def write_whole(self, ids: "torch.Tensor", slices: list["torch.Tensor"], rid: Optional[str],
                     fp: Optional["torch.Tensor"], cs: Optional["torch.Tensor"] = None,
-                    check: Optional["torch.Tensor"] = None) -> tuple[store.Written, dict[str, Any]]:
+                    check: Optional["torch.Tensor"] = None,
+                    scales: Optional["torch.Tensor"] = None) -> tuple[store.Written, dict[str, Any]]:
         """A request prefilled in one pass: the whole file at once, its ranges written and hashed side by side."""
         key = store.sample_key(ids)
         n = int(ids.shape[0])
         found = self.intent(key, n)
         tensors = [store.tensor_bytes(name, t) for name, t in zip(self.planes, slices)] + \
-            self.tail(ids, found, fp, cs, check)
+            self.tail(ids, found, fp, cs, check, scales)
         meta = self.meta(key, n, str(slices[0].dtype).replace("torch.", ""), rid, [0], found, check)
         return store.write_temp(self.directory, key, tensors, meta, fsync=self.fsync, ranges=True), \
             self.extra(found, rid, 1, n)
@@ -70,8 +72,9 @@ class Contents:
         found = self.intent(key, n)
         fp = torch.cat(part.fingerprints) if part.fingerprints else None
         cs = torch.cat(part.checksums) if part.checksums else None
+        sc = torch.cat(part.scales, dim=1) if part.scales else None
         meta = self.meta(key, n, part.dtype, part.rid, part.starts, found, part.check)
-        return part.sample.finish(key, self.tail(ids, found, fp, cs, part.check), meta, fsync=self.fsync), \
+        return part.sample.finish(key, self.tail(ids, found, fp, cs, part.check, sc), meta, fsync=self.fsync), \
             self.extra(found, part.rid, part.parts, n)
 
     def meta(self, key: str, n: int, dtype: str, rid: Optional[str], starts: Sequence[int],
@@ -86,8 +89,14 @@ class Contents:
         return meta
 
     def tail(self, ids: "torch.Tensor", found: Optional[intents.Intent], fp: Optional["torch.Tensor"],
-             cs: Optional["torch.Tensor"] = None, check: Optional["torch.Tensor"] = None) -> list[store.TensorBytes]:
+             cs: Optional["torch.Tensor"] = None, check: Optional["torch.Tensor"] = None,
+             scales: Optional["torch.Tensor"] = None) -> list[store.TensorBytes]:
         tail = [store.tensor_bytes("input_ids", ids.contiguous())]
+        if self.fp8:  # each plane's scales, F32 [n] (hs_patch.server.fp8)
+            if scales is None or tuple(scales.shape) != (len(self.planes), ids.shape[0]):
+                raise RuntimeError("a pass of fp8 planes came without their scales (internal error)")
+            tail += [store.tensor_bytes(fp8.scale_name(name), scales[k].contiguous())
+                     for k, name in enumerate(self.planes)]
         if check is not None:
             tail.append(store.tensor_bytes(store.CHECK_TENSOR, check.contiguous()))
         if found is not None:

@@ -24,6 +24,8 @@ from typing import Any, Optional
 
 import torch
 
+from hs_patch.server import fp8
+
 
 class DeviceRing:
     """``count`` device buffers of ``rows`` x ``hidden`` values of ``itemsize`` bytes, used in turn."""
@@ -44,17 +46,37 @@ class DeviceRing:
     def snapshot(self, t: torch.Tensor) -> tuple[int, torch.Tensor]:
         """Copy ``t`` [T, H] into the next buffer, in the current (compute) stream's order, once the copy
         that last read that buffer has ended (a wait on the GPU); returns (buffer index, the copy)."""
+        k = self._take(t)
+        view = self._raw[k][: t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        return k, view
+
+    def quantized(self, t: torch.Tensor, work: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """HS_CAPTURE_DTYPE=fp8: ``t`` [T, H] quantized (:func:`hs_patch.server.fp8.quantize`, through ``work``)
+        into the next buffer, its fp8 rows first and their fp32 scales after ``rows`` x ``hidden`` bytes (a
+        buffer of 2-byte values holds both); returns (buffer index, the fp8 rows, the scales)."""
+        k = self._take(t)
+        n, h = t.shape
+        if self.itemsize < 2 or self.hidden % 4:
+            raise RuntimeError("hs_patch: the device buffers cannot hold fp8 rows and their scales (internal error)")
+        raw = self._raw[k]
+        q = raw[: n * h].view(torch.float8_e4m3fn).view(n, h)
+        at = self.rows * h  # a multiple of 4: hidden is (fingerprint.check_hidden)
+        scale = raw[at: at + 4 * n].view(torch.float32)
+        fp8.quantize(t, work, q, scale)
+        return k, q, scale
+
+    def _take(self, t: torch.Tensor) -> int:
+        """The next buffer, once the copy that last read it has ended (the compute stream waits, on the GPU)."""
         if t.shape[0] > self.rows or t.shape[1] != self.hidden or t.element_size() > self.itemsize:
             raise RuntimeError(f"hs_patch: a captured state of {tuple(t.shape)} {t.dtype} does not fit the device "
                                f"buffers of {self.rows} x {self.hidden} x {self.itemsize} bytes made at start; please "
                                "report this with the server's flags")
         k = self._next
         self._next = (k + 1) % len(self._raw)
-        view = self._raw[k][: t.numel() * t.element_size()].view(t.dtype).view(t.shape)
         if self._recorded[k]:
             torch.cuda.current_stream(t.device).wait_event(self._read[k])
-        view.copy_(t)
-        return k, view
+        return k
 
     def read_by(self, k: int, stream: Any) -> None:
         """Buffer ``k`` is read by work queued on ``stream`` until now: it is written again only after that."""

@@ -45,7 +45,7 @@ from hs_patch.server import config as capture_config
 from hs_patch.server import checks as server_checks
 from hs_patch import files, serving, store
 from hs_patch.releases import RELEASES
-from hs_patch.server import fingerprint, leftovers
+from hs_patch.server import fingerprint, fp8, leftovers
 from hs_patch.server.device_ring import DeviceRing
 from hs_patch.server.passes import Pass, Slot
 from hs_patch.server.ranks import RankHook, capturable, tp_all_reduce
@@ -96,10 +96,10 @@ def attach(model: torch.nn.Module, config: Any, release: str) -> Optional["Captu
     hook = CaptureHook(cfg, hidden_size=int(config.hidden_size), metadata=meta, dtype=torch.get_default_dtype(),
                        pinned=device is not None, device=device, all_reduce=all_reduce, release=release)
     _register(hook)
-    log.info("hs_patch: capturing layers %s + final=%s into %s (rank %d of %d); made at start: %.2f GB of pinned "
-             "host staging (%d x %d tokens) and %.2f GB on %s (%d device buffers + fingerprints), nothing on the "
-             "forward path", list(cfg.layers), cfg.final, cfg.directory, settings["tp_rank"], settings["tp_size"],
-             hook.host_bytes / 1e9, cfg.slots, cfg.slot_tokens, hook.device_bytes / 1e9, device,
+    log.info("hs_patch: capturing layers %s + final=%s as %s into %s (rank %d of %d); made at start: %.2f GB of "
+             "pinned host staging (%d x %d tokens) and %.2f GB on %s (%d device buffers + fingerprints), nothing on "
+             "the forward path", list(cfg.layers), cfg.final, cfg.dtype, cfg.directory, settings["tp_rank"],
+             settings["tp_size"], hook.host_bytes / 1e9, cfg.slots, cfg.slot_tokens, hook.device_bytes / 1e9, device,
              cfg.device_buffers)
     return hook
 
@@ -126,6 +126,9 @@ class CaptureHook:
         self.cfg = cfg
         itemsize = torch.empty((), dtype=dtype, device="cpu").element_size()
         fingerprint.check_hidden(hidden_size, itemsize)
+        self.fp8 = cfg.dtype == "fp8"
+        if self.fp8:
+            fingerprint.check_hidden(hidden_size, 1)  # the checksums' words of one-byte values
         self.all_reduce = all_reduce
         self._lock_fd = _lock_capture_dir(cfg.directory)
         self.cleaned = leftovers.clean(cfg.directory)  # a dead server's files: no writer is alive (we hold the lock)
@@ -145,22 +148,29 @@ class CaptureHook:
         if cfg.slot_tokens < 1:
             raise capture_config.ConfigError("HS_CAPTURE_SLOT_TOKENS must be >= 1 (or unset: the server's "
                                              "--chunked-prefill-size)")
-        self.check_rows = cfg.check_rows if cfg.final == "none" else 0
+        # the LM head's input at each prompt's last rows, as the engine computed it (bf16), for the fidelity check's
+        # logits: where no final plane is stored, and where the stored ones are fp8
+        self.check_rows = cfg.check_rows if cfg.final == "none" or self.fp8 else 0
         slots = [Slot(cfg.slot_tokens, len(self.planes), len(self.streams), hidden_size, itemsize, pinned, device,
-                      nchecksums=len(self.checksums), check=bool(self.check_rows)) for _ in range(cfg.slots)]  # all staging memory now: never an allocation on the forward path
+                      nchecksums=len(self.checksums), check=bool(self.check_rows), fp8=self.fp8)
+                 for _ in range(cfg.slots)]  # all staging memory now: never an allocation on the forward path
         for slot in slots:
             self._free.put(slot)
         self._ring = None if device is None else \
             DeviceRing(cfg.device_buffers, cfg.slot_tokens, hidden_size, itemsize, device)
-        self.host_bytes = sum(slot.host_bytes for slot in slots)
-        self.device_bytes = (self._ring.nbytes if self._ring else 0) + sum(slot.device_bytes for slot in slots)
+        # fp8: one work buffer of the model's dtype where the quantization runs (compute-stream order only)
+        self._work = torch.empty(cfg.slot_tokens * hidden_size * itemsize if self.fp8 else 0, dtype=torch.uint8,
+                                 device=device if device is not None else "cpu")
+        self.host_bytes = sum(slot.host_bytes for slot in slots) + (0 if device is not None else self._work.numel())
+        self.device_bytes = (self._ring.nbytes if self._ring else 0) + sum(slot.device_bytes for slot in slots) + \
+            (self._work.numel() if device is not None else 0)
         self._streams: dict[Any, torch.cuda.Stream] = {}
         self._current: Optional[Pass] = None
         self.waits = 0
         self.wait_seconds = 0.0
         self._wait_logged: Optional[float] = None
         meta = {
-            "format": store.FORMAT,
+            "format": store.FORMAT_FP8 if self.fp8 else store.FORMAT,
             "layers": ",".join(map(str, cfg.layers)),
             "final": cfg.final,
             "planes": ",".join(self.planes),
@@ -169,6 +179,7 @@ class CaptureHook:
                           "final.pre_norm = output of the last layer before the final norm",
             fingerprint.META: fingerprint.describe(self.streams),
             fingerprint.CHECKSUM_META: fingerprint.describe_checksums(self.checksums),
+            **({fp8.META: fp8.SCHEME, fp8.SOURCE_META: str(dtype).replace("torch.", "")} if self.fp8 else {}),
             **metadata,
         }
         self.writer = Writer(cfg.directory, self.planes, meta, workers=cfg.writers,
@@ -283,6 +294,15 @@ class CaptureHook:
                                f"{None if self._ring is None else self._ring.device} at start (the current CUDA device "
                                "when the model was built); please report this with the server's flags")
         return self._ring
+
+    def work(self, like: torch.Tensor) -> torch.Tensor:
+        """HS_CAPTURE_DTYPE=fp8: the work buffer made at start, as ``like``'s dtype and shape (where it is)."""
+        need = like.numel() * like.element_size()
+        if not self.fp8 or need > self._work.numel() or self._work.device != like.device:
+            raise RuntimeError(f"hs_patch: a captured state of {tuple(like.shape)} {like.dtype} on {like.device} does "
+                               f"not fit the fp8 work buffer made at start ({self._work.numel()} bytes on "
+                               f"{self._work.device}); please report this with the server's flags")
+        return self._work[:need].view(like.dtype).view(like.shape)
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
         s = self._streams.get(device)

@@ -121,6 +121,7 @@ class OpenPrompt:
     starts: list[int] = field(default_factory=lambda: [0])  # where each part began
     fingerprints: list["torch.Tensor"] = field(default_factory=list)  # each part's rows [n, S, BLOCKS]
     checksums: list["torch.Tensor"] = field(default_factory=list)  # each part's rows [n, C, BLOCKS]
+    scales: list["torch.Tensor"] = field(default_factory=list)  # fp8: each part's scales [planes, n]
     check: Optional["torch.Tensor"] = None  # HS_CAPTURE_FINAL=none: the LM head's input at its last rows
     writes: list[Any] = field(default_factory=list)  # the writer's jobs writing its earlier parts (futures)
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
-from hs_patch.server import fingerprint
+from hs_patch.server import fingerprint, fp8
 from hs_patch.server.records import PassRecord
 
 
@@ -38,9 +38,12 @@ class Owner(Protocol):
     pre_index: Optional[int]
     post_index: Optional[int]
     check_rows: int
+    fp8: bool
     all_reduce: Optional[Callable[[torch.Tensor], None]]
 
     def ring(self, device: torch.device) -> Any: ...
+
+    def work(self, like: torch.Tensor) -> torch.Tensor: ...
 
     def stream(self, device: torch.device) -> Any: ...
 
@@ -58,13 +61,16 @@ class Slot:
     device twins on ``device`` (the GPU's, made now too)."""
 
     def __init__(self, capacity: int, nplanes: int, nstreams: int, hidden: int, itemsize: int, pinned: bool,
-                 device: Optional[torch.device] = None, nchecksums: int = 0, check: bool = False):
+                 device: Optional[torch.device] = None, nchecksums: int = 0, check: bool = False,
+                 fp8: bool = False):
         self.capacity, self.hidden, self.itemsize = capacity, hidden, itemsize
+        self.plane_itemsize = 1 if fp8 else itemsize  # HS_CAPTURE_DTYPE=fp8: one byte a value, + a scale a row
         # device="cpu" always: SGLang builds the model inside `with torch.device("cuda")`
         self.ids = torch.empty(capacity, dtype=torch.int64, device="cpu", pin_memory=pinned)
         self.lens = torch.empty(capacity, dtype=torch.int32, device="cpu", pin_memory=pinned)
-        self._raw = [torch.empty(capacity * hidden * itemsize, dtype=torch.uint8, device="cpu", pin_memory=pinned)
-                     for _ in range(nplanes)]
+        self._raw = [torch.empty(capacity * hidden * self.plane_itemsize, dtype=torch.uint8, device="cpu",
+                                 pin_memory=pinned) for _ in range(nplanes)]
+        self.sc = torch.empty(nplanes if fp8 else 0, capacity, dtype=torch.float32, device="cpu", pin_memory=pinned)
         self.fp = torch.empty(nstreams, capacity, fingerprint.BLOCKS, dtype=torch.float32, device="cpu",
                               pin_memory=pinned)
         self.cs = torch.empty(nchecksums, capacity, fingerprint.BLOCKS, dtype=torch.int32, device="cpu",
@@ -75,16 +81,22 @@ class Slot:
         self.fp_device = None if device is None else torch.empty(self.fp.shape, dtype=torch.float32, device=device)
         self.cs_device = None if device is None else torch.empty(self.cs.shape, dtype=torch.int32, device=device)
         self.host_bytes = sum(t.numel() * t.element_size()
-                              for t in (self.ids, self.lens, self.fp, self.cs, self._check, *self._raw))
+                              for t in (self.ids, self.lens, self.fp, self.cs, self.sc, self._check, *self._raw))
         self.device_bytes = 0 if device is None else (self.fp.numel() + self.cs.numel()) * 4
 
     def plane(self, idx: int, like: torch.Tensor, tokens: int) -> torch.Tensor:
         """Plane ``idx``'s first ``tokens`` rows, viewed with ``like``'s dtype."""
-        if like.element_size() > self.itemsize or like.shape[1] != self.hidden:
+        if like.element_size() > self.plane_itemsize or like.shape[1] != self.hidden:
             raise RuntimeError(f"hs_patch: a captured state is {like.dtype} x {like.shape[1]}, the staging buffers "
-                               f"were sized for {self.itemsize}-byte values x {self.hidden} (the model's dtype at "
-                               "startup); please report this with the server's --dtype and quantization flags")
-        return self._raw[idx][: tokens * self.hidden * self.itemsize].view(like.dtype).view(tokens, self.hidden)
+                               f"were sized for {self.plane_itemsize}-byte values x {self.hidden} (the model's dtype "
+                               "at startup, or fp8); please report this with the server's --dtype and quantization "
+                               "flags")
+        size = tokens * self.hidden * like.element_size()
+        return self._raw[idx][:size].view(like.dtype).view(tokens, self.hidden)
+
+    def fp8_plane(self, idx: int, tokens: int) -> torch.Tensor:
+        """HS_CAPTURE_DTYPE=fp8: plane ``idx``'s first ``tokens`` rows as float8_e4m3fn (their scales: ``sc``)."""
+        return self._raw[idx][: tokens * self.hidden].view(torch.float8_e4m3fn).view(tokens, self.hidden)
 
     def check(self, like: torch.Tensor, rows: int) -> torch.Tensor:
         """The first ``rows`` rows of the check buffer, viewed with ``like``'s dtype."""
@@ -210,11 +222,14 @@ class Pass:
         out = self.slot.on(t, self.slot.fp, self.slot.fp_device)
         fingerprint.block_sums(t, out[stream, : self.tokens])
 
-    def checksum(self, k: int, t: torch.Tensor) -> None:
-        """Checksum stream ``k`` (the exact word sums of each row's bytes) from the live tensor, now."""
+    def checksum(self, k: int, t: torch.Tensor, scale: Optional[torch.Tensor] = None) -> None:
+        """Checksum stream ``k`` (the exact word sums of each row's bytes) from the tensor stored, now: the live
+        one, or its fp8 rows with their ``scale`` (folded into the last block: :func:`fp8.add_scale_word`)."""
         self._mark(self.checksummed, k, self.hook.checksums, t)
         out = self.slot.on(t, self.slot.cs, self.slot.cs_device)
         fingerprint.word_sums(t, out[k, : self.tokens])
+        if scale is not None:
+            fp8.add_scale_word(out[k, : self.tokens], scale)
 
     def embedded(self, t: Optional[torch.Tensor]) -> None:
         """The rows the residual stream begins from (the model's embedding of the pass's ids)."""
@@ -243,8 +258,11 @@ class Pass:
             raise RuntimeError(f"hs_patch: {self.hook.planes[idx]} captured twice in one pass")
         self._check_shape(self.hook.planes[idx], t)
         self.done[idx] = True
+        self.fingerprint(idx, t)  # a plane's stream index is its plane index, in both records; before any quantization
+        if self.hook.fp8:
+            self.put_fp8(idx, t)
+            return
         self.like[idx] = t
-        self.fingerprint(idx, t)  # a plane's stream index is its plane index, in both records
         self.checksum(idx, t)
         dst = self.slot.plane(idx, t, self.tokens)
         if t.is_cuda:  # snapshot now (SGLang updates its residual in place later), into memory made at start
@@ -257,6 +275,27 @@ class Pass:
             ring.read_by(k, stream)  # buffer k is written again only after this copy
         else:  # CPU (tests, the stand-in, benchmarks): the copy into the slot is the snapshot
             dst.copy_(t)
+
+    def put_fp8(self, idx: int, t: torch.Tensor) -> None:
+        """HS_CAPTURE_DTYPE=fp8: plane ``idx`` quantized where it is (:func:`hs_patch.server.fp8.quantize`) into
+        memory made at start, checksummed as stored (fp8 bytes and scales), then copied to the host slot: on a GPU
+        into the next device buffer on the compute stream, then half the bytes over PCIe on the side stream."""
+        q_host, sc_host = self.slot.fp8_plane(idx, self.tokens), self.slot.sc[idx, : self.tokens]
+        self.like[idx] = q_host
+        work = self.hook.work(t)
+        if not t.is_cuda:  # CPU (tests, the stand-in, benchmarks): quantized straight into the slot
+            fp8.quantize(t, work, q_host, sc_host)
+            self.checksum(idx, q_host, sc_host)
+            return
+        ring = self.hook.ring(t.device)
+        k, q, sc = ring.quantized(t, work)
+        self.checksum(idx, q, sc)
+        stream = self.hook.stream(t.device)
+        stream.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(stream):
+            q_host.copy_(q, non_blocking=True)
+            sc_host.copy_(sc, non_blocking=True)
+        ring.read_by(k, stream)  # buffer k is written again only after these copies
 
     def final_inputs(self, update: torch.Tensor, residual: Optional[torch.Tensor]) -> None:
         """The final norm's two inputs, before its fused addition overwrites ``residual`` (None: no addition)."""
@@ -321,10 +360,12 @@ class Pass:
             ids=slot.ids[:n], planes=[slot.plane(k, self.like[k], n) for k in range(len(hook.planes))],
             seq_lens=self.seq_lens, prefix_lens=self.prefix_lens, full_lens=slot.lens[: len(self.seq_lens)],
             rids=self.rids, wait=wait, release=lambda: hook.give_back(slot), fingerprints=slot.fp[:, :n],
-            checksums=slot.cs[:, :n], check_rows=check, check_counts=counts))
+            checksums=slot.cs[:, :n], check_rows=check, check_counts=counts,
+            scales=slot.sc[:, :n] if hook.fp8 else None))
 
     def keep_check_rows(self, post_norm: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """HS_CAPTURE_FINAL=none: each part's last ``counts[j]`` rows of the LM head's input, one after another,
+        """HS_CAPTURE_FINAL=none or fp8 planes: each part's last ``counts[j]`` rows of the LM head's input (as the
+        engine computed it), one after another,
         into the slot's check buffer (on a GPU snapshotted into a device buffer made at start, then only those
         rows copied to the host on the side stream)."""
         self._check_shape("the LM head's input", post_norm)

@@ -29,6 +29,7 @@ class PassRecord:
     checksums: Optional["torch.Tensor"] = None     # I32 [checksums, T, BLOCKS] (the same module)
     check_rows: Optional["torch.Tensor"] = None    # HS_CAPTURE_FINAL=none: [sum of check_counts, H], part by part
     check_counts: Optional[Sequence[int]] = None   # each part's last rows of the LM head's input kept
+    scales: Optional["torch.Tensor"] = None        # HS_CAPTURE_DTYPE=fp8: F32 [planes, T], one scale a row
     queued: float = field(default_factory=time.time)  # when the hook handed it over (its forward launched)
 
 

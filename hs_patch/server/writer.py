@@ -284,8 +284,9 @@ class Writer:
             slices = [p[s:e] for p in rec.planes]
             fp = None if fps is None else fps[:, s:e].permute(1, 0, 2)  # [n, streams, BLOCKS]
             cs = None if css is None else css[:, s:e].permute(1, 0, 2)  # [n, checksums, BLOCKS]
+            sc = None if rec.scales is None else rec.scales[:, s:e]  # fp8: [planes, n]
             if prefix == 0 and n == full:
-                self._submit(p, self.contents.write_whole, ids, slices, rid, fp, cs, ck)
+                self._submit(p, self.contents.write_whole, ids, slices, rid, fp, cs, ck, sc)
                 continue
             if prefix == 0:
                 part = self.contents.start_open(ids, full, rid, slices[0])
@@ -301,7 +302,7 @@ class Writer:
             touched.append(part)
             part.hasher.update(store.ids_bytes(ids))
             part.ids.append(ids.clone())
-            for rows, into in ((fp, part.fingerprints), (cs, part.checksums)):
+            for rows, into in ((fp, part.fingerprints), (cs, part.checksums), (sc, part.scales)):
                 if rows is not None:
                     # a copy (never a view: with one-row staging buffers the rows are contiguous already and
                     # .contiguous() would alias the buffer the next pass overwrites)

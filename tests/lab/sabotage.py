@@ -196,7 +196,7 @@ def install(case_of: Callable[[str], Optional[str]] = case_of_rid) -> Callable[[
                             plane[s:e] = plane[s:e].flip(0).clone()
                     elif case == "row" and "layer.2" in names:
                         plane = rec.planes[names.index("layer.2")]
-                        plane[mid_row] = -plane[mid_row]
+                        plane[mid_row] = (-plane[mid_row].float()).to(plane.dtype)  # exact (fp8 has no neg)
                     elif case == "nan_post" and "final.post_norm" in names:
                         rec.planes[names.index("final.post_norm")][mid_row, 1] = float("nan")
                     elif case == "garbage_post" and "final.post_norm" in names:

@@ -14,13 +14,15 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from hs_patch import store
+from hs_patch.server import fp8 as quantize
 
 
 def write_finished(directory: Path, ids: Sequence[int], *, layers: Sequence[int] = (2, 30, 58), final: str = "both",
                    hidden: int = 32, seed: int = 0, loss_mask: Optional[Sequence[int]] = None,
                    states: Optional[Callable[[str], torch.Tensor]] = None, shipped: bool = False,
-                   meta: Optional[dict] = None) -> store.Written:
-    """One finished sample in ``directory`` (``shipped``: under ``samples/`` as at a destination)."""
+                   meta: Optional[dict] = None, fp8: bool = False) -> store.Written:
+    """One finished sample in ``directory`` (``shipped``: under ``samples/`` as at a destination; ``fp8``: its
+    planes quantized as HS_CAPTURE_DTYPE=fp8 stores them, format 5, with a scale a token)."""
     t = torch.tensor(list(ids), dtype=torch.int64)
     key = store.sample_key(t)
     planes = store.plane_names(layers, final)
@@ -31,6 +33,14 @@ def write_finished(directory: Path, ids: Sequence[int], *, layers: Sequence[int]
     mask = list(loss_mask) if loss_mask is not None else [i % 3 != 0 for i in range(len(ids))]
     tensors["loss_mask"] = torch.tensor(mask, dtype=torch.uint8)
     h = next(iter(tensors[p] for p in planes)).shape[1]
+    if fp8:
+        for p in planes:
+            x = tensors[p]
+            tensors[p], tensors[quantize.scale_name(p)] = torch.empty(x.shape, dtype=torch.float8_e4m3fn), \
+                torch.empty(x.shape[0])
+            quantize.quantize(x, torch.empty_like(x), tensors[p], tensors[quantize.scale_name(p)])
+        meta = {"format": store.FORMAT_FP8, "dtype": quantize.DTYPE, quantize.META: quantize.SCHEME,
+                quantize.SOURCE_META: "bfloat16", **(meta or {})}
     md = {"format": store.FORMAT, "key": key, "num_tokens": str(len(ids)), "planes": ",".join(planes),
           "layers": ",".join(map(str, layers)), "final": final, "dtype": "bfloat16", "hidden_size": str(h),
           "sglang_release": "0.5.16", "model": "/models/test", "architecture": "DeepseekV3ForCausalLM",

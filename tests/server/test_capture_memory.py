@@ -51,14 +51,14 @@ class NewStorages(TorchDispatchMode):
 
 
 def forward_bytes(release_sources: dict, version: str, tiny_model, tokens: int, tmp_path: Path,
-                  capture: bool) -> NewStorages:
+                  capture: bool, dtype: str = "bf16") -> NewStorages:
     """New storage bytes of one prefill pass of one ``tokens``-token request through the patched forward."""
     ids = torch.randint(3, 250, (tokens,), generator=torch.Generator().manual_seed(tokens)).tolist()
     refs = {"a": reference(tiny_model, ids)}
     h = None
     if capture:
-        cfg = config.CaptureConfig(enabled=True, directory=str(tmp_path / f"dump-{version}-{tokens}"), layers=LAYERS,
-                                   final="both", slots=2, slot_tokens=64)
+        cfg = config.CaptureConfig(enabled=True, directory=str(tmp_path / f"dump-{version}-{tokens}-{dtype}"),
+                                   layers=LAYERS, final="both", slots=2, slot_tokens=64, dtype=dtype)
         h = hook.CaptureHook(cfg, hidden_size=int(tiny_model.config.hidden_size), metadata={"sglang_release": version})
     source = apply_edits(RELEASES[version], (release_sources[version] / TARGET).read_text())
     sim = Sim(version, source, tiny_model, refs, hook=h, code=ReleaseCode.read(release_sources[version]))
@@ -87,6 +87,37 @@ def test_capture_allocates_nothing_sized_by_the_pass(version, release_sources, t
     grown = (added[48] - sglang_clones[48]) - (added[16] - sglang_clones[16])
     assert grown == 0, f"capture on {version} allocates {grown} more bytes for 32 more tokens: {added}"
     assert added[16] - sglang_clones[16] < 16 * hidden * 2, f"capture allocates a plane's worth: {added}"
+
+
+def test_fp8_capture_allocates_nothing_sized_by_the_pass(release_sources, tiny_model, tmp_path):
+    """HS_CAPTURE_DTYPE=fp8: the quantization (scales, division, cast) runs in memory made at start too."""
+    version = "0.5.23"  # the layer-boundary family: SGLang's own path clones nothing
+    added = {tokens: forward_bytes(release_sources, version, tiny_model, tokens, tmp_path, True, "fp8").bytes
+             - forward_bytes(release_sources, version, tiny_model, tokens, tmp_path, False).bytes
+             for tokens in (16, 48)}
+    assert added[48] == added[16], f"fp8 capture allocates {added[48] - added[16]} more bytes for 32 more tokens"
+    assert added[16] < 16 * int(tiny_model.config.hidden_size), f"fp8 capture allocates a plane's worth: {added}"
+
+
+def test_device_ring_quantizes_into_memory_made_at_start():
+    """The GPU path's fp8 quantization, exercised on the CPU device: the fp8 rows and their scales land in the
+    next device buffer (the rows first, the scales after rows x hidden bytes), through the work buffer, with
+    nothing allocated; the same bytes as :func:`hs_patch.server.fp8.quantize` anywhere else."""
+    from hs_patch.server import fp8
+
+    ring = DeviceRing(2, rows=8, hidden=16, itemsize=2, device=torch.device("cpu"))
+    starts = {b.data_ptr(): b for b in ring._raw}
+    work = torch.empty(8 * 16, dtype=torch.bfloat16)
+    x = [torch.randn(n, 16).to(torch.bfloat16) for n in (8, 5)]
+    with NewStorages() as counted:
+        got = [ring.quantized(t, work[: t.numel()].view(t.shape)) for t in x]
+    assert counted.bytes == 0, counted.ops
+    for (k, q, scale), t in zip(got, x):
+        base = ring._raw[k]
+        assert q.data_ptr() == base.data_ptr() in starts and scale.data_ptr() == base.data_ptr() + 8 * 16
+        want_q, want_s = torch.empty(t.shape, dtype=torch.float8_e4m3fn), torch.empty(t.shape[0])
+        fp8.quantize(t, torch.empty_like(t), want_q, want_s)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_s)
 
 
 def test_device_ring_snapshots_are_views_of_memory_made_at_start():
@@ -124,3 +155,21 @@ def test_the_capture_states_what_it_made_at_start(tmp_path):
         assert h.device_bytes == 0, "no GPU here: no device buffers"
     finally:
         h.close()
+
+
+def test_fp8_staging_holds_the_planes_in_half_the_bytes(tmp_path):
+    """HS_CAPTURE_DTYPE=fp8: each staging buffer's planes take one byte a value (+ a scale a row), beside the room
+    for the bf16 check rows; the CPU work buffer is the one pass-sized buffer more, made at start."""
+    sizes = {}
+    for dtype in ("bf16", "fp8"):
+        cfg = config.CaptureConfig(enabled=True, directory=str(tmp_path / dtype), layers=LAYERS, final="both",
+                                   slots=3, slot_tokens=128, dtype=dtype)
+        h = hook.CaptureHook(cfg, hidden_size=64, metadata={"sglang_release": "t"})
+        try:
+            sizes[dtype] = h.host_bytes
+        finally:
+            h.close()
+    planes = 5
+    bf16_planes, fp8_planes = planes * 128 * 64 * 2, planes * 128 * 64 + planes * 128 * 4
+    check_room, work = 128 * 64 * 2, 128 * 64 * 2
+    assert sizes["fp8"] - sizes["bf16"] == 3 * (fp8_planes - bf16_planes + check_room) + work

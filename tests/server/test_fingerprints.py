@@ -74,10 +74,12 @@ def norms(tiny_model) -> Norms:
                     m.norm.weight.detach(), tiny_model.config.rms_norm_eps)
 
 
-def capture(release_sources, tiny_model, refs, tmp_path: Path, version: str, request: str) -> Path:
+def capture(release_sources, tiny_model, refs, tmp_path: Path, version: str, request: str,
+            dtype: str = "bf16") -> Path:
     """The donor alone, then ``request`` in two chunks (the second batched with a clean prompt)."""
     d = tmp_path / "dump"
-    cfg = config.CaptureConfig(enabled=True, directory=str(d), layers=LAYERS, final="both", slots=2, slot_tokens=64)
+    cfg = config.CaptureConfig(enabled=True, directory=str(d), layers=LAYERS, final="both", slots=2, slot_tokens=64,
+                               dtype=dtype)
     h = hook.CaptureHook(cfg, hidden_size=tiny_model.config.hidden_size, metadata={"sglang_release": version})
     site = release_sources[version]
     sim = Sim(version, apply_edits(RELEASES[version], (site / TARGET).read_text()), tiny_model, refs, hook=h,

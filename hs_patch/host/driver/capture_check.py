@@ -142,7 +142,8 @@ def check(client: SGLangClient, capture_dir: Path, tokenizer: Any, rid_prefix: s
                     "fidelity check cannot check its planes. Run hs-patch apply with this version and restart the "
                     "server (or --no-fidelity-check: then nothing checks the samples)")
             return {"key": key, "rids": rids, "seconds": round(time.monotonic() - t0, 3),
-                    "format": meta.get("format"), "fingerprints": fingerprint.META in meta}
+                    "format": meta.get("format"), "dtype": meta.get("dtype"),
+                    "fingerprints": fingerprint.META in meta}
         st = _status(capture_dir)
         final = time.monotonic() >= deadline
         waited = float("inf") if final else time.time() - answered

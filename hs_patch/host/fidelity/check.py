@@ -129,19 +129,20 @@ class LMHead:
         """Post-norm final states of rows [start, stop): the stored plane, or derived from the pre-norm one."""
         from hs_patch.host.model_files import rms_norm
 
-        if sample.has("final.post_norm"):
+        if sample.has("final.post_norm") and not sample.fp8:
             return sample.rows("final.post_norm", start, stop), "final.post_norm"
-        if sample.has("final.pre_norm"):
+        if sample.has("final.pre_norm") and not sample.fp8:
             return rms_norm(sample.rows("final.pre_norm", start, stop), self.norm, self.eps), DERIVED
         first = check_from(sample)
-        if first is not None and start >= first:  # HS_CAPTURE_FINAL=none: the rows kept for the check
+        if first is not None and start >= first:  # HS_CAPTURE_FINAL=none or fp8: the bf16 rows kept for the check
             return sample.rows(store.CHECK_TENSOR, start - first, stop - first), store.CHECK_TENSOR
         raise store.SampleError(f"{sample.path}: no final state stored (HS_CAPTURE_FINAL=none) at positions "
                                 f"{start}..{stop - 1}: nothing to check")
 
 
 def check_from(sample: lazy_sample.LazySample) -> Optional[int]:
-    """The first position of the LM head's input kept for the check (HS_CAPTURE_FINAL=none), or None."""
+    """The first position of the LM head's input kept for the check (HS_CAPTURE_FINAL=none, or fp8 planes), or
+    None."""
     if not sample.has(store.CHECK_TENSOR):
         return None
     return sample.num_tokens - int(sample.metadata[store.CHECK_ROWS])
@@ -260,7 +261,10 @@ class FidelityChecker:
         with lazy_sample.open_sample(job.path) as s:
             rows = check_rows(s, self.norms, per_chunk=self.rows, embeddings=self.embeddings).record()
             n = s.num_tokens
-            first = 0 if s.has("final.post_norm") or s.has("final.pre_norm") else check_from(s)
+            # an fp8 sample's final planes are fp8: its logits come from the bf16 check rows the hook keeps beside
+            # them (HS_CAPTURE_CHECK_ROWS), exactly what the engine computed, as with HS_CAPTURE_FINAL=none
+            stored = not s.fp8 and (s.has("final.post_norm") or s.has("final.pre_norm"))
+            first = 0 if stored else check_from(s)
             if first is None:
                 # HS_CAPTURE_FINAL=none with HS_CAPTURE_CHECK_ROWS=0: no final state to give the server's token;
                 # every stored plane is still checked by the row checks (fingerprints, layer identity)

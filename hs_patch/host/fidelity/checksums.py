@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from hs_patch import store
-from hs_patch.server import fingerprint
+from hs_patch.server import fingerprint, fp8
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
@@ -55,9 +55,10 @@ def tensor_spans(path: Path) -> dict[str, tuple[int, int]]:
 
 
 def mismatched_rows(path: Path, checksums: "torch.Tensor", names: Sequence[str], planes: Sequence[str],
-                    rows: int) -> dict[str, list[int]]:
+                    rows: int, *, scaled: bool = False) -> dict[str, list[int]]:
     """Plane -> the rows whose bytes in the file differ from their checksum (every row of every stored
-    plane); ``checksums`` I32 [L, C, BLOCKS] with ``names`` its streams."""
+    plane); ``checksums`` I32 [L, C, BLOCKS] with ``names`` its streams. ``scaled`` (an fp8 sample): each
+    row's scale word, from ``<plane>.scale``, is in its last block's sum (:func:`fp8.add_scale_word`)."""
     import numpy as np
 
     spans = tensor_spans(path)
@@ -68,6 +69,11 @@ def mismatched_rows(path: Path, checksums: "torch.Tensor", names: Sequence[str],
         a, b = spans[plane]
         with memoryview(m) as whole, whole[a:b] as view:
             got = host_word_sums(view, rows)
+            if scaled:
+                sa, sb = spans[fp8.scale_name(plane)]
+                with whole[sa:sb] as words:
+                    last = got[:, -1].view(np.uint32) + np.frombuffer(words, dtype="<u4")  # wraps modulo 2^32
+                    got[:, -1] = last.view(np.int32)
             bad = np.nonzero((got != want[:, names.index(plane)]).any(-1))[0].tolist()
             del got
         return bad

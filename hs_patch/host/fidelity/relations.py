@@ -29,7 +29,7 @@ import bisect
 import math
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from hs_patch.server import fingerprint
+from hs_patch.server import fingerprint, fp8
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -128,10 +128,42 @@ def allowance(predicted: "torch.Tensor") -> "torch.Tensor":
     return (var + scale.pow(2)).sqrt()
 
 
-def standardised(predicted: "torch.Tensor", stream: "torch.Tensor") -> "torch.Tensor":
-    """(block sums of ``predicted`` - the stream's) / allowance, squared: [rows, BLOCKS]."""
+def standardised(predicted: "torch.Tensor", stream: "torch.Tensor",
+                 allow: Optional["torch.Tensor"] = None) -> "torch.Tensor":
+    """(block sums of ``predicted`` - the stream's) / allowance (``allow``, default :func:`allowance`), squared:
+    [rows, BLOCKS]."""
     got = fingerprint.block_sums(predicted)
-    return ((got - stream) / allowance(predicted).clamp_min(1e-30)).pow(2)
+    allow = allowance(predicted) if allow is None else allow
+    return ((got - stream) / allow.clamp_min(1e-30)).pow(2)
+
+
+def quantized_allowance(predicted: "torch.Tensor", stored: "torch.Tensor", scale: "torch.Tensor",
+                        weight: "torch.Tensor", eps: float) -> "torch.Tensor":
+    """:func:`allowance` of ``predicted`` = RMSNorm(``stored``, ``weight``) widened by what fp8 storage explains,
+    for an fp8 sample's rows read dequantized (``stored``, bf16 [rows, H], with their ``scale`` [rows]) while the
+    stream is of the rows before quantization (:mod:`hs_patch.server.fp8`):
+
+    - each stored element x^ errs from the engine's x by at most b = (R / (1 - R) + 2^-8) |x^| + 2 x 2^-9 s
+      (R = 2^-4 + 2^-9)
+      (e4m3's rounding, bounded from the stored value, plus the dequantized value's rounding to bf16); through
+      the norm each predicted element by b |w| / rms(x^): these independent, bounded, round-to-nearest errors
+      add to a block sum's variance proxy like the bf16 units do;
+    - the row's rms moves with them, one common factor r on the whole row, bounded by
+      sqrt(sum (x^ b)^2) / sum x^2 (the cross term, independent errors) + sum b^2 / (2 sum x^2) (the squares'
+      bias): r times each block sum (a scale the norm relation is blind to anyway; the additive relation,
+      from the fingerprints taken before quantization, still sees a scaled plane at bf16's resolution)."""
+    import torch
+
+    x = stored.float()
+    rel = fp8.REL_ERROR / (1 - fp8.REL_ERROR)
+    b = (rel + BF16_HALF_ULP) * x.abs() + 2 * fp8.ABS_ERROR * scale.float().reshape(-1, 1)
+    inv = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    elem = b * weight.float().abs() * inv
+    var = elem.pow(2).unflatten(-1, (fingerprint.BLOCKS, -1)).sum(-1)
+    sx2 = x.pow(2).sum(-1, keepdim=True).clamp_min(1e-30)
+    r = (x * b).pow(2).sum(-1, keepdim=True).sqrt() / sx2 + b.pow(2).sum(-1, keepdim=True) / (2 * sx2)
+    common = r * fingerprint.block_sums(predicted).abs()
+    return (allowance(predicted).pow(2) + var + common.pow(2)).sqrt()
 
 
 # ----------------------------------------------------------------------------- the additive relation

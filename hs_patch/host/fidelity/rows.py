@@ -19,6 +19,11 @@ Per sample this module checks:
    layer i's attention read; ``final.pre_norm`` through the final norm is the LM head's input; a
    post-norm-only capture has rms(post / w) = 1.
 
+An fp8 sample (HS_CAPTURE_DTYPE=fp8) is checked the same way: its checksums are of the bytes stored
+(fp8 rows and scales), its fingerprints of the states before quantization; the rows read, dequantized,
+are compared with their plane's fingerprint within the fp8 envelope (:meth:`_Checker.quantized`) and
+the norm relations widen their allowance by it (:func:`relations.quantized_allowance`).
+
 Every relation is judged chunk by chunk (:mod:`hs_patch.host.fidelity.relations`), and every
 comparison fails on a NaN (it tests that a value is within bounds, never that it is outside).
 What this cannot see: states SGLang itself computed wrong before the capture points (the same-pass
@@ -37,7 +42,8 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from hs_patch import lazy_sample, store
 from hs_patch.host.fidelity import relations
 from hs_patch.host.fidelity.checksums import Embeddings, mismatched_rows
-from hs_patch.server import fingerprint
+from hs_patch.reader import source_dtype
+from hs_patch.server import fingerprint, fp8
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -123,8 +129,8 @@ def sample_rows(key: str, starts: Sequence[int], n: int, per_chunk: int) -> list
     return sorted(rows)
 
 
-def _rows(sample: lazy_sample.LazySample, name: str, rows: Sequence[int]) -> "torch.Tensor":
-    """The given rows of a plane, read in contiguous runs."""
+def _rows(sample: lazy_sample.LazySample, name: str, rows: Sequence[int], raw: bool = False) -> "torch.Tensor":
+    """The given rows of a plane, read in contiguous runs (an fp8 sample's dequantized unless ``raw``)."""
     import torch
 
     out, i = [], 0
@@ -132,7 +138,7 @@ def _rows(sample: lazy_sample.LazySample, name: str, rows: Sequence[int]) -> "to
         j = i
         while j + 1 < len(rows) and rows[j + 1] == rows[j] + 1:
             j += 1
-        out.append(sample.rows(name, rows[i], rows[j] + 1))
+        out.append(sample.rows(name, rows[i], rows[j] + 1, raw=raw))
         i = j + 1
     return torch.cat(out)
 
@@ -169,12 +175,13 @@ class _Checker:
             return False
         names = list(fp_meta_checksums["streams"])
         cs = self.sample.tensor(fingerprint.CHECKSUM_TENSOR)
-        for plane, bad in mismatched_rows(self.sample.path, cs, names, self.sample.planes, n).items():
+        for plane, bad in mismatched_rows(self.sample.path, cs, names, self.sample.planes, n,
+                                          scaled=self.sample.fp8).items():
             res.problems.append(f"{plane}: the bytes of {_listed(bad, n)} differ from what the forward pass held at "
                                 "capture: rows misplaced, replaced, shifted or corrupted between the GPU and the file")
         res.every_row.append("bytes = checksums (every stored plane)")
         if embeddings is not None and fingerprint.EMBED in names:
-            dtype = getattr(torch, self.sample.metadata.get("dtype", "bfloat16"))
+            dtype = source_dtype(self.sample.metadata)  # the embedding as the engine held it (fp8 samples: bf16)
             bad = embeddings.mismatched(self.sample.tensor("input_ids"), cs[:, names.index(fingerprint.EMBED)], dtype)
             if bad:
                 res.problems.append(f"embed: the rows the residual stream began from are not the embedding of this "
@@ -194,15 +201,32 @@ class _Checker:
                 f"{name}: {len(bad)} of {len(self.rows)} checked rows (e.g. {bad[:5]}) differ from what the forward "
                 "pass held at capture: the rows were misplaced, replaced or corrupted between the GPU and the file")
 
+    def quantized(self, name: str, raw: "torch.Tensor", scale: "torch.Tensor") -> None:
+        """(An fp8 sample: its bytes are checked by checksum, against what the hook quantized.) The stored rows
+        read, dequantized in fp32, are what the forward pass held before quantization, within the fp8 envelope
+        (:func:`hs_patch.server.fp8.block_tolerance`, a bound, not a statistic) and fp32 summation order."""
+        data = raw.float() * scale.float().reshape(-1, 1)
+        got = fingerprint.block_sums(data)
+        l1 = data.abs().unflatten(-1, (fingerprint.BLOCKS, -1)).sum(-1)
+        tol = fp8.block_tolerance(l1, scale, data.shape[-1] // fingerprint.BLOCKS) + BYTES_TOLERANCE * l1
+        ok = ((got - self.stream(name)).abs() <= tol) & got.isfinite()
+        bad = [r for r, good in zip(self.rows, ok.all(-1).tolist()) if not good]
+        if bad:
+            self.result.problems.append(
+                f"{name}: {len(bad)} of {len(self.rows)} checked rows (e.g. {bad[:5]}), dequantized, are not what the "
+                "forward pass held before fp8 quantization, beyond fp8's rounding: wrong rows or scales quantized")
+
     def judged(self, what: str, z2: "torch.Tensor", chunks: Sequence[int], meaning: str) -> None:
         record, failed = relations.judge(z2, chunks, len(self.starts))
         self.result.relations[what] = record
         if failed:
             self.result.problems.append(relations.describe_failures(what, meaning, failed, self.starts, self.n))
 
-    def relation(self, what: str, predicted: "torch.Tensor", stream: str, meaning: str) -> None:
-        """``predicted`` (rows computed here from the stored ones read) against the stream, chunk by chunk."""
-        self.judged(what, relations.standardised(predicted, self.stream(stream)), self.chunks, meaning)
+    def relation(self, what: str, predicted: "torch.Tensor", stream: str, meaning: str,
+                 allow: Optional["torch.Tensor"] = None) -> None:
+        """``predicted`` (rows computed here from the stored ones read) against the stream, chunk by chunk
+        (``allow``: its allowance, for fp8 rows :func:`relations.quantized_allowance`)."""
+        self.judged(what, relations.standardised(predicted, self.stream(stream), allow), self.chunks, meaning)
 
 
 def check_rows(sample: lazy_sample.LazySample, norms: Optional[Norms], *, per_chunk: int = DEFAULT_ROWS,
@@ -248,8 +272,11 @@ def check_rows(sample: lazy_sample.LazySample, norms: Optional[Norms], *, per_ch
         c.result.every_row.append("additive relations (layer + attention output = residual after it; the final "
                                   "norm's addition)")
     planes = {p: _rows(sample, p, rows) for p in sample.planes}
+    scales = {p: _rows(sample, fp8.scale_name(p), rows) for p in sample.planes} if sample.fp8 else {}
     for p, data in planes.items():
-        if not checksummed:
+        if sample.fp8:
+            c.quantized(p, _rows(sample, p, rows, raw=True), scales[p])
+        elif not checksummed:
             c.bytes(p, data)
         norms_ = data.float().norm(dim=-1)
         finite = norms_[norms_.isfinite() & (norms_ > 0)]
@@ -259,14 +286,17 @@ def check_rows(sample: lazy_sample.LazySample, norms: Optional[Norms], *, per_ch
         for p, data in planes.items():
             if p.startswith("layer."):
                 i = int(p.split(".", 1)[1])
-                c.relation(p, rms_norm(data, norms.layer(i), norms.eps), fingerprint.attn_stream(i),
+                pred = rms_norm(data, norms.layer(i), norms.eps)
+                c.relation(p, pred, fingerprint.attn_stream(i),
                            f"the stored rows, normalised with layer {i}'s input norm, are not what layer {i}'s "
                            "attention read: another layer's state, one tensor-parallel rank's partial sum, or "
-                           "another prompt's rows")
+                           "another prompt's rows", _allow(pred, data, scales.get(p), norms.layer(i), norms.eps))
         if "final.pre_norm" in planes:
-            c.relation("final.pre_norm", rms_norm(planes["final.pre_norm"], norms.final, norms.eps),
-                       "final.post_norm", "the stored pre-norm state through the final norm is not what the LM "
-                       "head read: it is not the last layer's output")
+            pre = planes["final.pre_norm"]
+            pred = rms_norm(pre, norms.final, norms.eps)
+            c.relation("final.pre_norm", pred, "final.post_norm", "the stored pre-norm state through the final norm "
+                       "is not what the LM head read: it is not the last layer's output",
+                       _allow(pred, pre, scales.get("final.pre_norm"), norms.final, norms.eps))
         elif "final.post_norm" in planes:
             post = planes["final.post_norm"].float()
             w = norms.final.float()
@@ -274,8 +304,14 @@ def check_rows(sample: lazy_sample.LazySample, norms: Optional[Norms], *, per_ch
             rms = (post[:, use] / w[use]).pow(2).mean(-1).sqrt()
             err = (rms - 1).abs()
             c.result.relations["final.post_norm"] = {"n": len(rows), "max_rms_error": round(float(err.max()), 6)}
-            if not bool((err <= RMS_TOLERANCE).all()):
+            if not bool((err <= RMS_TOLERANCE + (fp8.REL_ERROR + relations.BF16_HALF_ULP) * sample.fp8).all()):
                 c.result.problems.append("final.post_norm: the stored rows are not normalised (rms of post / norm "
                                          f"weight is {rms.min():.4g}..{rms.max():.4g}, not 1): not the final "
                                          "norm's output")
     return c.result
+
+
+def _allow(predicted: "torch.Tensor", stored: "torch.Tensor", scale: Optional["torch.Tensor"],
+           weight: "torch.Tensor", eps: float) -> Optional["torch.Tensor"]:
+    """The norm relation's allowance: the default for bf16 rows, widened by fp8's rounding for fp8 ones."""
+    return None if scale is None else relations.quantized_allowance(predicted, stored, scale, weight, eps)

@@ -89,5 +89,7 @@ def inspect(path: str, deep: bool, workers: int = 1, show_progress: bool = False
     return {"action": "inspect", "file": str(p), "key": s.key, "metadata": s.metadata, "tensors": shapes,
             "manifest_checked": entry is not None, "clean": True,
             "message": f"{s.key}: {s.metadata['num_tokens']} tokens, planes {s.metadata['planes']}"
+                       + (f" as fp8 ({s.metadata['dtype']}, a scale a token: format {s.metadata['format']})"
+                          if s.fp8 else "")
                        + ("" if entry is not None else " (no manifest beside it lists it: its size and sha256 "
                           "were not checked, so a flipped byte in the tensor data is not found)")}
