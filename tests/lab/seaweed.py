@@ -159,15 +159,17 @@ class Seaweed:
     def start(self) -> None:
         """(Re)start the server on its data; return once it answers S3."""
         d = self.directory
-        # in a mount namespace of its own that dies with it: this directory at /mnt, and its tmp/ over /tmp for
-        # weed's fixed-name unix sockets (the directory may itself lie under /tmp)
-        weed = [weed_binary(), "mini", "-dir=/mnt/data", f"-ip={self.address}", f"-ip.bind={self.address}",
+        # in a mount namespace of its own that dies with it: this directory at /mnt, the weed binary at /mnt/weed
+        # (the venv may lie under /tmp too, as in a fresh clone there), and its tmp/ over /tmp for weed's
+        # fixed-name unix sockets (the directory may itself lie under /tmp)
+        (d / "weed").touch()
+        weed = ["/mnt/weed", "mini", "-dir=/mnt/data", f"-ip={self.address}", f"-ip.bind={self.address}",
                 "-master.telemetry=false", "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0",
                 "-s3.port.lance=0", f"-s3.port={S3_PORT}", "-s3.config=/mnt/s3.json",
                 "-s3.autoCreateBucket=false", "-master.volumeSizeLimitMB=256", f"-s3.domainName={DOMAIN}"]
-        script = 'mount --bind "$0" /mnt && mount --bind /mnt/tmp /tmp && exec "$@"'
+        script = 'mount --bind "$0" /mnt && mount --bind "$1" /mnt/weed && mount --bind /mnt/tmp /tmp && shift && exec "$@"'
         argv = ["ip", "netns", "exec", self.netns, "unshare", "--mount", "--propagation", "private",
-                "sh", "-c", script, str(d), *weed]
+                "sh", "-c", script, str(d), str(weed_binary()), *weed]
         log = open(d / "weed.log", "ab")
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "TMPDIR": "/tmp"}, start_new_session=True)
