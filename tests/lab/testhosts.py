@@ -237,9 +237,13 @@ class Lab:
             if not alive(host["pid"], host.get("pid_start")):
                 raise LabError(f"{host['name']}: systemd-nspawn exited during boot; see {host['dir']}/console.log")
             try:
-                proc = run(self._ssh_base(host) + ["systemctl", "is-system-running"], check=False, timeout=15)
+                # booted, and open to users other than root (pam_nologin's /run/nologin gone: the shipping
+                # user's SSH was refused "System is booting up" on a host systemd called degraded)
+                proc = run(self._ssh_base(host) + ["systemctl is-system-running; test ! -e /run/nologin || "
+                                                   "echo /run/nologin"], check=False, timeout=15)
                 last = (proc.stdout + proc.stderr).strip()
-                if proc.stdout.strip() in ("running", "degraded"):
+                said = proc.stdout.split()
+                if said[:1] in (["running"], ["degraded"]) and "/run/nologin" not in said:
                     return
             except subprocess.TimeoutExpired:
                 last = "ssh did not answer within 15s"

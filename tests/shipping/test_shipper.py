@@ -30,15 +30,27 @@ def sshd(tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture
+def own_tmp(monkeypatch):
+    """A short private directory for the shipper's SSH control directories (hs-ship-*), so a test sees its own
+    only: the other test worker's shippers make theirs in /tmp at the same time. Short: it holds a socket."""
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="hs-t-", dir="/tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", str(d))
+    monkeypatch.setenv("TMPDIR", str(d))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
 # ------------------------------------------------------------------------------ over SSH
 
 
-def test_ships_over_ssh_verifies_then_deletes_only_listed_files(tmp_path, sshd):
+def test_ships_over_ssh_verifies_then_deletes_only_listed_files(tmp_path, sshd, own_tmp):
     samples, state, dest = dirs(tmp_path)
     written = make_samples(samples, 4)
     (samples / "stray.safetensors").write_bytes(b"not in the manifest")
     (samples / store.TMPDIR / "half.safetensors").write_bytes(b"being written")
-    before = set(Path("/tmp").glob("hs-ship-*"))
     code = shipper.main(ship_cmd(samples, state, f"{sshd.host}:{dest}", *sshd.ship_args()))
     assert code == shipper.EXIT_OK
     assert_destination_has(dest, written)
@@ -48,7 +60,7 @@ def test_ships_over_ssh_verifies_then_deletes_only_listed_files(tmp_path, sshd):
     st = status(state)
     assert st["state"] == "done" and st["shipped"] == {"count": 4, "bytes": sum(w.nbytes for w in written)}
     assert st["pending"]["count"] == 0 and st["throughput_bytes_per_s"] > 0
-    assert set(Path("/tmp").glob("hs-ship-*")) == before, "the SSH control directory was not cleaned up"
+    assert not list(own_tmp.glob("hs-ship-*")), "the SSH control directory was not cleaned up"
     # nothing left to do: a second run changes nothing
     assert shipper.main(ship_cmd(samples, state, f"{sshd.host}:{dest}", *sshd.ship_args())) == shipper.EXIT_OK
     assert len(shipped_records(state)) == 4
@@ -82,13 +94,12 @@ def _wait(predicate, seconds: float, what: str) -> None:
         time.sleep(0.02)
 
 
-def test_killed_mid_file_then_resumed_loses_and_duplicates_nothing(tmp_path, sshd):
+def test_killed_mid_file_then_resumed_loses_and_duplicates_nothing(tmp_path, sshd, own_tmp):
     """kill -9 the shipper while rsync is writing a file; the restart completes the job."""
     samples, state, dest = dirs(tmp_path)
     written = make_samples(samples, 3, tokens=512, hidden=2048)  # 2 MiB each
     argv = [sys.executable, "-m", "hs_patch.host.shipping.shipper", *ship_cmd(samples, state, f"{sshd.host}:{dest}",
                                                                    *sshd.ship_args(), "--bwlimit", "2000")]
-    before = set(Path("/tmp").glob("hs-ship-*"))
     proc = subprocess.Popen(argv, cwd=ROOT, stderr=subprocess.PIPE)
     try:
         def receiving() -> bool:  # rsync's temp file or partial file holds some bytes
@@ -106,7 +117,7 @@ def test_killed_mid_file_then_resumed_loses_and_duplicates_nothing(tmp_path, ssh
     # rsync and the SSH master die with the shipper (nothing goes on behind our back);
     # only the killed shipper's control directory stays (a log, no socket)
     _wait(lambda: not any(Path(f"/proc/{c}").exists() for c in children), 10, "rsync and ssh to exit")
-    for leftover in set(Path("/tmp").glob("hs-ship-*")) - before:
+    for leftover in own_tmp.glob("hs-ship-*"):
         assert not (leftover / "cm").exists()
         shutil.rmtree(leftover)
     # nothing was deleted, nothing unverified reached samples/ or the logs
