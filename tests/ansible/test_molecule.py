@@ -20,9 +20,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-# The scenarios' test hosts share 198.51.100.0/24: one lab at a time, so every test of this file
-# runs on one of the suite's workers (`-n 2 --dist loadgroup`), beside the other's tests.
-pytestmark = pytest.mark.xdist_group("lab-198.51.100")
+# The scenarios' test hosts share 198.51.100.0/24 and the lab tests' gateways are one too: one lab at a
+# time, so those tests run on one of the suite's workers (`-n 2 --dist loadgroup`), and ansible-lint with
+# them (it and molecule prepare the same ansible-compat cache). The pre-flight and dry-run tests (local
+# connection, ~4 minutes) go to whichever worker is free: the scenarios alone are the longest worker's load.
+LAB = pytest.mark.xdist_group("lab-198.51.100")
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = sorted(p.parent.name for p in (ROOT / "molecule").glob("*/molecule.yml"))
@@ -78,6 +80,17 @@ def test_yamllint():
     assert proc.returncode == 0, _tail(proc)
 
 
+@LAB
+def test_the_lab_group_holds_on_the_workers(request):
+    """The README's test command (`-n 2 --dist loadgroup`) keeps a group's tests on one worker only while
+    xdist can mark them (pytest 9 silently broke that: the labs then ran on both workers at once)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None or not getattr(request.config.option, "loadgroup", False):
+        pytest.skip("not a worker of `--dist loadgroup` (the README's test command)")
+    assert request.node.nodeid.endswith("@lab-198.51.100"), \
+        f"{request.node.nodeid}: xdist did not group it: pytest and pytest-xdist versions that group (pyproject.toml)"
+
+
+@LAB
 def test_ansible_lint_production_profile():
     proc = _run([_tool("ansible-lint"), "--profile", "production"], timeout=600)
     assert proc.returncode == 0, _tail(proc)
@@ -283,6 +296,7 @@ def test_a_dry_run_on_a_fresh_host_passes_the_shipping_stage_before_its_user_exi
 # --- the test-host lab ----------------------------------------------------------------------
 
 
+@LAB
 @pytest.mark.slow
 def test_testhosts_up_down_leaves_nothing(tmp_path):
     """Two hosts reach each other over SSH, one reboots and comes back; down removes every netns, link, mount
@@ -351,6 +365,7 @@ def test_testhosts_up_down_leaves_nothing(tmp_path):
     assert not (tmp_path / "lab" / "lab.json").exists()
 
 
+@LAB
 def test_lab_waits_for_a_busy_gateway_then_names_its_owner(tmp_path, monkeypatch):
     """Two labs on one gateway would collide: up waits for the other to go, and says whose it is."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
@@ -383,6 +398,7 @@ def test_lab_waits_for_a_busy_gateway_then_names_its_owner(tmp_path, monkeypatch
         (gateway.OWNERS_DIR / bridge).unlink(missing_ok=True)
 
 
+@LAB
 def test_lab_removes_a_dead_lab_on_its_gateway_and_waits_for_a_live_one(tmp_path, monkeypatch):
     """A lab left by a killed run (no host process alive) is removed by its own ids; a running one is waited for."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
@@ -449,6 +465,7 @@ def test_lab_removes_a_dead_lab_on_its_gateway_and_waits_for_a_live_one(tmp_path
 # --- molecule scenarios -----------------------------------------------------------------------
 
 
+@LAB
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_molecule_scenario(scenario):
