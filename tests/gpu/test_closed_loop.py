@@ -54,9 +54,10 @@ def loop_env(release_sources, tmp_path, monkeypatch):
                             "canonical_solution": "    return x + 1\n", "test": "def check(c):\n    assert c(1) == 2\n"}) + "\n")
     (bench / "mt_bench_question.jsonl").write_text(json.dumps({"question_id": 81, "turns": ["Hi?", "Again?"]}) + "\n")
     evalset.build([{"messages": c["messages"][:1]} for c in chats[:2]], bench, work)
+    # ports: the loop's servers take --port + 90 (plain) and + 100 + 40 x (measured so far) + k: a block of 1000
     argv = ["--site", str(site), "--work", str(work), "--out", str(tmp_path / "out"), "--device", "cpu",
             "--shm", str(tmp_path / "shm"), "--carry", str(tmp_path / "carry"), "--sf-shards", "0",
-            "--port", str(free_port_block(60)), "--max-new", "6", "--max-servers", "3", "--job-seconds", "60"]
+            "--port", str(free_port_block(1000)), "--max-new", "6", "--max-servers", "3", "--job-seconds", "60"]
     return work, argv
 
 

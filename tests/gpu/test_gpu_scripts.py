@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import shutil
 import socket
 import sys
@@ -25,13 +26,16 @@ import extract  # noqa: E402
 
 
 def free_port_block(n: int) -> int:
+    """The first of ``n`` ports free now, below the kernel's ephemeral range: a port the kernel hands out for
+    another process's connection (the other test worker's) can be taken between this check and the server's
+    bind, which is what happened to a closed-loop server picked from that range ("Address already in use")."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
     for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n < 65000 and all(_free(base + i) for i in range(n)):
+        base = rng.randrange(10000, max(10001, low - n))
+        if all(_free(base + i) for i in range(n)):
             return base
-    raise RuntimeError("no free port block")
+    raise RuntimeError(f"no {n} free ports in a row below {low}")
 
 
 def _free(port: int) -> bool:

@@ -126,7 +126,7 @@ def test_waits_for_its_mounts_and_a_crash_loop_is_bounded(host):
 def test_server_sees_the_unit_wiring(host):
     d = _debug(host)
     assert d["env"] == {"HS_CAPTURE": "1", "HS_CAPTURE_DIR": "/dev/shm/hs_capture",
-                        "HS_CAPTURE_LAYERS": "2,30,58", "HS_CAPTURE_FINAL": "both"}
+                        "HS_CAPTURE_LAYERS": "2,30,58", "HS_CAPTURE_FINAL": "both", "HS_CAPTURE_DTYPE": "bf16"}
     assert d["argv"]["tp_size"] == 8 and d["argv"]["host"] == "127.0.0.1"
     assert "--disable-radix-cache" in d["argv"]["rest"]
     assert d["uid"] == host.user("sglang").uid
