@@ -71,7 +71,7 @@ def test_extract_controls_serve_and_table_run_on_standins(loop_env, monkeypatch,
     started = []
     monkeypatch.setattr(closed_loop.Loop, "train", lambda self, name, feat, seed, steps=None, lr=None:
                         started.append((name, Path(feat).name, seed)))
-    assert closed_loop.main([*argv, "--phases", "extract,launch_ours,controls"]) == 0
+    assert closed_loop.main([*argv, "--phases", "extract,launch_ours,controls,fp8"]) == 0
     state = json.loads((work / "state.json").read_text())
     ext = state["done"]["extract"]
     assert ext["capture_layers"] == [1, 2, 3, 4, 5, 6]
@@ -81,7 +81,17 @@ def test_extract_controls_serve_and_table_run_on_standins(loop_env, monkeypatch,
     assert sorted(started) == sorted([("ours-s0", "ours", 0), ("ours-s1", "ours", 1), ("ours-s2", "ours", 2),
                                       ("untrained-s0", "ours", 0)] +
                                      [(f"{k}-s0", k, 0) for k in ("shuffled", "zeroed", "late", "partial", "scaled",
-                                                                  "prenorm")])
+                                                                  "prenorm")] +
+                                     [(f"fp8-s{s}", "fp8", s) for s in range(3)])
+    # the fp8 arm (issue #35): the same chats captured again with HS_CAPTURE_DTYPE=fp8 by the real hook
+    f8 = state["done"]["fp8"]
+    assert "failed" not in f8, f8
+    assert f8["features"]["files"] == 4 and f8["error"]["paired_samples"] == 4
+    assert f8["bytes"]["fp8"]["bytes_per_token"] < f8["bytes"]["bf16"]["bytes_per_token"]
+    for plane, kinds in f8["error"]["planes"].items():
+        # the stand-in is deterministic: the fp8 run's rows are the bf16 rows quantized per token, nothing else
+        assert kinds["fp8_run"]["cos_min"] > 0.99 and kinds["fp8_run"]["rel_max"] < 0.1, (plane, kinds)
+        assert kinds["fp8_run"]["rel_median"] == pytest.approx(kinds["quant_token"]["rel_median"], rel=0.05)
     ours = work / "feat" / "ours"
     names = [p.relative_to(ours) for p in features.ckpts(ours)]
     samples = {p.stem: p for p in (tmp_path / "shm" / "loop-samples").rglob("*.safetensors")}
@@ -110,7 +120,7 @@ def test_extract_controls_serve_and_table_run_on_standins(loop_env, monkeypatch,
     # every arm's training directory lists the same samples at the same places (the same data order)
     lists = {k: [(p.name, features.ids_key(features.load(p)["input_ids"]))
                  for p in sorted((work / "train_feat" / k).glob("*.ckpt"))]
-             for k in ("ours", "late", "prenorm", "shuffled")}
+             for k in ("ours", "late", "prenorm", "shuffled", "fp8")}
     assert len(lists["ours"]) == 4 and all(v == lists["ours"] for v in lists.values())
     assert all(v["same_order"] for v in state["order"].values())
 
@@ -118,7 +128,7 @@ def test_extract_controls_serve_and_table_run_on_standins(loop_env, monkeypatch,
     def ready(self, name):
         d = work / "drafters" / name
         d.mkdir(parents=True, exist_ok=True)
-        acc = {"ours": 0.8, "specforge": 0.8, "zeroed": 0.1, "untrained": 0.0}.get(name.split("-s")[0], 0.5)
+        acc = {"ours": 0.8, "specforge": 0.8, "fp8": 0.8, "zeroed": 0.1, "untrained": 0.0}.get(name.split("-s")[0], 0.5)
         (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"],
                                                    "standin_draft_accuracy": acc}))
         return d
@@ -134,6 +144,7 @@ def test_extract_controls_serve_and_table_run_on_standins(loop_env, monkeypatch,
     assert "serve_main" in state["done"], state.get("partial")
     assert sorted(state["measured"]) == sorted([f"ours-s{s}@3,1,4" for s in range(3)] +
                                                [f"specforge-s{s}@3,1,4" for s in range(3)] +
+                                               [f"fp8-s{s}@3,1,4" for s in range(3)] +
                                                ["zeroed-s0@3,1,4", "untrained-s0@3,1,4"])
     for k, m in state["measured"].items():
         assert m["summary"]["rc"] == 0 and m["summary"]["measured"] == 4, (k, m["summary"])
@@ -148,6 +159,7 @@ def test_extract_controls_serve_and_table_run_on_standins(loop_env, monkeypatch,
     assert data["arms"]["untrained"]["gauge"] == 1.0
     assert data["arms"]["zeroed"]["verdict"] in ("worse", "NOT worse")
     assert "ours " in data["arms"]["specforge"]["verdict"]
+    assert data["arms"]["fp8"]["verdict"].startswith("fp8 ") and data["arms"]["fp8"]["seeds"] == [0, 1, 2]
     assert "| ours | 3 |" in (out / "table.md").read_text()
 
 

@@ -57,7 +57,7 @@ class Measuring:
              plain: bool = False, tag: str = "") -> list[serving.Job]:
         out = []
         for arm in arms:
-            n = seeds if seeds is not None else (self.a.seeds if arm in ("ours", "specforge") else
+            n = seeds if seeds is not None else (self.a.seeds if arm in ("ours", "specforge", "fp8") else
                                                   1 if arm == "untrained" else self.a.control_seeds)
             for s in range(n):
                 key = f"{arm}-s{s}@{setting}" + (f"@T{temperature:g}" if temperature else "") + tag
@@ -97,6 +97,9 @@ class Measuring:
     # ------------------------------------------------------------------ phases
     def serve_main(self) -> dict:
         arms = ["ours", "specforge", *[k for k in self.a.controls.split(",") if k], "untrained"]
+        fp8 = self.state["done"].get("fp8")
+        if fp8 and not fp8.get("failed"):   # the fp8 phase ran and started its trainings
+            arms.insert(2, "fp8")
         return self.run_jobs(self.jobs(arms, "3,1,4"))
 
     def serve_long(self) -> dict:

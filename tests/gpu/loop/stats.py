@@ -28,6 +28,7 @@ Verdicts, fixed before any run:
 - ours vs SpecForge's own capture at (3,1,4): **non-inferior** when the interval's lower end of
   ``ours - specforge`` is above ``-MARGIN`` (0.05), **inferior** when its upper end is below it,
   **inconclusive** otherwise (a two-sided 95% interval: a one-sided test at 2.5%);
+- the fp8 arm (issue #35) vs ours (bf16 samples) at (3,1,4): the same rule on ``fp8 - ours``;
 - a control: **worse** when its whole interval is below zero, **not worse** otherwise (a finding to
   explain, never to hide).
 """
@@ -152,11 +153,12 @@ def paired_difference(ours: Arm, other: Arm, metric: str = "accept_length", repl
                       "seed_variance": None if v_s is None else "paired" if joint and len(ra) >= 2 else "pooled"}}
 
 
-def noninferiority(diff: dict[str, Any], margin: float = MARGIN) -> str:
-    """The verdict on ``ours - other`` given ``diff`` = other - ours (so ours - other's low = -high)."""
+def noninferiority(diff: dict[str, Any], margin: float = MARGIN, *, judged: str = "ours") -> str:
+    """The verdict on ``ours - other`` given ``diff`` = other - ours (so ours - other's low = -high); with
+    ``judged="other"`` the verdict on ``other - ours`` (the fp8 arm judged against ours, bf16)."""
     if diff.get("point") is None:
         return "not measured"
-    low, high = -diff["high"], -diff["low"]   # the interval of ours - other
+    low, high = (-diff["high"], -diff["low"]) if judged == "ours" else (diff["low"], diff["high"])
     if low > -margin:
         return "non-inferior"
     if high < -margin:

@@ -17,13 +17,14 @@ from pathlib import Path
 
 from common import REC, Server, hs_patch_cli
 from loop import controls, corpus, drafters, evalset, features, order, record, target
+from loop.fp8arm import Fp8Arm
 from loop.measuring import Measuring
 from loop.specforge import build_site514, prepare_args
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
-class Steps(Measuring):
+class Steps(Fp8Arm, Measuring):
     def __init__(self, a: argparse.Namespace, run_id: str):
         self.a = a
         self.work = Path(a.work)
@@ -199,27 +200,36 @@ class Steps(Measuring):
             if site514 is not None:
                 site514.result()
             res["specforge_started"] = self._start_specforge(chats) if with_sf else None
-            t = time.time()
-            p = self.hs_extract("drive", "--run", "loop", "--data", str(self.work / "drafter_chats.jsonl"),
-                                "--model", str(self.target), "--server", server.url, "--capture-dir", str(cap),
-                                "--state-dir", str(self.work / "drive-state"), "--samples-dir", str(samples),
-                                "--concurrency", "32")
-            res["drive"] = {"rc": p.returncode, "s": round(time.time() - t, 1), "tail": p.stdout[-1500:] + p.stderr[-1500:]}
-            if p.returncode:
-                raise RuntimeError(f"hs-extract drive failed: {res['drive']}")
+            res["drive"] = self.drive(server, cap, samples, self.work / "drive-state", "loop")
         finally:
             server.stop()
         ours = self.work / "feat" / "ours"
-        shutil.rmtree(ours, ignore_errors=True)
-        p = self.hs_extract("export", "--format", "specforge", "--layers", self.a.aux_layers, str(samples), str(ours),
-                            "--model", str(self.target), "--json")
-        res["export"] = {"rc": p.returncode, "out": p.stdout[-800:], "err": p.stderr[-800:]}
-        if p.returncode:
-            raise RuntimeError(f"hs-extract export failed: {res['export']}")
+        res["export"] = self.export_features(samples, ours)
         p = self.hs_extract("drafter-config", "--serve-release", "0.5.16", "--export", str(ours), "--model",
                             str(self.target))
         res["drafter_config"] = json.loads(p.stdout) if p.returncode == 0 else {"rc": p.returncode, "err": p.stderr}
         res["features"] = features.summary(ours)
+        return res
+
+    def drive(self, server: Server, cap: Path, samples: Path, state_dir: Path, run: str) -> dict:
+        """``hs-extract drive`` over the drafter chats into ``samples`` (the fidelity check on, its default)."""
+        t = time.time()
+        p = self.hs_extract("drive", "--run", run, "--data", str(self.work / "drafter_chats.jsonl"),
+                            "--model", str(self.target), "--server", server.url, "--capture-dir", str(cap),
+                            "--state-dir", str(state_dir), "--samples-dir", str(samples), "--concurrency", "32")
+        res = {"rc": p.returncode, "s": round(time.time() - t, 1), "tail": p.stdout[-1500:] + p.stderr[-1500:]}
+        if p.returncode:
+            raise RuntimeError(f"hs-extract drive failed: {res}")
+        return res
+
+    def export_features(self, samples: Path, dst: Path) -> dict:
+        """``hs-extract export --format specforge`` of the aux layers (fp8 samples read dequantized)."""
+        shutil.rmtree(dst, ignore_errors=True)
+        p = self.hs_extract("export", "--format", "specforge", "--layers", self.a.aux_layers, str(samples), str(dst),
+                            "--model", str(self.target), "--json")
+        res = {"rc": p.returncode, "out": p.stdout[-800:], "err": p.stderr[-800:]}
+        if p.returncode:
+            raise RuntimeError(f"hs-extract export failed: {res}")
         return res
 
     def _answers(self, server: Server, tok, message_lists: list[list[dict]]) -> list[dict]:

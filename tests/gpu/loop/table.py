@@ -33,6 +33,7 @@ ROLE = {"ours": "ours: hs-extract drive + export --format specforge (SGLang 0.5.
         "partial": "control: partial sum, layer.<i-1> + (layer.<i> - layer.<i-1>) / 2 (what one of two TP "
                    "ranks holds before the all-reduce)",
         "scaled": "control: one aux plane (the middle one) scaled by 2",
+        "fp8": "ours captured with HS_CAPTURE_DTYPE=fp8 (quantized on the GPU), exported dequantized",
         "prenorm": "pre-norm final state as SpecForge's teacher (ours, final.pre_norm)",
         "untrained": "floor: SpecForge's initialisation, one step at lr 1e-12"}
 ORDER = tuple(ROLE)
@@ -99,6 +100,10 @@ def render(rows: list[dict[str, Any]], *, margin: float = stats.MARGIN, replicat
                 if name == "specforge":
                     verdict = stats.noninferiority(d, margin) if setting == anchor_setting and temp == 0 else "-"
                     verdict = f"ours {verdict} (margin {margin})" if verdict != "-" else verdict
+                elif name == "fp8":
+                    verdict = stats.noninferiority(d, margin, judged="other") \
+                        if setting == anchor_setting and temp == 0 else "-"
+                    verdict = f"fp8 {verdict} (margin {margin})" if verdict != "-" else verdict
                 elif name in CONTROLS:
                     verdict = stats.control_verdict(d)
                 row["verdict"] = verdict
@@ -115,8 +120,8 @@ def render(rows: list[dict[str, Any]], *, margin: float = stats.MARGIN, replicat
               "jointly where both arms have seeds 0..k-1 (same initialisation and data order), "
               f"{replicates} replicates; an arm of one seed adds no seed variance of its own.",
               f"Verdicts fixed before the run: ours vs SpecForge's capture at ({anchor_setting}), temperature 0, is "
-              f"non-inferior when the lower end of ours - specforge is above -{margin}; a control is worse when "
-              "its whole interval is below zero.", *(notes or [])]
+              f"non-inferior when the lower end of ours - specforge is above -{margin}, the fp8 arm when the lower "
+              f"end of fp8 - ours is; a control is worse when its whole interval is below zero.", *(notes or [])]
     return "\n".join(lines) + "\n", data
 
 
