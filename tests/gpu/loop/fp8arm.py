@@ -112,6 +112,7 @@ class Fp8Arm:
 
     def fp8(self) -> dict:
         ext = self.state["done"]["extract"]
+        self.start_specforge_capture(required=False)   # beside this capture, when it has not started yet
         cap, samples = self.shm / "loop-capture-fp8", self.shm / "loop-samples-fp8"
         for d in (cap, samples, self.work / "drive-state-fp8"):
             shutil.rmtree(d, ignore_errors=True)

@@ -303,14 +303,23 @@ class Steps(Fp8Arm, Measuring):
                                  self.aux, workers=len(kinds), done=launch)
         return {"made": made, "order": {k: self.state["order"].get(k) for k in kinds}}
 
+    def start_specforge_capture(self, required: bool = True) -> None:
+        """SpecForge's capture started once (by the extract phase when its 0.5.14 delta came with that call, else
+        by the first later phase that has it: the fp8 phase starts it so that the two captures overlap)."""
+        ext = self.state["done"]["extract"]
+        if ext.get("specforge_started"):
+            return
+        if not (self.carry / "site514.tar.xz").exists() or self.a.sf_shards <= 0:
+            if required:
+                raise RuntimeError(f"SpecForge's capture needs {self.carry / 'site514.tar.xz'}: carry .loopcarry")
+            return
+        self._site514()
+        ext["specforge_started"] = self._start_specforge(corpus.read_jsonl(self.work / "drafter_chats.jsonl"))
+        self.save()
+
     def specforge(self) -> dict:
         ext = self.state["done"]["extract"]
-        if not ext.get("specforge_started"):
-            if not (self.carry / "site514.tar.xz").exists():
-                raise RuntimeError(f"SpecForge's capture needs {self.carry / 'site514.tar.xz'}: carry .loopcarry")
-            self._site514()
-            ext["specforge_started"] = self._start_specforge(corpus.read_jsonl(self.work / "drafter_chats.jsonl"))
-            self.save()
+        self.start_specforge_capture()
         shards = ext["specforge_started"]["shards"]
         rcs = {}
         while True:
