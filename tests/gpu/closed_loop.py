@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -212,7 +213,17 @@ def main(argv: list[str] | None = None) -> int:
     REC.logs = work / "logs"
     REC.logs.mkdir(exist_ok=True)
     loop = Loop(a, run_id)
-    return loop.run([p for p in a.phases.split(",") if p])
+    # a call cut by its time limit (`timeout` sends SIGTERM) still packs what it measured into --out
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        return loop.run([p for p in a.phases.split(",") if p])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminated(signum: int, frame: object) -> None:
+    REC.log("SIGTERM: stopping; what was measured so far is packed into --out, the phase under way is not done")
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

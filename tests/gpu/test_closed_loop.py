@@ -14,8 +14,11 @@ our driver does, and the 0.5.14 site is assembled from the kit without touching 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -61,6 +64,28 @@ def loop_env(release_sources, tmp_path, monkeypatch):
     return work, argv
 
 
+def test_a_call_cut_by_sigterm_packs_what_it_measured(loop_env, monkeypatch, tmp_path):
+    """`timeout` ends a call with SIGTERM: the results so far still reach --out, the phase under way is not
+    marked done (the same command redoes it)."""
+    work, argv = loop_env
+
+    def cut(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)   # the signal arrives first
+        raise AssertionError("SIGTERM did not stop the phase")
+
+    monkeypatch.setattr(closed_loop.Loop, "setup", lambda self: {"stand-in": True})
+    monkeypatch.setattr(closed_loop.Loop, "corpus", cut)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as e:
+        closed_loop.main([*argv, "--phases", "setup,corpus"])
+    assert e.value.code == 128 + signal.SIGTERM and signal.getsignal(signal.SIGTERM) is before
+    out = next((tmp_path / "out").iterdir())
+    assert {"results.json", "table.md"} <= {p.name for p in out.iterdir()}
+    state = json.loads((out / "results.json").read_text())
+    assert "setup" in state["done"] and "corpus" not in state["done"]
+
+
 @pytest.mark.slow
 def test_extract_controls_serve_and_table_run_on_standins(loop_env, monkeypatch, tmp_path):
     """The loop's own glue on stand-in servers (SpecForge's trainer needs a GPU: trainings are recorded, not
@@ -69,8 +94,11 @@ def test_extract_controls_serve_and_table_run_on_standins(loop_env, monkeypatch,
     every arm measured side by side, packed into few files and tabled with intervals."""
     work, argv = loop_env
     started = []
-    monkeypatch.setattr(closed_loop.Loop, "train", lambda self, name, feat, seed, steps=None, lr=None:
-                        started.append((name, Path(feat).name, seed)))
+    def train(self, name, feat, seed, steps=None, lr=None):
+        started.append((name, Path(feat).name, seed))
+        self.state.setdefault("trainings", {})[name] = {"features": str(feat), "seed": seed}
+
+    monkeypatch.setattr(closed_loop.Loop, "train", train)
     assert closed_loop.main([*argv, "--phases", "extract,launch_ours,controls,fp8"]) == 0
     state = json.loads((work / "state.json").read_text())
     ext = state["done"]["extract"]
@@ -83,6 +111,15 @@ def test_extract_controls_serve_and_table_run_on_standins(loop_env, monkeypatch,
                                      [(f"{k}-s0", k, 0) for k in ("shuffled", "zeroed", "late", "partial", "scaled",
                                                                   "prenorm")] +
                                      [(f"fp8-s{s}", "fp8", s) for s in range(3)])
+    assert all(m["files"] == 4 and m["written"] == 4 for m in state["done"]["controls"]["made"].values())
+    # a call cut short in the controls phase resumes without making or training the started ones again
+    del state["done"]["controls"]
+    (work / "state.json").write_text(json.dumps(state))
+    n_started = len(started)
+    assert closed_loop.main([*argv, "--phases", "controls"]) == 0
+    again = json.loads((work / "state.json").read_text())["done"]["controls"]
+    assert len(started) == n_started and again["made"] == {} and len(again["resumed"]) == 6, again
+    state = json.loads((work / "state.json").read_text())
     # the fp8 arm (issue #35): the same chats captured again with HS_CAPTURE_DTYPE=fp8 by the real hook
     f8 = state["done"]["fp8"]
     assert "failed" not in f8, f8

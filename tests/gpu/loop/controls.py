@@ -18,6 +18,7 @@ Each control is written file by file (atomic), in a process of its own (``make_a
 from __future__ import annotations
 
 import hashlib
+import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -63,20 +64,22 @@ def make(kind: str, samples_dir: Path, ours: Path, out: Path, layers: list[int])
     """Write control ``kind`` of every file of ``ours`` under ``out`` (files already there are kept)."""
     from hs_patch import lazy_sample, reader
 
+    t0 = time.time()
     entries, _ = reader.manifest_entries(samples_dir)
-    n = 0
+    n = written = 0
     for f in features.ckpts(ours):
         rel = f.relative_to(ours)
         n += 1
         if (out / rel).exists():
             continue
+        written += 1
         x = features.load(f)
         with lazy_sample.open_sample(samples_dir / entries[f.stem]["file"], entry=entries[f.stem]) as s:
             if not torch.equal(s.tensor("input_ids").to(torch.int64), x["input_ids"].to(torch.int64)):
                 raise ValueError(f"{f}: our sample {f.stem} holds other tokens")
             y = transform(kind, x, lambda name: s.tensor(name), layers, f.stem)
         features.save(y, out / rel)
-    return {"files": n}
+    return {"files": n, "written": written, "s": round(time.time() - t0, 1)}
 
 
 def make_all(kinds: list[str], samples_dir: Path, ours: Path, feat: Path, layers: list[int], workers: int,

@@ -96,10 +96,10 @@ class Measuring:
 
     # ------------------------------------------------------------------ phases
     def serve_main(self) -> dict:
-        arms = ["ours", "specforge", *[k for k in self.a.controls.split(",") if k], "untrained"]
-        fp8 = self.state["done"].get("fp8")
-        if fp8 and not fp8.get("failed"):   # the fp8 phase ran and started its trainings
-            arms.insert(2, "fp8")
+        done = self.state["done"]
+        # SpecForge's capture and the fp8 arm only where their phases ran (a run may leave either out)
+        ran = [k for k in ("specforge", "fp8") if k in done and not done[k].get("failed")]
+        arms = ["ours", *ran, *[k for k in self.a.controls.split(",") if k], "untrained"]
         return self.run_jobs(self.jobs(arms, "3,1,4"))
 
     def serve_long(self) -> dict:

@@ -13,23 +13,30 @@ import argparse
 PHASES: list[tuple[str, float, str]] = [
     ("setup", 20, "SpecForge wheels to their --target (5 s); SGLang 0.5.14 site built in the background"),
     ("corpus", 10, "2026-12-05: 6.8 s"),
-    ("target", 0, "tokenizer 10 s + --target-steps x 0.46 s (2026-12-04: 283 steps in 130 s of 32K tokens, "
-                  "alone on the GPU) + save; a random-weights server compiles the Triton kernels meanwhile"),
-    ("extract", 200, "capture server 50 s with the kernels compiled (149.5 s without, 2026-12-04), the "
+    ("target", 0, "tokenizer 10 s + --target-steps x 0.46 s (2026-12-04, H200: 283 steps in 130 s of 32K tokens, "
+                  "alone on the GPU; 2026-12-06, H100: 400 steps in 112 s, the phase 129 s) + save; a "
+                  "random-weights server compiles the Triton kernels meanwhile (107 s)"),
+    ("extract", 200, "2026-12-06, H100: 185 s (server 44 s, answers 37 s, drive 90 s for 448K tokens at 6 "
+                     "planes). Capture server 50 s with the kernels compiled (149.5 s without, 2026-12-04), the "
                      "target's answers to the drafter prompts and the eval prompts 45 s (38.9 s for 2,000), drive "
                      "70 s (66 s for 600K tokens at 3 planes; 6 planes here), export 16 s; SpecForge's capture "
                      "starts in the background as soon as the chats exist"),
     ("launch_ours", 15, "ordered links (reads each file once) and the trainings started"),
-    ("controls", 45, "six controls written side by side, 5 GB each, each training started as it ends"),
-    ("fp8", 150, "issue #35: a second capture server with HS_CAPTURE_DTYPE=fp8 (50 s, beside the trainings and "
+    ("controls", 390, "six controls written side by side, 3.7 GB each, each training started as it ends: 387 s on "
+                      "2026-12-06 (H100 host, --work on its disk, ten trainings starting beside it; each file "
+                      "fsynced); with --work under /dev/shm not measured"),
+    ("fp8", 250, "issue #35: a second capture server with HS_CAPTURE_DTYPE=fp8 (50 s, beside the trainings and "
                  "SpecForge's capture), drive 70 s, export 16 s, the two runs' samples compared; its trainings "
-                 "started (not measured: the first fp8 capture on a GPU)"),
-    ("specforge", 60, "waits for SpecForge's capture in --sf-shards shards (2026-12-05: 310 s in one "
-                      "process at batch size 1 beside the trainings; 4 shards: about 120 s, not measured)"),
+                 "started. 2026-12-06, H100, alone on the GPU: the server up in 64 s, the drive NOT done 153 s "
+                 "later (bf16's took 90 s): estimate raised, cause not found"),
+    ("specforge", 175, "waits for SpecForge's capture in --sf-shards shards (2026-12-05: 310 s in one "
+                       "process at batch size 1 beside the trainings; 2026-12-06, H100: 134 s in 4 shards, "
+                       "the phase 171 s with the agreement check)"),
     ("serve_main", 0, "every arm at (3,1,4), each as its training ends: SpecForge's trainings end last (30 s "
                       "start + --draft-steps x 0.25 s: 0.14-0.16 s a step with 6 at once on 2026-12-04, 13 at once "
                       "not measured), then export 10 s, server 60-110 s (2026-12-04/05), accept on ~750 prompts "
-                      "60 s (not measured at this size)"),
+                      "60 s; 2026-12-06, H100: 302 s for 13 drafters in two waves of --max-servers 8 (servers up "
+                      "in 101-106 s eight at once, 70-75 s five at once; accept 33-65 s)"),
     ("serve_long", 200, "ours and SpecForge's seeds at (7,1,8): server 60-85 s, accept 60 s"),
     ("serve_t1", 150, "ours-s0 and prenorm at temperature 1, (3,1,4)"),
     ("specbench", 240, "SpecForge's bench_eagle3.py on ours-s0 and specforge-s0, (3,1,4) and (7,1,8), batch 8 "

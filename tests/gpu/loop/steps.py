@@ -290,7 +290,9 @@ class Steps(Fp8Arm, Measuring):
         return {"eagle_ids": ids, "order": self.state["order"]["ours"]}
 
     def controls(self) -> dict:
-        kinds = [k for k in self.a.controls.split(",") if k]
+        asked = [k for k in self.a.controls.split(",") if k]
+        # a call cut short resumes: the controls whose trainings started are not made or trained again
+        kinds = [k for k in asked if f"{k}-s0" not in self.state.get("trainings", {})]
 
         def launch(kind: str) -> None:
             with self.lock:
@@ -301,7 +303,8 @@ class Steps(Fp8Arm, Measuring):
 
         made = controls.make_all(kinds, self.shm / "loop-samples", self.work / "feat" / "ours", self.work / "feat",
                                  self.aux, workers=len(kinds), done=launch)
-        return {"made": made, "order": {k: self.state["order"].get(k) for k in kinds}}
+        return {"made": made, "resumed": [k for k in asked if k not in kinds],
+                "order": {k: self.state["order"].get(k) for k in asked}}
 
     def start_specforge_capture(self, required: bool = True) -> None:
         """SpecForge's capture started once (by the extract phase when its 0.5.14 delta came with that call, else
