@@ -80,8 +80,8 @@ def render(rows: list[dict[str, Any]], *, margin: float = stats.MARGIN, replicat
         key = f"{setting} T={temp:g}"
         data[key] = {"prompts": len(prompts), "arms": {}}
         lines += [f"### ({setting}), temperature {temp:g}: {len(prompts)} prompts, every arm on the same ones", "",
-                  "| arm | seeds | accept length (per seed) | gauge | minus ours, 95% CI | verdict | at cap | "
-                  "accepted at position 1.. | = plain |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| arm | seeds | accept length (per seed) | gauge | minus ours, 95% CI | drafters fixed | verdict | "
+                  "at cap | accepted at position 1.. | = plain |", "|---|---|---|---|---|---|---|---|---|---|"]
         for name in sorted(built, key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n)):
             arm = built[name]
             rs = [r for seed in arm.seeds for r in arms[name][seed] if r["sample_id"] in set(prompts)]
@@ -110,7 +110,8 @@ def render(rows: list[dict[str, Any]], *, margin: float = stats.MARGIN, replicat
             data[key]["arms"][name] = row
             lines.append(f"| {name} | {len(arm.seeds)} | {row['accept_length']:.3f} ("
                          + ", ".join(f"{x:.3f}" for x in row["per_seed"]) + f") | {_fmt(row['gauge'])} | "
-                         f"{_ci(row.get('minus_ours', {})) if name != 'ours' else '-'} | {verdict} | "
+                         f"{_ci(row.get('minus_ours', {})) if name != 'ours' else '-'} | "
+                         f"{_fixed(row.get('minus_ours', {}))} | {verdict} | "
                          f"{cap:.1%} | {' '.join(f'{x:.2f}' for x in pos) if pos else '-'} | "
                          f"{f'{same[0]}/{same[1]}' if same else '-'} |")
         lines += _subsets(arms, built, prompts, replicates) + [""]
@@ -118,11 +119,20 @@ def render(rows: list[dict[str, Any]], *, margin: float = stats.MARGIN, replicat
         return "no arm named ours was measured: nothing to compare\n", data
     lines += ["Intervals: paired bootstrap (stats.py), the same prompts resampled for both arms, seeds resampled "
               "jointly where both arms have seeds 0..k-1 (same initialisation and data order), "
-              f"{replicates} replicates; an arm of one seed adds no seed variance of its own.",
+              f"{replicates} replicates; an arm of one seed adds no seed variance of its own. 'Drafters fixed': "
+              "the prompts-only interval, as if these trained drafters were the only ones (no retraining spread).",
               f"Verdicts fixed before the run: ours vs SpecForge's capture at ({anchor_setting}), temperature 0, is "
               f"non-inferior when the lower end of ours - specforge is above -{margin}, the fp8 arm when the lower "
               f"end of fp8 - ours is; a control is worse when its whole interval is below zero.", *(notes or [])]
     return "\n".join(lines) + "\n", data
+
+
+def _fixed(d: dict[str, Any]) -> str:
+    """The prompts-only interval: what the difference would be if these drafters were the only ones (no
+    retraining spread). Outside zero while the full interval is not: the trained drafters differ on these
+    prompts, and more seeds would tell whether that survives retraining."""
+    lo_hi = d.get("prompts_only")
+    return f"[{lo_hi[0]:+.3f}, {lo_hi[1]:+.3f}]" if lo_hi else "-"
 
 
 def _positions(rows: list[dict[str, Any]]) -> list[float]:
