@@ -233,6 +233,7 @@ class Lab:
         """
         deadline = time.monotonic() + BOOT_TIMEOUT_S
         last = ""
+        restarts = 0
         for _ in range(BOOT_TIMEOUT_S * 2):  # bounded in count too: each try sleeps 0.5 s at least
             if not alive(host["pid"], host.get("pid_start")):
                 raise LabError(f"{host['name']}: systemd-nspawn exited during boot; see {host['dir']}/console.log")
@@ -245,6 +246,9 @@ class Lab:
                 said = proc.stdout.split()
                 if said[:1] in (["running"], ["degraded"]) and "/run/nologin" not in said:
                     return
+                if said[:1] == ["degraded"] and restarts < 2 and self._user_sessions_failed(host):
+                    restarts += 1
+                    continue
             except subprocess.TimeoutExpired:
                 last = "ssh did not answer within 15s"
             if time.monotonic() > deadline:
@@ -252,6 +256,18 @@ class Lab:
             time.sleep(0.5)
         raise LabError(f"{host['name']} ({host['address']}) did not finish booting in {BOOT_TIMEOUT_S}s"
                        f" (last answer: {last or 'none'}){self._boot_report(host)}")
+
+    def _user_sessions_failed(self, host: dict) -> bool:
+        """systemd-user-sessions.service (what removes /run/nologin) failed at boot, seen once on a loaded 2-core
+        CI machine: logins but root's would stay refused for good. Restarted, said with its journal."""
+        proc = run(self._ssh_base(host) + ["systemctl is-failed --quiet systemd-user-sessions.service && "
+                                           "journalctl -b --no-pager -n 5 -u systemd-user-sessions.service"],
+                   check=False, timeout=15)
+        if proc.returncode != 0:
+            return False
+        log(f"{host['name']}: systemd-user-sessions.service failed at boot, restarting it: {proc.stdout.strip()}")
+        run(self._ssh_base(host) + ["systemctl restart systemd-user-sessions.service"], check=False, timeout=30)
+        return True
 
     def _boot_report(self, host: dict) -> str:
         """What a stuck boot is waiting for: the guest's job queue, failed units, console tail."""
