@@ -2,13 +2,14 @@
 
 - ``hs_patch/server/`` runs inside the SGLang server process: it may import only the
   standard library, torch, SGLang itself (its settings readers) and its own subpackage,
-  plus the shared standard-library-only modules (``store``, ``files``, ``intent``, ``flags``). Nothing heavy, so
+  plus the shared standard-library-only modules (``samples``' ``store``, ``files``, ``intent``; ``engine``'s
+  ``flags``, ``serving``, ``releases``, ``families``). Nothing heavy, so
   the forward pass never waits on an import and the server's environment stays SGLang's.
 - ``hs_patch/control/`` (and ``fabfile.py``) runs on the control node: never torch,
   safetensors or transformers (a laptop with Ansible and Fabric only).
-- The shared modules at the top (``store``, ``files``, ``intent``, ``flags``, ``serving``,
-  ``releases``, ``families``, ``kv_cache``) import only the standard library at module level (``reader`` and
-  ``lazy_sample`` are shared too: safetensors).
+- The shared modules (``hs_patch/samples/``: ``store``, ``files``, ``intent``; ``hs_patch/engine/``: ``flags``,
+  ``serving``, ``releases``, ``families``, ``kv_cache``; ``names``, ``shard``) import only the standard library at
+  module level (``reader`` and ``lazy_sample`` are shared too: safetensors).
 - The patch's injected import names a module and function that exist.
 
 ``hs_patch/host/`` is in rooms by job (``driver/``, ``fidelity/``, ``readiness/``, ``patching/``,
@@ -35,16 +36,18 @@ from pathlib import Path
 
 import pytest
 
-from hs_patch.releases import RELEASES
+from hs_patch.engine.releases import RELEASES
 
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "hs_patch"
 STDLIB = set(sys.stdlib_module_names)
-SHARED = ("hs_patch.families", "hs_patch.files", "hs_patch.flags", "hs_patch.intent", "hs_patch.kv_cache",
-          "hs_patch.names", "hs_patch.releases", "hs_patch.serving", "hs_patch.shard", "hs_patch.store")
-SERVER_SHARED = {"hs_patch", "hs_patch.families", "hs_patch.files", "hs_patch.flags", "hs_patch.intent",
-                 "hs_patch.releases", "hs_patch.serving",
-                 "hs_patch.store"}
+ROOM_PACKAGES = ("hs_patch.engine", "hs_patch.samples")                # their __init__: a docstring only
+SHARED = ("hs_patch.engine.families", "hs_patch.engine.flags", "hs_patch.engine.kv_cache", "hs_patch.engine.releases",
+          "hs_patch.engine.serving", "hs_patch.names", "hs_patch.samples.files", "hs_patch.samples.intent",
+          "hs_patch.samples.store", "hs_patch.shard")
+SERVER_SHARED = {"hs_patch", *ROOM_PACKAGES, "hs_patch.engine.families", "hs_patch.engine.flags",
+                 "hs_patch.engine.releases", "hs_patch.engine.serving",
+                 "hs_patch.samples.files", "hs_patch.samples.intent", "hs_patch.samples.store"}
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -54,7 +57,7 @@ def _imports(path: Path) -> list[tuple[int, str]]:
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module == "hs_patch":  # from hs_patch import store -> hs_patch.store
+            if node.module == "hs_patch":  # from hs_patch import shard -> hs_patch.shard
                 out += [(node.lineno, f"hs_patch.{a.name}") for a in node.names if a.name != "__version__"]
             elif node.module.startswith("hs_patch."):
                 out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
@@ -82,12 +85,10 @@ READINESS_LAZY = {"torch", "tvm_ffi"}  # imported inside the GPU checks only, by
 
 
 def test_subpackages_are_the_places_code_runs():
-    for sub in ("server", "host", "control", *(f"host/{room}" for room in ROOMS)):
+    for sub in ("server", "host", "control", "samples", "engine", *(f"host/{room}" for room in ROOMS)):
         assert (PKG / sub / "__init__.py").is_file(), sub
     top = sorted(p.stem for p in PKG.glob("*.py"))
-    assert top == ["__init__", "families", "files", "flags", "intent", "kv_cache", "lazy_sample", "names", "reader",
-                   "releases", "serving", "shard", "store"], \
-        f"only shared modules at the top: {top}"
+    assert top == ["__init__", "names", "shard"], f"only shared modules at the top, neither room's: {top}"
     host = sorted(p.name for p in (PKG / "host").iterdir() if p.name != "__pycache__")
     assert host == sorted(["__init__.py", "extract_cli.py", "model_files.py", "patch_cli.py", *ROOMS]), \
         f"hs_patch/host/ holds its rooms, the two CLIs and model_files, nothing else: {host}"
@@ -132,6 +133,7 @@ def test_the_control_node_imports_only_its_own_and_the_shared_modules():
     for path in sorted((PKG / "control").glob("*.py")) + [ROOT / "fabfile.py"]:
         for line, name in _imports(path):
             if name.startswith("hs_patch") and not (name.startswith("hs_patch.control") or name == "hs_patch"
+                                                    or name in ROOM_PACKAGES
                                                     or any(name == m or name.startswith(m + ".") for m in SHARED)):
                 bad.append(f"{path.relative_to(ROOT)}:{line}: {name}")
     assert not bad, "the control node has neither the host's nor the server's code:\n" + "\n".join(bad)
@@ -188,7 +190,8 @@ def test_control_node_never_imports_torch():
 def test_shared_modules_import_only_the_standard_library():
     for mod in SHARED:
         new = _new_modules(f"import {mod}", before=BLOCK_HEAVY)
-        assert all(m.split(".")[0] in STDLIB or m == "hs_patch" or m in SHARED for m in new), (mod, new)
+        assert all(m.split(".")[0] in STDLIB or m == "hs_patch" or m in ROOM_PACKAGES or m in SHARED
+                   for m in new), (mod, new)
 
 
 @pytest.mark.parametrize("version", sorted(RELEASES))
