@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from hs_patch.samples import store  # noqa: E402
 from hs_patch.server import config, fingerprint, hook  # noqa: E402
-from hs_patch import store  # noqa: E402
 
 
 class _Mode:

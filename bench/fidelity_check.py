@@ -31,9 +31,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import torch  # noqa: E402
 
-from hs_patch import lazy_sample, store  # noqa: E402
 from hs_patch.host.fidelity.rows import Norms, check_rows  # noqa: E402
 from hs_patch.host.model_files import rms_norm  # noqa: E402
+from hs_patch.samples import lazy_sample, store  # noqa: E402
 from hs_patch.server import config, hook  # noqa: E402
 from lab.passes import Batch, play  # noqa: E402
 

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(res))
     if a.results:
         out = HERE / "results" / "fleet_dashboard.jsonl"
-        from hs_patch.files import append_line
+        from hs_patch.samples.files import append_line
 
         append_line(out, (json.dumps(res) + "\n").encode(), fsync=True)
     return 0

@@ -3,7 +3,7 @@
 
 Each round writes FILES fresh samples (format v1, hidden 7168, four layers + the final
 pre-norm state in bf16, random values: incompressible like real states) with
-hs_patch.store into a source directory, then runs both (which goes first alternates):
+hs_patch.samples.store into a source directory, then runs both (which goes first alternates):
 
 - plain:   ``rsync -a -e "ssh OPTS" FILE... HOST:DEST/plain/``, the same files (hard
            links), the same ssh options (key, port, known_hosts, cipher);
@@ -41,8 +41,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 import torch  # noqa: E402
 
 from lab import loopback_sshd  # noqa: E402
-from hs_patch import reader, store  # noqa: E402
 from hs_patch.host.shipping.link import SshOptions  # noqa: E402
+from hs_patch.samples import reader, store  # noqa: E402
 
 HIDDEN = 7168
 PLANES = ["layer.2", "layer.30", "layer.58", "final.pre_norm"]

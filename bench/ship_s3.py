@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from hs_patch import store  # noqa: E402
+from hs_patch.samples import store  # noqa: E402
 from lab import loopback_sshd, seaweed  # noqa: E402
 from ship import write_samples  # noqa: E402  (bench/ship.py: the same samples)
 

@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from hs_patch import files, intent, reader, store  # noqa: E402
 from hs_patch.host.driver.adopt import adopt  # noqa: E402
 from hs_patch.host.driver.capture_dir import CaptureWatcher  # noqa: E402
+from hs_patch.samples import files, intent, reader, store  # noqa: E402
 from hs_patch.server import config, hook, inplace  # noqa: E402
 
 

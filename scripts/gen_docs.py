@@ -8,8 +8,9 @@ Each setting is described once, where it is defined:
   (what ``ansible-doc`` and the role's argument validation show); ``roles/<role>/defaults/main.yml``
   is written from them too (each default under its description)
 - capture environment variables: ``ENV_DOCS`` in ``hs_patch/server/config.py``
-- supported SGLang releases: ``hs_patch/releases.py`` (family, stack, anchors; the families' edits in ``hs_patch/families.py``), ``hs_patch/flags.py``
-  (server flags) and ``hs_patch/serving.py`` (EAGLE-3 ids)
+- supported SGLang releases: ``hs_patch/engine/releases.py`` (family, stack, anchors; the families' edits in
+  ``hs_patch/engine/families.py``), ``hs_patch/engine/flags.py`` (server flags) and ``hs_patch/engine/serving.py``
+  (EAGLE-3 ids)
 
 A docs file marks each generated table with ``<!-- generated: NAME -->`` ...
 ``<!-- end generated -->``; NAME is ``knobs``, ``role:<role>``, ``capture-env``, ``releases`` (README.md)
@@ -107,8 +108,8 @@ def capture_env() -> list[tuple[str, Any, str]]:
 def releases(details: bool) -> str:
     """One row per supported SGLang release, from the code that patches, checks and serves it."""
     sys.path.insert(0, str(ROOT))
-    from hs_patch import flags, serving
-    from hs_patch.releases import DEFAULT_RELEASE, RELEASES
+    from hs_patch.engine import flags, serving
+    from hs_patch.engine.releases import DEFAULT_RELEASE, RELEASES
 
     first = {}
     for v, r in RELEASES.items():

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Draft an SGLang release's entry for hs_patch/releases.py from its own wheel (docs/adding-a-release.md).
+"""Draft an SGLang release's entry for hs_patch/engine/releases.py from its own wheel (docs/adding-a-release.md).
 
     python3 scripts/release_record.py 0.5.24            # the entry, or why none of the known spellings fits
     python3 scripts/release_record.py 0.5.24 --wheel W  # a wheel already here (no download)
@@ -30,8 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 
+from hs_patch.engine.releases import RELEASES, TARGET, PatchError, Release, anchor_lines, apply_edits  # noqa: E402
 from hs_patch.host.patching.nearest import nearest, region_digests  # noqa: E402
-from hs_patch.releases import RELEASES, TARGET, PatchError, Release, anchor_lines, apply_edits  # noqa: E402
 
 FAMILY_NAMES = {"layer-point": "LAYER_POINT", "communicator": "COMMUNICATOR", "layer-boundary": "LAYER_BOUNDARY"}
 
@@ -87,7 +87,7 @@ def cuda_of(torch: str) -> str:
 
 
 def entry(r: Release, like: Release) -> str:
-    from hs_patch import releases
+    from hs_patch.engine import releases
 
     name = next((n for n, v in vars(releases).items() if n.startswith("_") and v == dict(r.own)), None)
     own = "" if not r.own else f", own={name or f'<the spelling of {like.version}>'}"

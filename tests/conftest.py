@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hs_patch.releases import RELEASES
+from hs_patch.engine.releases import RELEASES
 from lab import sglang_wheels
 from lab.hostcmd import tools_of_this_python
 

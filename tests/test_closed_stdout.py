@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hs_patch import files
+from hs_patch.samples import files
 
 ROOT = Path(__file__).resolve().parent.parent
 

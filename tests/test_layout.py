@@ -1,14 +1,25 @@
 """The package is laid out by where its code runs, and the rules that keep the places apart hold.
 
+The code every place shares is in two rooms, and the top of ``hs_patch/`` holds neither (only
+``__init__``, ``names`` and ``shard``):
+
+- ``hs_patch/samples/``: the sample format's code (``store``, ``reader``, ``lazy_sample``, ``intent``,
+  ``files``);
+- ``hs_patch/engine/``: what the project knows about SGLang (``releases``, ``families``, ``flags``,
+  ``serving``, ``kv_cache``).
+
+The places and their rules:
+
 - ``hs_patch/server/`` runs inside the SGLang server process: it may import only the
   standard library, torch, SGLang itself (its settings readers) and its own subpackage,
-  plus the shared standard-library-only modules (``store``, ``files``, ``intent``, ``flags``). Nothing heavy, so
-  the forward pass never waits on an import and the server's environment stays SGLang's.
+  plus the shared standard-library-only modules (``SERVER_SHARED``: ``store``, ``files``, ``intent``;
+  ``flags``, ``serving``, ``releases``, ``families``). Nothing heavy, so the forward pass never waits
+  on an import and the server's environment stays SGLang's.
 - ``hs_patch/control/`` (and ``fabfile.py``) runs on the control node: never torch,
   safetensors or transformers (a laptop with Ansible and Fabric only).
-- The shared modules at the top (``store``, ``files``, ``intent``, ``flags``, ``serving``,
-  ``releases``, ``families``, ``kv_cache``) import only the standard library at module level (``reader`` and
-  ``lazy_sample`` are shared too: safetensors).
+- The shared modules (both rooms, ``names``, ``shard``) import only the standard library at module
+  level (``reader`` and ``lazy_sample`` are shared too: safetensors, and the server's ``fingerprint``
+  and ``fp8`` tables, which are standard library only at module level).
 - The patch's injected import names a module and function that exist.
 
 ``hs_patch/host/`` is in rooms by job (``driver/``, ``fidelity/``, ``readiness/``, ``patching/``,
@@ -35,32 +46,61 @@ from pathlib import Path
 
 import pytest
 
-from hs_patch.releases import RELEASES
+from hs_patch.engine.releases import RELEASES
 
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "hs_patch"
 STDLIB = set(sys.stdlib_module_names)
-SHARED = ("hs_patch.families", "hs_patch.files", "hs_patch.flags", "hs_patch.intent", "hs_patch.kv_cache",
-          "hs_patch.names", "hs_patch.releases", "hs_patch.serving", "hs_patch.shard", "hs_patch.store")
-SERVER_SHARED = {"hs_patch", "hs_patch.families", "hs_patch.files", "hs_patch.flags", "hs_patch.intent",
-                 "hs_patch.releases", "hs_patch.serving",
-                 "hs_patch.store"}
+SAMPLES = ("files", "intent", "lazy_sample", "reader", "store")       # hs_patch/samples/: the sample format
+ENGINE = ("families", "flags", "kv_cache", "releases", "serving")      # hs_patch/engine/: what we know of SGLang
+ROOM_PACKAGES = ("hs_patch.engine", "hs_patch.samples")                # their __init__: a docstring only
+SHARED = ("hs_patch.engine.families", "hs_patch.engine.flags", "hs_patch.engine.kv_cache", "hs_patch.engine.releases",
+          "hs_patch.engine.serving", "hs_patch.names", "hs_patch.samples.files", "hs_patch.samples.intent",
+          "hs_patch.samples.store", "hs_patch.shard")
+# shared too, but they read with safetensors (and check the server's fingerprint and fp8 planes)
+READERS = ("hs_patch.samples.lazy_sample", "hs_patch.samples.reader")
+READERS_ALSO = ("safetensors", "hs_patch.server", "hs_patch.server.fingerprint", "hs_patch.server.fp8")
+SERVER_SHARED = {"hs_patch", *ROOM_PACKAGES, "hs_patch.engine.families", "hs_patch.engine.flags",
+                 "hs_patch.engine.releases", "hs_patch.engine.serving",
+                 "hs_patch.samples.files", "hs_patch.samples.intent", "hs_patch.samples.store"}
+
+
+def _names(node: ast.AST) -> list[tuple[int, str]]:
+    """(line, absolute module name) of what one import statement imports; none for any other node."""
+    out = []
+    if isinstance(node, ast.Import):
+        out += [(node.lineno, a.name) for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        if node.module == "hs_patch":  # from hs_patch import shard -> hs_patch.shard
+            out += [(node.lineno, f"hs_patch.{a.name}") for a in node.names if a.name != "__version__"]
+        elif node.module.startswith("hs_patch."):  # from hs_patch.samples import store -> hs_patch.samples.store
+            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+            out.append((node.lineno, node.module))
+        else:
+            out.append((node.lineno, node.module))
+    return out
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
     """(line, absolute module name) of every import in ``path``, at any depth (lazy ones too)."""
-    out = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module == "hs_patch":  # from hs_patch import store -> hs_patch.store
-                out += [(node.lineno, f"hs_patch.{a.name}") for a in node.names if a.name != "__version__"]
-            elif node.module.startswith("hs_patch."):
-                out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
-                out.append((node.lineno, node.module))
-            else:
-                out.append((node.lineno, node.module))
+    return [name for node in ast.walk(ast.parse(path.read_text(), str(path))) for name in _names(node)]
+
+
+def _module_level_imports(path: Path) -> list[tuple[int, str]]:
+    """The imports that run when ``path`` is imported: not inside a function, nor under ``if TYPE_CHECKING``."""
+    out: list[tuple[int, str]] = []
+
+    def visit(nodes):
+        for node in nodes:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+                visit(node.orelse)
+                continue
+            out.extend(_names(node))
+            visit(ast.iter_child_nodes(node))
+
+    visit(ast.parse(path.read_text(), str(path)).body)
     return out
 
 
@@ -82,15 +122,36 @@ READINESS_LAZY = {"torch", "tvm_ffi"}  # imported inside the GPU checks only, by
 
 
 def test_subpackages_are_the_places_code_runs():
-    for sub in ("server", "host", "control", *(f"host/{room}" for room in ROOMS)):
+    for sub in ("server", "host", "control", "samples", "engine", *(f"host/{room}" for room in ROOMS)):
         assert (PKG / sub / "__init__.py").is_file(), sub
-    top = sorted(p.stem for p in PKG.glob("*.py"))
-    assert top == ["__init__", "families", "files", "flags", "intent", "kv_cache", "lazy_sample", "names", "reader",
-                   "releases", "serving", "shard", "store"], \
-        f"only shared modules at the top: {top}"
     host = sorted(p.name for p in (PKG / "host").iterdir() if p.name != "__pycache__")
     assert host == sorted(["__init__.py", "extract_cli.py", "model_files.py", "patch_cli.py", *ROOMS]), \
         f"hs_patch/host/ holds its rooms, the two CLIs and model_files, nothing else: {host}"
+
+
+def test_the_sample_format_and_what_we_know_of_sglang_each_have_their_room():
+    """The sample format's code is in ``hs_patch/samples/``, what the project knows about SGLang in
+    ``hs_patch/engine/`` (none of either at the top); at module level each imports only the standard library
+    and the shared modules, ``reader`` and ``lazy_sample`` also safetensors and the server's fp8 and
+    fingerprint tables."""
+    top = sorted(p.stem for p in PKG.glob("*.py"))
+    assert top == ["__init__", "names", "shard"], f"neither room's modules at the top of hs_patch/: {top}"
+    for room, modules in (("samples", SAMPLES), ("engine", ENGINE)):
+        held = sorted(p.name for p in (PKG / room).iterdir() if p.name != "__pycache__")
+        assert held == sorted(["__init__.py", *(f"{m}.py" for m in modules)]), f"hs_patch/{room}/ holds {held}"
+        assert not _imports(PKG / room / "__init__.py"), f"hs_patch/{room}/__init__.py imports nothing"
+    bad = []
+    for path in sorted((PKG / "samples").glob("*.py")) + sorted((PKG / "engine").glob("*.py")):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        also = (*READERS, *READERS_ALSO) if module in READERS else ()
+        for line, name in _module_level_imports(path):
+            if name.split(".")[0] in STDLIB or name in ("hs_patch", *ROOM_PACKAGES, *also) or any(
+                    name == m or name.startswith(m + ".") for m in SHARED) or (
+                    "safetensors" in also and name.startswith("safetensors.")) or (
+                    name.startswith("hs_patch.") and not _is_module(name)):  # a name imported from a module
+                continue
+            bad.append(f"{path.relative_to(ROOT)}:{line}: {name}")
+    assert not bad, "at module level, the standard library and the shared modules only:\n" + "\n".join(bad)
 
 
 def test_only_the_cli_and_what_truly_needs_it_import_the_driver():
@@ -132,6 +193,7 @@ def test_the_control_node_imports_only_its_own_and_the_shared_modules():
     for path in sorted((PKG / "control").glob("*.py")) + [ROOT / "fabfile.py"]:
         for line, name in _imports(path):
             if name.startswith("hs_patch") and not (name.startswith("hs_patch.control") or name == "hs_patch"
+                                                    or name in ROOM_PACKAGES
                                                     or any(name == m or name.startswith(m + ".") for m in SHARED)):
                 bad.append(f"{path.relative_to(ROOT)}:{line}: {name}")
     assert not bad, "the control node has neither the host's nor the server's code:\n" + "\n".join(bad)
@@ -188,7 +250,8 @@ def test_control_node_never_imports_torch():
 def test_shared_modules_import_only_the_standard_library():
     for mod in SHARED:
         new = _new_modules(f"import {mod}", before=BLOCK_HEAVY)
-        assert all(m.split(".")[0] in STDLIB or m == "hs_patch" or m in SHARED for m in new), (mod, new)
+        assert all(m.split(".")[0] in STDLIB or m == "hs_patch" or m in ROOM_PACKAGES or m in SHARED
+                   for m in new), (mod, new)
 
 
 @pytest.mark.parametrize("version", sorted(RELEASES))

@@ -1,7 +1,7 @@
 """Every pointer a reader may follow resolves: the repository paths, sections, test names and
 ``hs_patch.*`` names that docs, playbooks, roles, group_vars, scripts and code comments cite;
 and the stack each SGLang release runs on is written the same in the inventory and in
-``hs_patch/releases.py``."""
+``hs_patch/engine/releases.py``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from hs_patch.releases import RELEASES
+from hs_patch.engine.releases import RELEASES
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = (".md", ".yml", ".yaml", ".j2", ".py", ".sh", ".cfg", ".toml", ".txt")
@@ -130,8 +130,8 @@ def test_the_inventory_runs_each_release_on_the_stack_releases_py_names():
     role = yaml.safe_load((ROOT / "roles/sglang/meta/argument_specs.yml").read_text())
     role_default = role["argument_specs"]["main"]["options"]["sglang_supported_versions"]["default"]
     assert knobs["hs_sglang_supported_versions"] == "{{ hs_sglang_releases | list }}"
-    assert list(stacks) == list(RELEASES) == role_default, \
-        "hs_sglang_releases, the sglang role's supported versions and hs_patch/releases.py name the same releases"
+    assert list(stacks) == list(RELEASES) == role_default, ("hs_sglang_releases, the sglang role's supported versions "
+                                                           "and hs_patch/engine/releases.py name the same releases")
     for version, r in RELEASES.items():
         s = stacks[version]
         assert (s["torch"], s["cuda"], tuple(s["pip_overrides"]), s["cudnn_min"], tuple(s["replaces"])) == \

@@ -38,7 +38,7 @@ from fabric.exceptions import GroupException
 from hs_patch import names
 from hs_patch.control.inventory import ConfigError, Target
 from hs_patch.control.shell import RemoteError, Shell
-from hs_patch.files import write_text_atomic
+from hs_patch.samples.files import write_text_atomic
 
 DEFAULT_GROUP = "gpu_hosts"
 CONNECT_TIMEOUT_S = 30  # the TCP connect of a new connection (a dead host of a fleet fails it in this long)

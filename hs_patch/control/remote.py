@@ -30,8 +30,8 @@ from hs_patch.control.storage import destination
 __all__ = ["RemoteError", "Check", "preflight", "estimate_bytes", "prepare", "upload", "start_server",
            "check_kv_cache", "destination", "start_jobs", "unit_hardening", "snapshot", "runs", "stop", "ship_now",
            "units"]
-from hs_patch import kv_cache
-from hs_patch.flags import args_violations
+from hs_patch.engine import kv_cache
+from hs_patch.engine.flags import args_violations
 
 
 # A preflight finding. The readiness scripts on the host print the same fields as JSON and carry their
@@ -264,7 +264,7 @@ SERVER_INFO = ("import json, sys, urllib.request; key = open(sys.argv[2]).read()
 
 def check_kv_cache(c: Shell, t: Target, max_tokens: int = MAX_SAMPLE_TOKENS) -> None:
     """Refuse a started server whose KV cache cannot hold the longest sample the driver sends
-    (:func:`hs_patch.kv_cache.shortfall`), before the driver starts."""
+    (:func:`hs_patch.engine.kv_cache.shortfall`), before the driver starts."""
     url = f"http://127.0.0.1:{int(t.server_port)}/server_info"
     r = c.run([t.bin("python"), "-c", SERVER_INFO, url, t.api_key_file], timeout=120)
     info = _last_json(r.stdout) if r.ok else {}

@@ -48,7 +48,7 @@ def replaced_requirements(requires: Sequence[str], replaces: Sequence[str], env:
     missing = sorted(set(swap) - seen)
     if missing:
         raise ReplaceError(f"sglang does not require {', '.join(missing)}: drop it from the release's replaces in "
-                           "hs_patch/releases.py")
+                           "hs_patch/engine/releases.py")
     return out
 
 

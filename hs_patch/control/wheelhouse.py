@@ -8,7 +8,7 @@ Run on any machine that reaches the package index (the control node is fine):
 For each pin it resolves ``sglang==PIN`` with pip for the GPU host's interpreter and
 platform (CPython 3.12, x86_64, every manylinux tag from 2_17 to the host's glibc, 2_39 on
 Ubuntu 24.04, plus the legacy manylinux1/2010/2014 aliases: the set mixes all of them; a
-single tag resolves no pin), applies the release's ``pip_overrides`` (hs_patch.releases;
+single tag resolves no pin), applies the release's ``pip_overrides`` (hs_patch.engine.releases;
 0.5.9's cuDNN) over the resolved set, and writes ``DEST/PIN/requirements.txt``: every
 package pinned to one file by sha256. Then it downloads exactly those files with
 ``pip download --no-deps --require-hashes`` (``--resolve-only`` stops before: no wheel is
@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from hs_patch.control.sglang_requires import ReplaceError, replaced_requirements
-from hs_patch.releases import RELEASES
-from hs_patch.store import file_sha256, write_text_atomic
+from hs_patch.engine.releases import RELEASES
+from hs_patch.samples.store import file_sha256, write_text_atomic
 
 PYTHON_VERSION = "3.12"
 GLIBC_MAX = 39  # Ubuntu 24.04 ships glibc 2.39
@@ -147,7 +147,7 @@ def apply_overrides(wheels: list[Wheel], overrides: list[Wheel], target: Target)
             if have is None or not req.specifier.contains(have.version, prereleases=True):
                 raise WheelhouseError(f"override {o.name}=={o.version} needs {spec}, the set has "
                                       f"{have.name + '==' + have.version if have else 'none'}: change the override "
-                                      "in hs_patch/releases.py")
+                                      "in hs_patch/engine/releases.py")
     return sorted(by_name.values(), key=lambda w: _norm(w.name))
 
 
@@ -177,8 +177,8 @@ def resolve_pin(pin: str, target: Target, *, pip: Sequence[str], index_args: Seq
         wheels = resolve([f"sglang{extras}=={pin}"], target, pip=pip, index_args=index_args)
     torch = next((w for w in wheels if _norm(w.name) == "torch"), None)
     if torch is None or torch.version.split("+")[0] != release.torch:
-        raise WheelhouseError(f"sglang {pin} resolved torch {torch.version if torch else 'none'}, hs_patch.releases "
-                              f"says {release.torch}: update hs_patch/releases.py")
+        raise WheelhouseError(f"sglang {pin} resolved torch {torch.version if torch else 'none'}, "
+                              f"hs_patch.engine.releases says {release.torch}: update hs_patch/engine/releases.py")
     overrides = resolve(list(release.pip_overrides), target, pip=pip, index_args=index_args,
                         no_deps=True) if release.pip_overrides else []
     final = apply_overrides(wheels, overrides, target)

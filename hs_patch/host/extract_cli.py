@@ -19,7 +19,7 @@ import sys
 from typing import Optional
 
 from hs_patch import __version__
-from hs_patch.files import quiet_when_stdout_closes
+from hs_patch.samples.files import quiet_when_stdout_closes
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,10 +9,10 @@ import sys
 from typing import Any, Callable
 
 from hs_patch import __version__
-from hs_patch.files import quiet_when_stdout_closes
+from hs_patch.engine.releases import DEFAULT_RELEASE, RELEASES
+from hs_patch.samples.files import quiet_when_stdout_closes
 from hs_patch.server import config
 from hs_patch.host.patching import hook_check, inspection, patcher, status
-from hs_patch.releases import DEFAULT_RELEASE, RELEASES
 
 EXIT_OK, EXIT_ERROR, EXIT_REFUSED, EXIT_VERIFY, EXIT_NOT_FOUND, EXIT_NOTHING = 0, 1, 2, 3, 4, 5
 

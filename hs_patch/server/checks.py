@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from hs_patch.flags import violations
+from hs_patch.engine.flags import violations
 
 
 def _server_args() -> Any:

@@ -111,7 +111,7 @@ class CaptureConfig:
 
 def default_layers(num_hidden_layers: int) -> tuple[int, ...]:
     """What SGLang's ``set_eagle3_layers_to_capture`` captures when a drafter config names no ids
-    (the same on every supported release; ``hs_patch.serving.default_layers``), deduplicated for
+    (the same on every supported release; ``hs_patch.engine.serving.default_layers``), deduplicated for
     shallow models."""
     n = num_hidden_layers
     return tuple(sorted({i for i in (2, n // 2, n - 3) if 0 <= i < n})) or (0,)

@@ -1,7 +1,7 @@
 """What one sample file holds, as the capture writer (:mod:`hs_patch.server.writer`) writes it.
 
 The planes (whole, or in place chunk by chunk: :mod:`hs_patch.server.inplace`), then the
-small tensors: ``input_ids``, the driver's ``loss_mask`` (from its intent: :mod:`hs_patch.intent`)
+small tensors: ``input_ids``, the driver's ``loss_mask`` (from its intent: :mod:`hs_patch.samples.intent`)
 and the ``fingerprint`` and ``checksum`` rows (:mod:`hs_patch.server.fingerprint`); the header metadata: the
 hook's, the sample's own (key, length, parts and where each began, request id), and the
 intent's provenance. The manifest line's extra fields come from here too. Runs in the writer's
@@ -14,8 +14,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from hs_patch import intent as intents
-from hs_patch import store
+from hs_patch.samples import intent as intents
+from hs_patch.samples import store
 from hs_patch.server import fingerprint, fp8
 from hs_patch.server.inplace import InPlaceSample, OpenPrompt
 

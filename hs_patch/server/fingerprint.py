@@ -54,7 +54,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from hs_patch import store
+from hs_patch.samples import store
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

@@ -41,10 +41,11 @@ from typing import Any, Optional
 
 import torch
 
+from hs_patch.engine import serving
+from hs_patch.engine.releases import RELEASES
+from hs_patch.samples import files, store
 from hs_patch.server import config as capture_config
 from hs_patch.server import checks as server_checks
-from hs_patch import files, serving, store
-from hs_patch.releases import RELEASES
 from hs_patch.server import fingerprint, fp8, leftovers
 from hs_patch.server.device_ring import DeviceRing
 from hs_patch.server.passes import Pass, Slot
@@ -105,7 +106,7 @@ def attach(model: torch.nn.Module, config: Any, release: str) -> Optional["Captu
 
 
 def _serving_ids(release: str, layers: Any, n: int, architecture: str) -> dict[str, str]:
-    """The drafter ids that make this release feed the captured layers (hs_patch.serving), for every sample."""
+    """The drafter ids that make this release feed the captured layers (hs_patch.engine.serving), for every sample."""
     try:
         return {"eagle_aux_hidden_state_layer_ids": json.dumps(serving.eagle_ids(release, list(layers), n,
                                                                                   architecture))}

@@ -3,7 +3,7 @@
 Used by the capture writer (:mod:`hs_patch.server.writer`) inside the SGLang server: the
 first chunk of a prompt longer than one pass opens the file laid out for the whole prompt,
 every chunk writes its rows at their final offsets (each byte once, never read back), and
-the last one finishes it. The format itself is :mod:`hs_patch.store`'s.
+the last one finishes it. The format itself is :mod:`hs_patch.samples.store`'s.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
-from hs_patch import store
-from hs_patch.files import PRIVATE, file_ranged, pwrite_all
+from hs_patch.samples import store
+from hs_patch.samples.files import PRIVATE, file_ranged, pwrite_all
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -31,10 +31,10 @@ class InPlaceSample:
     rows are written at their final offsets with ``pwrite`` (each byte once), and
     :meth:`finish` appends the small tensors, writes the header into its room and hashes
     the file (one read, its 64 MiB ranges side by side: a ranged digest). Nothing is visible
-    until :func:`hs_patch.store.publish`.
+    until :func:`hs_patch.samples.store.publish`.
     """
 
-    HEADER_ROOM = 64 << 10  # metadata is bounded (hs_patch.intent caps the driver's part) but for the chunk list
+    HEADER_ROOM = 64 << 10  # metadata is bounded (hs_patch.samples.intent caps the driver's part) but chunk lists
     CHUNKS_IN_ROOM = 32 << 10  # a chunk list (metadata "chunks") up to this long fits HEADER_ROOM
 
     def __init__(self, directory: str | os.PathLike, key_hint: str, planes: Sequence[str], tokens: int,

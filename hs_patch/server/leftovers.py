@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hs_patch import store
+from hs_patch.samples import store
 
 log = logging.getLogger("hs_patch")
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from hs_patch import files
+from hs_patch.samples import files
 
 log = logging.getLogger("hs_patch")
 STATUS_FILE = "hook_status.json"

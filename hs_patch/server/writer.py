@@ -30,7 +30,7 @@ What a file holds (planes, ids, the driver's intent: loss mask and provenance, t
 fingerprint rows, the header) is :mod:`hs_patch.server.contents`'. A pass's samples become
 visible (moved into place + manifest line) only when all of its writes succeeded: a failed
 pass leaves nothing in any manifest, and the writer stops (the hook then fails the server
-loudly). A sample is never moved over another (:func:`hs_patch.store.publish`): the same
+loudly). A sample is never moved over another (:func:`hs_patch.samples.store.publish`): the same
 tokens captured twice (a retried request) keep the first file and its manifest line; a
 failed manifest append removes the file it would have listed. Anything that ends the
 coordinator thread stops capture with its cause (``hook_status.json``, ``errors.jsonl``),
@@ -48,7 +48,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from hs_patch import files, store
+from hs_patch.samples import files, store
 from hs_patch.server import inplace
 from hs_patch.server.contents import Contents
 from hs_patch.server.inplace import InPlaceSample, OpenPrompt

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from hs_patch.control import wheelhouse as wh
-from hs_patch.releases import RELEASES
+from hs_patch.engine.releases import RELEASES
 
 def _wheel(dirpath: Path, name: str, version: str, tag: str, requires: list[str] = ()) -> Path:
     dist = f"{name.replace('-', '_')}-{version}"
@@ -129,7 +129,7 @@ def test_a_torch_that_disagrees_with_releases_is_refused(index, tmp_path):
         p.unlink()
     _wheel(index, "sglang", "0.5.9", "py3-none-any", ["torch==2.9.0"])
     _wheel(index, "torch", "2.9.0", "cp312-cp312-manylinux_2_28_x86_64")
-    with pytest.raises(wh.WheelhouseError, match="resolved torch 2.9.0, hs_patch.releases says 2.9.1"):
+    with pytest.raises(wh.WheelhouseError, match="resolved torch 2.9.0, hs_patch.engine.releases says 2.9.1"):
         _build(index, tmp_path / "wh", resolve_only=True)
 
 
@@ -238,7 +238,7 @@ def test_every_stack_resolves_on_pypi_for_python_3_12():
 @pytest.mark.slow
 def test_every_pin_has_a_wheel_for_the_host_and_the_stack_releases_py_names():
     """Each of the 19 pins on PyPI: an sglang wheel installable on CPython 3.12 / x86_64, its torch pin
-    the one hs_patch.releases names, and each package it replaces pinned by sglang itself (where the
+    the one hs_patch.engine.releases names, and each package it replaces pinned by sglang itself (where the
     replacement lies, the pinned version has no wheel: see the stub test above)."""
     from packaging.requirements import Requirement
 

@@ -2,7 +2,7 @@
 
 An append can be cut: on a full disk the writer's short write is cut back to where its line
 began and the next append writes there; a writer killed mid-line leaves a torn line that the
-next append cuts off (``hs_patch.files.append_line``). The watcher may have read the cut bytes
+next append cuts off (``hs_patch.samples.files.append_line``). The watcher may have read the cut bytes
 meanwhile. Before #25 it kept them and glued them to what came next: the next sample's ``add``
 was lost (it timed out although its file was there) or a record mixed two samples.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import os
 
-from hs_patch import files, store
 from hs_patch.host.driver.capture_dir import CaptureWatcher
+from hs_patch.samples import files, store
 
 
 def add_line(key: str, sha: str) -> bytes:

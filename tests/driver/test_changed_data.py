@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from hs_patch import store
 from hs_patch.host.driver import runstate
 from hs_patch.host.driver.run import EXIT_OK
+from hs_patch.samples import store
 from lab.drive_runs import drive
 from lab.runcheck import ledger, write_chats
 

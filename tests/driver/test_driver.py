@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from hs_patch.host.driver import chat, dataset, runstate
-from hs_patch import store
 from hs_patch.host.driver.client import SGLangClient
 from hs_patch.host.driver.run import EXIT_FAILURES, EXIT_OK, Driver
+from hs_patch.samples import store
 from hs_patch.server import fingerprint
 from lab.drive_runs import config, drive, start_standin
 from lab.runcheck import assert_complete, final_samples, ledger, write_chats
@@ -306,8 +306,8 @@ def test_two_runs_cannot_share_a_samples_dir(standin, tiny_model_dir, tmp_path):
 def test_samples_are_written_once_and_adopted_by_rename(standin, tiny_model_dir, tmp_path, monkeypatch):
     """The driver never reads or rewrites a sample's states: each final file is the very
     inode the hook wrote, with the loss mask the driver's intent gave it."""
-    from hs_patch import intent
     from hs_patch.host.driver import adopt as adopt_mod
+    from hs_patch.samples import intent
 
     inodes = {}
     real = adopt_mod.adopt
@@ -332,7 +332,7 @@ def test_samples_are_written_once_and_adopted_by_rename(standin, tiny_model_dir,
 def test_a_sample_written_without_its_intent_fails_with_the_reason(standin, tiny_model_dir, tmp_path, monkeypatch):
     """If the server cannot use the driver's intent (here: it is unreadable), the sample is
     written without a loss mask; the driver fails it, naming errors.jsonl, and never adopts it."""
-    from hs_patch import intent
+    from hs_patch.samples import intent
 
     real = intent.write
     monkeypatch.setattr(intent, "write", lambda d, key, mask, meta: real(d, key, mask[:-1], meta))  # wrong length

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from hs_patch import store
 from hs_patch.host import extract_cli
 from hs_patch.host.driver import runstate
 from hs_patch.host.driver.client import SGLangClient
 from hs_patch.host.driver.run import EXIT_ERROR, EXIT_OK, Driver
 from hs_patch.host.shipping import link as ship_link, shipper
 from hs_patch.names import RunNameError
+from hs_patch.samples import store
 from lab.runcheck import assert_complete, ledger
 from lab.sglang_sim import reference
 from lab.standin_server import Engine, StandinServer

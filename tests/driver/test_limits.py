@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hs_patch import kv_cache
+from hs_patch.engine import kv_cache
 from hs_patch.host.driver import dataset, limits, runstate
 from hs_patch.host.driver.run import EXIT_OK
 from lab.drive_runs import drive
@@ -46,7 +46,7 @@ def test_a_tokenizer_without_a_vocabulary_gets_a_generous_bound():
     assert limits.longest_token_chars(NoVocab()) == limits.UNKNOWN_TOKEN_CHARS
 
 
-# --- the server's KV cache (hs_patch.kv_cache): fab extract and the driver refuse a pool smaller than a sample
+# --- the server's KV cache (hs_patch.engine.kv_cache): fab extract and the driver refuse a pool smaller than a sample
 
 
 def test_a_kv_cache_smaller_than_the_longest_sample_is_named_with_what_to_change():

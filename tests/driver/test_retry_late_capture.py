@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import time
 
-from hs_patch import store
 from hs_patch.host.driver import sample_steps
 from hs_patch.host.driver.run import EXIT_OK
+from hs_patch.samples import store
 from lab.drive_runs import drive
 from lab.runcheck import write_chats
 

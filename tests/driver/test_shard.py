@@ -9,11 +9,12 @@ import pytest
 import json
 import shutil
 
-from hs_patch import reader, shard, store
+from hs_patch import shard
 from hs_patch.host.driver import dataset, runstate
 from hs_patch.host.export.run import export, source_entries
 from hs_patch.host.export.spec import ExportRefused, ExportSpec
 from hs_patch.host.shipping import shipper
+from hs_patch.samples import reader, store
 from lab.runcheck import assert_complete, write_chats
 from lab.drive_runs import drive
 

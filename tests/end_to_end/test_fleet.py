@@ -128,7 +128,8 @@ def shown_done(cells: list[str] | None) -> int | None:
 
 
 def test_three_hosts_one_dataset_a_host_dies_its_shard_is_reassigned(lab, tmp_path):
-    from hs_patch import reader, shard, store
+    from hs_patch import shard
+    from hs_patch.samples import reader, store
 
     data = tmp_path / "chats.jsonl"
     expected = set(write_chats(data, 300, words=24))

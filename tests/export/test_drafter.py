@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SUPPORTED
-from hs_patch import serving
+from hs_patch.engine import serving
 from hs_patch.host.extract_cli import main
 from lab.sample_files import write_run
 
@@ -163,7 +163,7 @@ def test_readme_step_6_runs_as_written(tmp_path, capsys):
 
 def test_cli_reads_the_layers_of_samples_whose_first_is_damaged(tmp_path, capsys):
     """The lowest key's file missing: the layers come from the next sample (hs-patch inspect reports the damage)."""
-    from hs_patch import store
+    from hs_patch.samples import store
 
     src = tmp_path / "run"
     write_run(src, 3, shipped=True)                       # layers 2, 30, 58

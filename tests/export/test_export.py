@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hs_patch import reader, store
 from hs_patch.host.export import layout
 from hs_patch.host.export.run import export
 from hs_patch.host.export.spec import ExportRefused, ExportSpec
+from hs_patch.samples import reader, store
 from lab.sample_files import flip_byte, write_finished, write_run
 from lab.trainers import need
 

@@ -1,5 +1,5 @@
 """hs-extract export of fp8 samples (HS_CAPTURE_DTYPE=fp8, format 5): the trainers' own readers load the
-planes dequantized to bf16, bit for bit what :mod:`hs_patch.reader` returns by default."""
+planes dequantized to bf16, bit for bit what :mod:`hs_patch.samples.reader` returns by default."""
 
 from __future__ import annotations
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from hs_patch import reader, store
 from hs_patch.host.fidelity import check as fidelity
 from hs_patch.host.fidelity import settings
 from hs_patch.host.driver import runstate
 from hs_patch.host.driver.run import EXIT_FAILURES, EXIT_OK
+from hs_patch.samples import reader, store
 from lab.runcheck import ledger, write_chats
 from lab import sabotage
 from lab.drive_runs import drive, start_standin

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hs_patch import reader, store
 from hs_patch.host.fidelity import check as fidelity
 from hs_patch.host.driver.client import SGLangClient, generated_token, server_top1
 from hs_patch.host.fidelity.check import Check, FidelityChecker, LMHead, compare, request_fields, wants_positions
 from hs_patch.host.fidelity.policy import FidelityMonitor
+from hs_patch.samples import reader, store
 from lab.standin_server import Engine, StandinServer
 
 PARAMS = {"max_new_tokens": 1, "temperature": 0.0}

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import hashlib
 
-from hs_patch import store
 from hs_patch.host.driver.run import EXIT_OK
+from hs_patch.samples import store
 from lab import sabotage
 from lab.drive_runs import drive, start_standin
 from lab.runcheck import ledger, write_chats

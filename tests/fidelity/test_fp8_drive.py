@@ -9,9 +9,9 @@ import hashlib
 
 import pytest
 
-from hs_patch import reader, store
 from hs_patch.host.driver import runstate
 from hs_patch.host.fidelity import check as fidelity
+from hs_patch.samples import reader, store
 from hs_patch.server import fp8
 from lab import sabotage
 from lab.drive_runs import drive, start_standin

@@ -15,8 +15,8 @@ import json
 
 import pytest
 
-from hs_patch import reader, store
 from hs_patch.host.driver.run import EXIT_OK
+from hs_patch.samples import reader, store
 from lab import sabotage
 from lab.drive_runs import drive, start_standin
 from lab.runcheck import ledger

@@ -18,7 +18,7 @@ from typing import Any
 
 import requests
 
-from hs_patch import store
+from hs_patch.samples import store
 
 ROOT = Path(__file__).resolve().parents[2]
 

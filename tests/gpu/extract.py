@@ -34,7 +34,7 @@ from pathlib import Path
 
 from common import REC, ROOT, Server, hs_patch_cli, pristine_copy, wait_for_samples
 
-from hs_patch import store
+from hs_patch.samples import store
 
 ROWS = ("pristine", "capture", "driver")
 

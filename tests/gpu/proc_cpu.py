@@ -139,8 +139,8 @@ IDLE = re.compile(r"^(\w+\.)?(wait|get|_worker|select|_wait_for_tstate_lock|acqu
 
 def where(frames: list[str]) -> str:
     """What a sample of one thread was doing: ``idle`` (waiting for work), ``GIL`` (waiting to take the interpreter
-    lock), or its innermost Python frame and the native frame under it (``_range_sha256 (hs_patch/files.py:255) >
-    sha256_block_data_order (libcrypto.so.3)``)."""
+    lock), or its innermost Python frame and the native frame under it (``_range_sha256
+    (hs_patch/samples/files.py:255) > sha256_block_data_order (libcrypto.so.3)``)."""
     if any("take_gil" in f for f in frames[-6:]):
         return "GIL"
     py = next((f for f in reversed(frames) if ".py:" in f), "")

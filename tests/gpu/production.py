@@ -34,9 +34,9 @@ import requests
 import torch
 
 from common import REC, Server, start_phase, wait_for_samples
-from hs_patch import reader, store
 from hs_patch.host.fidelity.check import FidelityChecker, LMHead, compare
 from hs_patch.host.model_files import head_and_norm, rms_norm
+from hs_patch.samples import reader, store
 
 
 def generate_with_logprobs(server: Server, ids: list[int], rid: str) -> dict:

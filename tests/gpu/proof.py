@@ -80,7 +80,7 @@ import torch  # noqa: E402
 
 from common import REC, Server, hs_patch_cli, start_phase, wait_for_samples  # noqa: E402
 from extract import extraction, summarize_extraction  # noqa: E402
-from hs_patch import reader, store  # noqa: E402
+from hs_patch.samples import reader, store  # noqa: E402
 from production import production  # noqa: E402
 from startup import startup, summarize_startup  # noqa: E402
 from sabotage import sabotage, summarize_sabotage  # noqa: E402

@@ -36,7 +36,7 @@ import requests
 import torch
 
 from common import REC, Server, start_phase, wait_for_samples
-from hs_patch import store
+from hs_patch.samples import store
 
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE.parent))  # tests/: lab.sabotage names the cases

@@ -41,7 +41,7 @@ from common import REC, Server, hs_patch_cli, pristine_copy
 from extract import ROWS, end_round, medians, run_row
 from proc_cpu import GroupCpu, WriterThreads
 
-from hs_patch import store
+from hs_patch.samples import store
 from hs_patch.server import fingerprint
 from hs_patch.server.config import default_layers
 

@@ -216,15 +216,17 @@ def test_py_spy_stacks_are_told_apart_by_thread_and_what_they_were_doing(tmp_pat
         "thread (100): MainThread;serve (x.py:1);poll (libc.so.6) 7\n"
         "thread (101): hs_patch-write_0;Thread.run (threading.py:982);_worker (concurrent/futures/thread.py:81);"
         "0x7f (libc.so.6) 90\n"
-        "thread (101): hs_patch-write_0;_worker (concurrent/futures/thread.py:83);write_temp (hs_patch/store.py:289);"
-        "_range_sha256 (hs_patch/files.py:255);sha256_block_data_order_shaext (libcrypto.so.3) 6\n"
-        "thread (102): hs_patch-write_1;write_temp (hs_patch/store.py:289);pwrite_all (hs_patch/files.py:124);"
+        "thread (101): hs_patch-write_0;_worker (concurrent/futures/thread.py:83);"
+        "write_temp (hs_patch/samples/store.py:289);"
+        "_range_sha256 (hs_patch/samples/files.py:255);sha256_block_data_order_shaext (libcrypto.so.3) 6\n"
+        "thread (102): hs_patch-write_1;write_temp (hs_patch/samples/store.py:289);"
+        "pwrite_all (hs_patch/samples/files.py:124);"
         "__libc_pwrite64 (libc.so.6) 2\n"
-        "thread (103): hs_patch-hash_0;_range_sha256 (hs_patch/files.py:255);sha256_update (libcrypto.so.3) 4\n"
+        "thread (103): hs_patch-hash_0;_range_sha256 (hs_patch/samples/files.py:255);sha256_update (libcrypto.so.3) 4\n"
         "thread (104): hs_patch-writer;Writer._coordinate (hs_patch/server/writer.py:150) 1\n")
     got = proc_cpu.hottest_frames(raw, pid=100)
     assert got["writers"][0] == ["idle", 90, round(90 / 98, 3)]
-    assert got["writers"][1] == ["_range_sha256 (hs_patch/files.py:255) > sha256_block_data_order_shaext "
+    assert got["writers"][1] == ["_range_sha256 (hs_patch/samples/files.py:255) > sha256_block_data_order_shaext "
                                  "(libcrypto.so.3)", 6, 0.75]
     assert got["writers"][2][2] == 0.25 and set(got) == {"scheduler", "writers", "hashers", "coordinator"}
     assert got["scheduler"] == [["serve (x.py:1) > poll (libc.so.6)", 7, 1.0]]

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from common import REC, Server, hs_patch_cli, pristine_copy, wait_for_samples
 
-from hs_patch import store
+from hs_patch.samples import store
 
 def parse_on(specs: list[str]) -> dict[str, dict[str, str]]:
     """``--on NAME[:KEY=VAL,...]`` -> {"on-NAME" or "on": extra HS_CAPTURE_* settings}."""

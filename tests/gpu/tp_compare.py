@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 
 from common import REC, Server, hs_patch_cli, wait_for_samples
-from hs_patch import reader, store
 from hs_patch.host.fidelity.check import DEFAULT_TIE_TOLERANCE, FidelityChecker, LMHead
+from hs_patch.samples import reader, store
 from production import generate_with_logprobs
 
 CAPTURING = re.compile(r"hs_patch: capturing layers .* \(rank (\d+) of (\d+)\)")

@@ -241,7 +241,7 @@ def bad_lines_on_purpose(path: Path = EXAMPLE) -> dict[int, str]:
 
 def check_destination(dest: Path, expected_ids: set[str] | None = None) -> dict:
     """0 lost, 0 duplicated, 0 truncated at the destination: every file listed once, verified."""
-    from hs_patch import reader, store
+    from hs_patch.samples import reader, store
 
     entries = store.read_jsonl(dest / store.MANIFEST)
     keys = [e["key"] for e in entries if e.get("op") == "add"]

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Iterable
 
-from hs_patch import reader, store
+from hs_patch.samples import reader, store
 
 
 def final_samples(samples_dir: Path) -> dict[str, reader.Sample]:

@@ -1,8 +1,8 @@
 """Finished samples for tests of what reads them (exporters, fidelity), written like the driver's.
 
-The files are written with :func:`hs_patch.store.write_tensors` and recorded in the
+The files are written with :func:`hs_patch.samples.store.write_tensors` and recorded in the
 directory's manifest with the hook's metadata keys plus the driver's loss mask and
-provenance, so :mod:`hs_patch.reader` reads them exactly as it reads a real run's samples.
+provenance, so :mod:`hs_patch.samples.reader` reads them exactly as it reads a real run's samples.
 States are random bf16 unless ``states`` gives them (e.g. a transformers reference).
 """
 
@@ -13,7 +13,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from hs_patch import store
+from hs_patch.samples import store
 from hs_patch.server import fp8 as quantize
 
 

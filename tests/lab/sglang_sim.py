@@ -4,7 +4,7 @@ SGLang cannot be imported here (it needs a GPU stack), so this harness executes 
 patched method's source, taken from the release's real ``deepseek_v2.py`` after
 ``hs-patch``'s edits, against a stand-in model whose layers replay a tiny random
 ``transformers`` DeepseekV3 computed on the same tokens, for every release hs_patch knows
-(its family, hs_patch.releases, decides which of SGLang's steps the layer calls). The
+(its family, hs_patch.engine.releases, decides which of SGLang's steps the layer calls). The
 stand-in keeps SGLang's conventions that matter to the capture:
 
 - the residual stream is ``hidden_states + residual`` and the layer input norm adds
@@ -45,7 +45,7 @@ from typing import Any, Optional
 import torch
 from lab.hf_reference import Reference, reference  # noqa: F401  (re-exported for tests)
 
-from hs_patch.releases import RELEASES
+from hs_patch.engine.releases import RELEASES
 
 # ----------------------------------------------------------------------------- batches
 

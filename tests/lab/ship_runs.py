@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from hs_patch import files, reader, store
-from hs_patch.files import RANGE, RANGED
 from hs_patch.host.shipping import shipper
+from hs_patch.samples import files, reader, store
+from hs_patch.samples.files import RANGE, RANGED
 
 SHIPPED_SHAPE = {"op", "key", "file", "bytes", "sha256", "t"}
 SHIPPED_OPTIONAL = {"sample_id", "from", "kept"}  # from: destination (start-up sync); kept: the destination's copy

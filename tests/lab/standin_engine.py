@@ -20,8 +20,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from hs_patch.engine.releases import RELEASES, TARGET, apply_edits
 from hs_patch.host.patching import patcher
-from hs_patch.releases import RELEASES, TARGET, apply_edits
 from hs_patch.server import checks as capture_checks
 from hs_patch.server import config as capture_config
 from hs_patch.server import hook as capture_hook

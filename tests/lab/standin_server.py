@@ -71,7 +71,7 @@ sys.path[:0] = [str(HERE.parent), str(HERE.parents[1])]  # run as a script: `lab
 
 import torch  # noqa: E402
 
-from hs_patch.releases import RELEASES  # noqa: E402
+from hs_patch.engine.releases import RELEASES  # noqa: E402
 from lab.standin_engine import RELEASE_DEFAULT, Engine, log  # noqa: E402
 from lab.standin_requests import BadRequest, Request  # noqa: E402
 from lab.standin_spec import Speculative  # noqa: E402

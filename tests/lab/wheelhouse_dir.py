@@ -24,8 +24,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE.parents[1])]  # run as a script: `lab` and the checkout's hs_patch
 
-from hs_patch.releases import RELEASES  # noqa: E402
-from hs_patch.store import file_sha256, write_text_atomic  # noqa: E402
+from hs_patch.engine.releases import RELEASES  # noqa: E402
+from hs_patch.samples.store import file_sha256, write_text_atomic  # noqa: E402
 from lab.hostcmd import file_locked  # noqa: E402
 from lab.sglang_wheels import sglang_wheel  # noqa: E402
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from hs_patch import reader, store
 from hs_patch.host import patch_cli
 from hs_patch.host.shipping import link as ship_link, shipper
+from hs_patch.samples import reader, store
 from lab.ship_runs import make_samples
 from lab.sample_files import flip_byte
 

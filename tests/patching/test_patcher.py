@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from conftest import REPRESENTATIVES, SUPPORTED, UNSUPPORTED, extract_site
-from hs_patch.flags import REQUIRED_FLAGS
+from hs_patch.engine.flags import REQUIRED_FLAGS
+from hs_patch.engine.releases import RELEASES, TARGET, anchor_lines, apply_edits
 from hs_patch.host import patch_cli as cli
 from hs_patch.host.patching import hook_check, patcher
 from hs_patch.host.patching.earlier import earlier_edits
 from hs_patch.host.patching.nearest import region_digests
-from hs_patch.releases import RELEASES, TARGET, anchor_lines, apply_edits
 
 ROOT = Path(__file__).resolve().parents[2]
 

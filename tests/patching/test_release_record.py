@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPRESENTATIVES
-from hs_patch.releases import RELEASES, TARGET
+from hs_patch.engine.releases import RELEASES, TARGET
 
 ROOT = Path(__file__).resolve().parents[2]
 

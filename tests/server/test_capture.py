@@ -20,14 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from hs_patch.engine.flags import REQUIRED_FLAGS
+from hs_patch.samples import reader, store
 from hs_patch.server.ranks import RankHook
 from hs_patch.server import config, fingerprint, hook, checks as server_checks
-from hs_patch import reader, store
-from hs_patch.flags import REQUIRED_FLAGS
 from hs_patch.server.inplace import InPlaceSample
 from conftest import REPRESENTATIVES, SUPPORTED
-from hs_patch.families import LAYER_POINT
-from hs_patch.releases import RELEASES, TARGET, apply_edits
+from hs_patch.engine.families import LAYER_POINT
+from hs_patch.engine.releases import RELEASES, TARGET, apply_edits
 from lab.sglang_sim import Part, Reference, ReleaseCode, Sim, make_batch, reference
 
 RELEASE_IDS = REPRESENTATIVES

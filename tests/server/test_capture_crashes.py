@@ -26,10 +26,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hs_patch import files, reader, store
 from hs_patch.host.driver.adopt import adopt
 from hs_patch.host.driver.capture_dir import CaptureWatcher
-from hs_patch.intent import write as write_intent
+from hs_patch.samples import files, reader, store
+from hs_patch.samples.intent import write as write_intent
 from hs_patch.server import config, hook, writer
 from hs_patch.server.status import STATUS_FILE
 from lab.passes import Batch, play
@@ -88,7 +88,7 @@ KILLED_SERVER = textwrap.dedent("""
     import os, sys, threading, time, torch
     from pathlib import Path
     sys.path[:0] = [sys.argv[2], sys.argv[3]]
-    from hs_patch import store
+    from hs_patch.samples import store
     from hs_patch.server import config, hook
     from lab.passes import Batch, play
     d = Path(sys.argv[1])

@@ -24,8 +24,8 @@ from torch.utils._pytree import tree_flatten
 from hs_patch.server import config, hook
 from hs_patch.server.device_ring import DeviceRing
 from conftest import REPRESENTATIVES
-from hs_patch.families import COMMUNICATOR
-from hs_patch.releases import RELEASES, TARGET, apply_edits
+from hs_patch.engine.families import COMMUNICATOR
+from hs_patch.engine.releases import RELEASES, TARGET, apply_edits
 from lab.sglang_sim import Part, ReleaseCode, Sim, make_batch, reference
 
 LAYERS = (0, 1, 3)

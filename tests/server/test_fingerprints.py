@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from conftest import FAMILY_REPRESENTATIVES
-from hs_patch import lazy_sample, store
+from hs_patch.engine.releases import RELEASES, TARGET, apply_edits
 from hs_patch.host.fidelity.relations import FALSE_FAILURE, allowance, ulp
 from hs_patch.host.fidelity.relations import chi2_bound as _bound
 from hs_patch.host.fidelity.rows import Norms, check_rows, sample_rows
 from hs_patch.host.model_files import rms_norm
-from hs_patch.releases import RELEASES, TARGET, apply_edits
+from hs_patch.samples import lazy_sample, store
 from hs_patch.server import config, fingerprint, hook, passes
 from lab import sabotage
 from lab.sglang_sim import Part, Reference, ReleaseCode, Sim, make_batch, reference

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from conftest import FAMILY_REPRESENTATIVES
-from hs_patch import lazy_sample, reader, store
+from hs_patch.engine.releases import RELEASES, TARGET, apply_edits
 from hs_patch.host.fidelity import check as fidelity_check
 from hs_patch.host.fidelity.rows import check_rows
 from hs_patch.host.patching import inspection
-from hs_patch.releases import RELEASES, TARGET, apply_edits
+from hs_patch.samples import lazy_sample, reader, store
 from hs_patch.server import config, fingerprint, fp8, hook
 from lab.sglang_sim import Part, Reference, ReleaseCode, Sim, make_batch, reference
 

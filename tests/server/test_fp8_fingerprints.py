@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import FAMILY_REPRESENTATIVES
-from hs_patch.releases import RELEASES
+from hs_patch.engine.releases import RELEASES
 from lab import sabotage
 from test_fingerprints import CONSISTENT, WHY, capture, checked, norms, refs  # noqa: F401 (fixtures)
 

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from conftest import extract_site
-from hs_patch import files, reader, store
+from hs_patch.engine.releases import TARGET
 from hs_patch.host.patching import patcher
-from hs_patch.releases import TARGET
+from hs_patch.samples import files, reader, store
 from hs_patch.server import config, hook
 from lab.passes import Batch, play
 

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from hs_patch import intent, lazy_sample, store
+from hs_patch.samples import intent, lazy_sample, store
 from hs_patch.server import config, hook
 from hs_patch.server.inplace import InPlaceSample, header_room
 from lab.passes import Batch, play
@@ -28,7 +28,7 @@ def test_a_prompt_in_thousands_of_parts_with_the_drivers_largest_intent_is_writt
     n = 12000  # one token a pass: the starts "0,1,...,11999" take 60,889 bytes of the header
     ids = torch.arange(n) % 250
     key = store.sample_key(ids.tolist())
-    # the driver's provenance at its cap (hs_patch.intent.MAX_METADATA_BYTES)
+    # the driver's provenance at its cap (hs_patch.samples.intent.MAX_METADATA_BYTES)
     intent.write(tmp_path, key, [1] * n, {"sample_id": "x" * (intent.MAX_METADATA_BYTES - 100)})
     h = hook.CaptureHook(config.CaptureConfig(enabled=True, directory=str(tmp_path), layers=(0,), final="both",
                                               slots=3, slot_tokens=1, writers=2), hidden_size=H, metadata={})

@@ -8,9 +8,9 @@ import time
 
 import torch
 
-from hs_patch import lazy_sample, store
 from hs_patch.host.fidelity.rows import Norms, check_rows
 from hs_patch.host.model_files import rms_norm
+from hs_patch.samples import lazy_sample, store
 from hs_patch.server import config, hook
 from lab.passes import Batch, play
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hs_patch import lazy_sample, store
+from hs_patch.engine.releases import RELEASES, TARGET, apply_edits
 from hs_patch.host.fidelity.rows import Norms, check_rows
-from hs_patch.releases import RELEASES, TARGET, apply_edits
+from hs_patch.samples import lazy_sample, store
 from hs_patch.server import config, hook
 from lab import sabotage
 from lab.sglang_sim import Part, ReleaseCode, Sim, make_batch, reference

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hs_patch import files, reader, store
 from hs_patch.host.shipping import at_destination
+from hs_patch.samples import files, reader, store
 from hs_patch.server.writer import PassRecord, Writer
 from lab.sample_files import flip_byte
 

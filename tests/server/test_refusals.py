@@ -1,5 +1,5 @@
 """Settings that would lose samples are refused at startup, each naming what to change, from one
-rule table (hs_patch.flags) shared by the hook, `hs-patch check-args` (the role) and fab's preflight."""
+rule table (hs_patch.engine.flags) shared by the hook, `hs-patch check-args` (the role) and fab's preflight."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import types
 import pytest
 
 from conftest import SUPPORTED
-from hs_patch import flags
+from hs_patch.engine import flags
 from hs_patch.host import patch_cli
 from hs_patch.server import checks, config, hook
 
@@ -159,8 +159,8 @@ def test_the_flags_each_release_needs_follow_its_own_server_args(version, releas
 def test_every_table_of_releases_names_the_same_releases():
     """The server's flags (flags.py) and EAGLE-3 rules (serving.py) are kept apart from releases.py
     (the server never imports it): they must name exactly the releases the patch knows, in order."""
-    from hs_patch import serving
-    from hs_patch.releases import RELEASES
+    from hs_patch.engine import serving
+    from hs_patch.engine.releases import RELEASES
 
     assert list(flags.REQUIRED_FLAGS) == list(RELEASES) == list(serving.SERVING_RULES)
 

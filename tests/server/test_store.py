@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from hs_patch.samples import reader, store
 from hs_patch.server import config, hook, checks as server_checks
-from hs_patch import reader, store
 from hs_patch.server.writer import PassRecord, Writer
 from lab.passes import Batch, play
 from lab.sample_files import flip_byte

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from conftest import FAMILY_REPRESENTATIVES
-from hs_patch import lazy_sample, store
+from hs_patch.engine.releases import RELEASES, TARGET, apply_edits
 from hs_patch.host.fidelity.rows import Norms, check_rows
-from hs_patch.releases import RELEASES, TARGET, apply_edits
+from hs_patch.samples import lazy_sample, store
 from hs_patch.server import config, hook
 from hs_patch.server.ranks import RankHook
 from lab.sglang_sim import Part, ReleaseCode, Sim, make_batch, reference

@@ -21,7 +21,7 @@ import pytest
 
 import torch
 
-from hs_patch import reader, store
+from hs_patch.samples import reader, store
 from hs_patch.server.inplace import InPlaceSample
 from hs_patch.server.writer import PassRecord, Writer
 

@@ -9,9 +9,9 @@ import uuid
 import pytest
 import torch
 
-from hs_patch import reader
 from hs_patch.host import extract_cli, patch_cli
 from hs_patch.host.shipping import shipper
+from hs_patch.samples import reader
 from lab.sample_files import flip_byte, write_finished
 from lab.ship_runs import ship_cmd
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import os
 
-from hs_patch import store
 from hs_patch.host.driver import runstate
 from hs_patch.host.shipping import shipper
+from hs_patch.samples import store
 from lab.sample_files import flip_byte
 from lab.ship_runs import dirs, make_samples, ship_cmd, shipped_records, status
 

@@ -12,8 +12,8 @@ import uuid
 
 import pytest
 
-from hs_patch.files import RANGE, RANGED
 from hs_patch.host.shipping import bucket, shipper
+from hs_patch.samples.files import RANGE, RANGED
 from lab import seaweed
 from lab.ship_runs import (assert_bucket_has, assert_shipped_locally, dirs, make_samples, objects, ship_cmd,
                            shipped_records, status, store_manifest)

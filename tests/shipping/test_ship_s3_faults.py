@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from hs_patch import store
-from hs_patch.files import RANGE
 from hs_patch.host.driver import runstate
 from hs_patch.host.shipping import bucket, bucket_link, shipper
+from hs_patch.samples import store
+from hs_patch.samples.files import RANGE
 from lab import waiting
 from lab.ship_runs import (assert_bucket_has, assert_shipped_locally, digest_of, dirs, make_samples, objects,
                            ship_cmd, shipped_records, status, store_manifest)

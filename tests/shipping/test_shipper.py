@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from lab import loopback_sshd
-from hs_patch import store
 from hs_patch.host.shipping import link as ship_link, shipper
+from hs_patch.samples import store
 from lab.sample_files import flip_byte
 from lab.ship_runs import (assert_destination_has, assert_shipped_locally, dirs, make_samples, ship_cmd,
                            shipped_records, status)

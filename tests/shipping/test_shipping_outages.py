@@ -11,10 +11,10 @@ from pathlib import Path
 
 
 from lab import loopback_sshd
-from hs_patch import store
 from hs_patch.control import remote
 from hs_patch.control.inventory import Target
 from hs_patch.host.shipping import link as ship_link, shipper
+from hs_patch.samples import store
 from lab.ship_runs import assert_destination_has, dirs, make_samples, ship_cmd, shipped_records, status
 
 ROOT = Path(__file__).resolve().parents[2]

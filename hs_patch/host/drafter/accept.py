@@ -212,7 +212,7 @@ def run(a: argparse.Namespace, progress: Callable[[int, int], None] = lambda don
               "by_conversation": [{k: v for k, v in asdict(c).items() if k not in dropped} for c in convs],
               "rejects": rejects}
     if a.out:
-        from hs_patch.files import write_text_atomic
+        from hs_patch.samples.files import write_text_atomic
 
         write_text_atomic(a.out, json.dumps(report, indent=1) + "\n", fsync=True, mode=0o600)
     return summary

@@ -1,7 +1,7 @@
 """``hs-extract drafter-config``: the ``eagle_config`` a drafter is served with.
 
 The block makes the SGLang release the drafter will be served on feed it exactly the planes
-it was trained on (rules per release in :mod:`hs_patch.serving`). The planes come from an
+it was trained on (rules per release in :mod:`hs_patch.engine.serving`). The planes come from an
 export (``export.json``), a samples directory (a sample's header) or ``--layers``; the
 model's depth and architecture from ``--model`` or the export.
 """
@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from hs_patch import serving, store
+from hs_patch.engine import serving
+from hs_patch.samples import store
 
 DESCRIPTION = """\
 Print (or write into a drafter's config.json) the eagle_config block that makes an SGLang

@@ -1,7 +1,7 @@
 """Adopt: move a sample the hook wrote, loss mask and provenance included, into the run's samples dir.
 
 The hook's writer already wrote the final sample (it read the driver's intent: see
-:mod:`hs_patch.intent`), hashed once as it was written. Adopting it costs the driver a
+:mod:`hs_patch.samples.intent`), hashed once as it was written. Adopting it costs the driver a
 header read, a rename and two manifest lines, whatever its size: the header is checked
 (format, key, length, the loss mask and the sample id the driver asked for), the file is
 renamed into the samples directory (same filesystem: checked when the run starts), the
@@ -10,7 +10,7 @@ capture manifest its ``op: remove``. A crash in between leaves either the file i
 capture dir (redone, then swept) or a file in the samples dir without a manifest line
 (removed on resume), never a sample counted as done without its file. The writer never
 moves a sample over another (a retried request keeps its first capture:
-:func:`hs_patch.store.publish`), so the file at the entry's name is the one the entry's
+:func:`hs_patch.samples.store.publish`), so the file at the entry's name is the one the entry's
 sha256 describes, and the one the fidelity check read.
 """
 
@@ -21,8 +21,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from hs_patch import intent, reader, store
 from hs_patch.host.driver.capture_dir import CaptureWatcher
+from hs_patch.samples import intent, reader, store
 
 
 # copied from its metadata into the manifest line: where the sample was extracted, and the sha256 of its

@@ -25,10 +25,10 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
-from hs_patch import reader, store
 from hs_patch.host.driver.chat import encode_text
 from hs_patch.host.driver.client import ClientError, SGLangClient
 from hs_patch.host.driver.runstate import RunError
+from hs_patch.samples import reader, store
 from hs_patch.server import fingerprint
 
 HOOK_STATUS = "hook_status.json"

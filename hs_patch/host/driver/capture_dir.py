@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from hs_patch import intent, store
+from hs_patch.samples import intent, store
 
 
 class RawTimeout(TimeoutError):

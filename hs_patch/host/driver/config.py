@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hs_patch.host.driver import dataset
-from hs_patch import shard, store
+from hs_patch import shard
 from hs_patch.names import check_run_name
+from hs_patch.samples import store
 
 
 @dataclass

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hs_patch.files import write_text_atomic
 from hs_patch.host.driver import runstate
+from hs_patch.samples.files import write_text_atomic
 
 FILE = "missing.jsonl"
 SHOWN = 10

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from hs_patch.files import write_text_atomic
 from hs_patch.host.driver import datafile, dataset, runstate
+from hs_patch.samples.files import write_text_atomic
 
 VANISHED = "vanished.jsonl"
 SHOWN = 5  # sample ids named in a message

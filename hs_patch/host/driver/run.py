@@ -4,7 +4,7 @@ Per sample (``--concurrency`` at a time): build the token ids and loss mask (cha
 template, or pre-tokenized), optionally regenerate the assistant turns with the target
 model first (rids ``nocap-...``, not captured), drop it if its tokens duplicate a sample
 already done or in flight, wait while the dump filesystems are above the high-water mark,
-write its intent (loss mask + provenance, ``hs_patch.intent``) into the capture dir, send
+write its intent (loss mask + provenance, ``hs_patch.samples.intent``) into the capture dir, send
 a prefill-only ``/generate`` with the ids, wait for the hook's sample to appear in the
 capture dir's manifest (written once, with the mask), and adopt it (a rename into the
 samples dir, ``adopt.py``). Every decision goes to the ledger; bad input to the rejects file; progress to
@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Container, Optional
 
-from hs_patch import __version__, intent, kv_cache, store
+from hs_patch import __version__
+from hs_patch.engine import kv_cache
 from hs_patch.host.driver import capture_check, chat, dataset, limits, missing, reconcile, runstate
 from hs_patch.host.driver.backpressure import BackPressure, disk_usage
 from hs_patch.host.driver.capture_dir import CaptureWatcher
@@ -35,6 +36,7 @@ from hs_patch.host.driver.turns import Turns
 from hs_patch.host.driver.startup import Pending, Timings, ask_server
 from hs_patch.host.driver.sample_steps import (CAPTURE_PARAMS, EXIT_ERROR, EXIT_FAILURES, EXIT_INCOMPLETE,  # noqa: F401
                                         EXIT_OK, EXIT_SIGNAL, SampleSteps)  # (re-exported)
+from hs_patch.samples import intent, store
 
 CAPTURE_LOCK = ".hs-driver.lock"
 QUEUE_POLL_S = 2.0   # --queue: how often a queued run tries the capture dir's lock

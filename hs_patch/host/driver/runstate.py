@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from hs_patch import store
-from hs_patch.files import JsonLog, write_text_atomic
+from hs_patch.samples import store
+from hs_patch.samples.files import JsonLog, write_text_atomic
 
 RUN_JSON, LEDGER, REJECTS, STATUS, SHIPPED, LOCK = (
     "run.json", "ledger.jsonl", "rejects.jsonl", "status.json", "shipped.jsonl", "lock")

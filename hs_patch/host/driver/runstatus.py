@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from hs_patch import store
+from hs_patch.samples import store
 
 
 @dataclass

@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Optional
 
-from hs_patch import __version__, intent, reader, store
+from hs_patch import __version__
 from hs_patch.host.driver import chat, dataset, limits, runstate
 from hs_patch.host.fidelity import check as fidelity
 from hs_patch.host.driver.adopt import AdoptError, adopt
@@ -26,6 +26,7 @@ from hs_patch.host.fidelity import settings
 from hs_patch.host.fidelity.policy import FidelityMonitor
 from hs_patch.host.driver.startup import Pending
 from hs_patch.host.model_files import ModelFileError, check_head_and_norm
+from hs_patch.samples import intent, reader, store
 
 EXIT_OK, EXIT_ERROR, EXIT_INCOMPLETE, EXIT_FAILURES, EXIT_SIGNAL = 0, 1, 3, 4, 130  # hs-extract drive's exit codes
 CAPTURE_PARAMS = {"max_new_tokens": 1, "temperature": 0.0}  # 1 new token: the least that runs a prefill

@@ -7,6 +7,6 @@
 - ``arrow``: speculators' ``datasets`` table (``input_ids``, ``loss_mask``, ``seq_len``);
 - ``run``: the parallel, resumable run with its progress bar; ``cli``: the subcommand.
 
-Samples are read only through :mod:`hs_patch.reader` and the manifest helpers of
-:mod:`hs_patch.store`, so the exporters follow the sample format when it changes.
+Samples are read only through :mod:`hs_patch.samples.reader` and the manifest helpers of
+:mod:`hs_patch.samples.store`, so the exporters follow the sample format when it changes.
 """

@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
 
-from hs_patch import lazy_sample, store
+from hs_patch.samples import lazy_sample, store
 
 STATE, INFO = "state.json", "dataset_info.json"
 WRITER_BATCH = 64   # rows per Arrow record batch: bounds memory for long samples

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from hs_patch.files import disk_full
+from hs_patch.samples.files import disk_full
 
 DESCRIPTION = """\
 Export finished samples (a driver's --samples-dir, or a shipped RUN directory with
@@ -61,7 +61,7 @@ def run_args(a: argparse.Namespace) -> int:
     from hs_patch.host.export.run import export
     from hs_patch.host.export.spec import ExportRefused, ExportSpec
     from hs_patch.host.model_files import ModelFileError
-    from hs_patch.store import SampleError
+    from hs_patch.samples.store import SampleError
 
     try:
         layers = [int(x) for x in a.layers.replace(" ", "").split(",") if x]

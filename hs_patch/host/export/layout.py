@@ -3,7 +3,7 @@
 ``export.json`` (rewritten atomically) holds what the export is (format, layers, fp8,
 source, the serving ids per SGLang release) and its ``state``: ``in-progress`` from the
 first change of a run until every sample is in place (and speculators' table written),
-then ``complete``. ``export.jsonl`` is an append-only :class:`hs_patch.store.Manifest`: one
+then ``complete``. ``export.jsonl`` is an append-only :class:`hs_patch.samples.store.Manifest`: one
 ``add`` per exported file (``file``, ``bytes``, ``sha256``, the source's ``src_sha256``,
 ``row`` for speculators), ``remove`` when a sample left the source. Files a trainer would
 pick up but that no live entry names (an older run's, a crash's) are deleted: SpecForge
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
-from hs_patch import store
+from hs_patch.samples import store
 
 INFO = "export.json"
 LOG = "export.jsonl"

@@ -1,6 +1,6 @@
 """The export run: plan, then every sample in a pool of worker processes, then the table.
 
-Workers read a sample through :func:`hs_patch.lazy_sample.open_sample` (checked against the
+Workers read a sample through :func:`hs_patch.samples.lazy_sample.open_sample` (checked against the
 source manifest's sha256), write its export file and return a manifest record; only this
 process appends to ``export.jsonl``. At most ``2 x workers`` samples are in flight, so
 memory is bounded by the largest samples, not the dataset. A re-run keeps every file
@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-from hs_patch import __version__, lazy_sample, reader, serving, store
-from hs_patch.files import disk_full
+from hs_patch import __version__
+from hs_patch.engine import serving
 from hs_patch.host.export import arrow, layout
 from hs_patch.host.export.spec import ExportRefused, ExportSpec, check_sample, resolve
+from hs_patch.samples import lazy_sample, reader, store
+from hs_patch.samples.files import disk_full
 
 
 @dataclass
@@ -121,7 +123,7 @@ def work(t: Task) -> dict[str, Any]:
 
 def source_entries(src: Path) -> dict[str, dict[str, Any]]:
     """The live samples of a samples dir or shipped destination, or of a whole fleet run
-    (``RUN/HOST/`` parts, merged by :func:`hs_patch.reader.manifest_entries`)."""
+    (``RUN/HOST/`` parts, merged by :func:`hs_patch.samples.reader.manifest_entries`)."""
     if not src.is_dir():
         raise ExportRefused(f"{src} {'is not a directory' if src.exists() else 'does not exist'}: give a driver's "
                             "--samples-dir, a shipped run directory (RUN/ with manifest.jsonl and samples/) or a "

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional
 
-from hs_patch import store
+from hs_patch.samples import store
 
 FORMATS = ("specforge", "speculators")
 SPECFORGE_AUX = 3

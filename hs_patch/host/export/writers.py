@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Sequence
 
-from hs_patch import store
-from hs_patch.lazy_sample import LazySample
+from hs_patch.samples import store
+from hs_patch.samples.lazy_sample import LazySample
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

@@ -46,11 +46,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from hs_patch import lazy_sample, store
 from hs_patch.host.driver.client import generated_token, server_top
 from hs_patch.host.fidelity.checksums import Embeddings
 from hs_patch.host.fidelity.gaps import DEFAULT_GAP_POSITIONS, Gap, compare_gaps
 from hs_patch.host.fidelity.rows import DEFAULT_ROWS, Norms, check_rows
+from hs_patch.samples import lazy_sample, store
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

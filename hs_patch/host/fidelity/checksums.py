@@ -25,7 +25,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from hs_patch import store
+from hs_patch.samples import store
 from hs_patch.server import fingerprint, fp8
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -39,10 +39,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from hs_patch import lazy_sample, store
 from hs_patch.host.fidelity import relations
 from hs_patch.host.fidelity.checksums import Embeddings, mismatched_rows
-from hs_patch.reader import source_dtype
+from hs_patch.samples import lazy_sample, store
+from hs_patch.samples.reader import source_dtype
 from hs_patch.server import fingerprint, fp8
 
 if TYPE_CHECKING:  # pragma: no cover

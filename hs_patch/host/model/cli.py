@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hs_patch.files import quiet_when_stdout_closes
 from hs_patch.host.model import fetch as dl
 from hs_patch.host.model.listing import (MANIFEST, Listing, ModelSourceError, hub_identity, hub_listing,
                                          manifest_listing)
 from hs_patch.host.model.verify import Finding, check_dir, forget, readable_by_all, unchanged, write_records
+from hs_patch.samples.files import quiet_when_stdout_closes
 
 EXIT_OK, EXIT_SOURCE, EXIT_ROOM, EXIT_DAMAGED, EXIT_NOTHING = 0, 1, 2, 3, 5
 

@@ -26,8 +26,8 @@ import urllib.request
 from pathlib import Path
 from typing import Callable
 
-from hs_patch.files import write_all
 from hs_patch.host.model.listing import MANIFEST, Listing, ModelSourceError, manifest_listing
+from hs_patch.samples.files import write_all
 
 PARTIAL = ".hs-model-partial"
 RSYNC_PARTIAL = ".hs-model-rsync-partial"

@@ -1,7 +1,7 @@
 """Check a model directory against its listing, and keep what was verified.
 
 Every file is hashed (sha256; the git blob id too where that is what the source gives),
-several at once (hashlib releases the GIL, :func:`hs_patch.files.side_by_side`), and its size
+several at once (hashlib releases the GIL, :func:`hs_patch.samples.files.side_by_side`), and its size
 and checksum compared with the listing. The outcome is kept in two files in the directory:
 
 - ``hs-model-manifest.json`` (:data:`listing.MANIFEST`): the source's identity and every
@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hs_patch.files import file_sha256, side_by_side, write_text_atomic
 from hs_patch.host.model.listing import MANIFEST, FileSpec, Listing, manifest_text
+from hs_patch.samples.files import file_sha256, side_by_side, write_text_atomic
 
 RECORD = ".hs-model-verified.json"
 PUBLIC = 0o644

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import hashlib
 
-from hs_patch.families import ATTN_INPUT, ATTN_INPUT_LINE, Edit
-from hs_patch.releases import RELEASES, Release, apply_edits
+from hs_patch.engine.families import ATTN_INPUT, ATTN_INPUT_LINE, Edit
+from hs_patch.engine.releases import RELEASES, Release, apply_edits
 
 _EARLIER_LAYOUT = (("(see hs_patch.hook)", "(see hs_patch.server.hook)"),
                    ("from hs_patch.hook import attach", "from hs_patch.server.hook import attach"))

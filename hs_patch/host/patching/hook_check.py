@@ -9,8 +9,8 @@ from __future__ import annotations
 import ast
 import hashlib
 
-from hs_patch.families import LAYER_POINT
-from hs_patch.releases import PatchError, Release, pristine_text
+from hs_patch.engine.families import LAYER_POINT
+from hs_patch.engine.releases import PatchError, Release, pristine_text
 
 
 class VerifyFailed(Exception):

@@ -1,5 +1,5 @@
 """``hs-patch inspect``: check a sample file, or a samples directory or shipped run against its
-manifest (the checks themselves: :mod:`hs_patch.reader`)."""
+manifest (the checks themselves: :mod:`hs_patch.samples.reader`)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def _listed(p: Path) -> dict[str, Any] | None:
     """The manifest entry that lists sample file ``p``: in its own directory (the capture dir, the driver's
     samples) or the one above (a shipped run's samples/). Unusable manifest lines are passed over here
     (inspecting the directory reports them); None if no manifest lists ``p``."""
-    from hs_patch import reader, store
+    from hs_patch.samples import reader, store
 
     for d in (p.parent, p.parent.parent):
         if (d / store.MANIFEST).is_file():
@@ -59,7 +59,7 @@ def _listed(p: Path) -> dict[str, Any] | None:
 
 def inspect(path: str, deep: bool, workers: int = 1, show_progress: bool = False) -> dict[str, Any]:
     try:
-        from hs_patch import reader, store
+        from hs_patch.samples import reader, store
     except ImportError as e:  # pragma: no cover - store imports only the standard library
         raise SystemExit(f"hs-patch inspect needs the host extra: pip install 'hs-patch[host]' ({e})")
     p = Path(path)

@@ -5,7 +5,7 @@ hand-edited one) is refused; ``hs-patch status`` then names the known release wh
 anchors and regions the file matches best, and shows, for each anchor that is not there, a
 unified diff of the anchor against the closest lines of the file, so adding the release is a
 reviewed step: read the diff, read SGLang's code, write its entry and slots in
-hs_patch/releases.py (a new family's edits in hs_patch/families.py).
+hs_patch/engine/releases.py (a new family's edits in hs_patch/engine/families.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import difflib
 import hashlib
 from dataclasses import dataclass
 
-from hs_patch.releases import REGIONS, RELEASES, Release
+from hs_patch.engine.releases import REGIONS, RELEASES, Release
 
 MAX_DIFF_LINES = 12  # per anchor
 
@@ -73,8 +73,8 @@ class Nearest:
         out.append(("every anchor is there once, so the family's edits would apply" if not self.missing else
                     "the family's edits do not apply as they are") + ": adding this release is a reviewed step: read "
                    "SGLang's code in the regions that differ (docs/capture.md lists what each family relies on), then "
-                   "write its entry and slots in hs_patch/releases.py (a new family's edits in hs_patch/families.py) "
-                   "and run the tests on its wheel")
+                   "write its entry and slots in hs_patch/engine/releases.py (a new family's edits in "
+                   "hs_patch/engine/families.py) and run the tests on its wheel")
         return out
 
 

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from hs_patch.files import write_all
+from hs_patch.engine.releases import (RELEASES, TARGET, Release, apply_edits, by_patched_sha, by_pristine_sha,
+                                      pristine_text)
 from hs_patch.host.patching.earlier import from_earlier_layout, from_earlier_patch
 from hs_patch.host.patching.hook_check import VerifyFailed, check_patched
-from hs_patch.releases import (RELEASES, TARGET, Release, apply_edits, by_patched_sha, by_pristine_sha,
-                               pristine_text)
+from hs_patch.samples.files import write_all
 
 BACKUP_SUFFIX = ".hs_patch.orig"
 TARGET_DIR = os.path.dirname(TARGET)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from hs_patch.flags import REQUIRED_FLAGS, args_violations
+from hs_patch.engine.flags import REQUIRED_FLAGS, args_violations
+from hs_patch.engine.releases import RELEASES
 from hs_patch.host.patching import patcher
 from hs_patch.host.patching.nearest import nearest
-from hs_patch.releases import RELEASES
 from hs_patch.server import config
 
 
@@ -54,7 +54,7 @@ def _unknown_hints(t: patcher.Target) -> list[str]:
 
 
 def check_args(site: str | None, release: str | None, args: list[str]) -> dict[str, Any]:
-    """Check a server command line against the capture hook's rules (hs_patch.flags)."""
+    """Check a server command line against the capture hook's rules (hs_patch.engine.flags)."""
     if release is None:
         t = patcher.inspect_target(site)
         if t.release is None:
@@ -71,9 +71,9 @@ def check_args(site: str | None, release: str | None, args: list[str]) -> dict[s
 
 
 def serving_ids(layers: Any, release: str | None, model: str | None) -> dict[str, Any]:
-    """The drafter eagle_config that serves the captured layers on this release (hs_patch.serving).
+    """The drafter eagle_config that serves the captured layers on this release (hs_patch.engine.serving).
     Unset HS_CAPTURE_LAYERS means the model's own default, known only with ``--model``."""
-    from hs_patch import serving
+    from hs_patch.engine import serving
 
     if not release:
         return {}

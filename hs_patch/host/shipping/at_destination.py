@@ -47,13 +47,13 @@ MANIFEST = "manifest.jsonl"
 LOCK = ".manifest.lock"
 DAMAGED = ".damaged"
 VERIFYING = ".hs-verifying."  # in INCOMING: a file this step took from rsync's name before hashing it
-RANGE, RANGED = 64 << 20, "sha256r64m:"  # hs_patch.files' ranged digest
+RANGE, RANGED = 64 << 20, "sha256r64m:"  # hs_patch.samples.files' ranged digest
 
 
 def sha256_and_sync(path, like=""):
     """(size, digest) of a file, of the kind of ``like`` (the digest the GPU host recorded: a plain
     sha256, or RANGED + the sha256 of its 64 MiB ranges' sha256 digests, the capture writer's since
-    issue #22), and its data made durable (hs_patch.files.file_digest is not importable here)."""
+    issue #22), and its data made durable (hs_patch.samples.files.file_digest is not importable here)."""
     ranges = like.startswith(RANGED)
     h, digests = hashlib.sha256(), []
     size = 0

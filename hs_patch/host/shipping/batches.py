@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hs_patch import store
 from hs_patch.host.shipping.link import RSYNC_PER_FILE, Commit, Link, LinkError, SshOptions
+from hs_patch.samples import store
 
 from hs_patch.host.driver.runstate import DONE as DONE_MARKER  # noqa: E402
 from hs_patch.host.driver.runstate import SHIPPED as SHIPPED_LOG  # noqa: E402

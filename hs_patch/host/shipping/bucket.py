@@ -10,7 +10,7 @@ Verification is the store's own, with S3's SHA256 checksums:
   sha256 of its bytes; a larger one in a multipart upload of 64 MiB parts, each carrying its part's
   sha256. The store refuses a body that does not match (BadDigest), and for the multipart object it
   computes the composite checksum, the sha256 of the parts' sha256 digests: exactly the capture
-  writer's ranged digest (``sha256r64m:``, :func:`hs_patch.files.ranged`). So the store checks our
+  writer's ranged digest (``sha256r64m:``, :func:`hs_patch.samples.files.ranged`). So the store checks our
   own digest; the digest of the bytes read here is compared with the manifest's before the upload
   is completed (a local file damaged since it was written never ships);
 - then a HEAD: size and checksum must match the manifest line before the sample counts as shipped.
@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from hs_patch.files import RANGE, RANGED, ranged
 from hs_patch.host.shipping import at_destination
 from hs_patch.host.shipping.link import ConfigError, LinkError
+from hs_patch.samples.files import RANGE, RANGED, ranged
 
 SCHEME = "s3://"
 MANIFEST = "manifest.jsonl"

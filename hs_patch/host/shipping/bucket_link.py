@@ -25,10 +25,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from hs_patch.files import RANGE, RANGED, JsonLog, file_sha256, ranged, read_jsonl, write_text_atomic
 from hs_patch.host.shipping.bucket import (SAMPLES, SINGLE_PUT_MAX, Bucket, BucketDest, DigestRefused, Raced,
                                            S3Options, b64, checksum_matches, error_code)
 from hs_patch.host.shipping.link import LinkError
+from hs_patch.samples.files import RANGE, RANGED, JsonLog, file_sha256, ranged, read_jsonl, write_text_atomic
 
 UPLOADS = "s3_uploads.jsonl"
 

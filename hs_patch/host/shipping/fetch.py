@@ -19,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from hs_patch.files import file_digest, private_dirs, write_all, write_atomic
 from hs_patch.host.shipping import at_destination, bucket
 from hs_patch.host.shipping.link import ConfigError, LinkError
+from hs_patch.samples.files import file_digest, private_dirs, write_all, write_atomic
 
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 

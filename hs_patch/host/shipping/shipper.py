@@ -25,11 +25,11 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from hs_patch import store
 from hs_patch.host.shipping import bucket
 from hs_patch.host.shipping.link import ConfigError, Link, LinkError, SshOptions, parse_dest
 from hs_patch.host.shipping.batches import (DONE_MARKER, EXIT_ERROR, EXIT_OK, EXIT_UNVERIFIED, EXIT_USAGE, SHIPPED_LOG,
                                 STATUS_FILE, ShipConfig, Shipper)
+from hs_patch.samples import store
 
 __all__ = ["ship", "ShipConfig", "main", "add_arguments", "run_args", "SHIPPED_LOG", "STATUS_FILE",
            "DONE_MARKER", "LOCK_FILE", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_UNVERIFIED"]

@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT))
 testinfra_hosts = ["ansible://gpu1"]
 
 WRITE_SAMPLE = """
-from hs_patch import store
+from hs_patch.samples import store
 ids = list(range(1000, 1016))
 key = store.sample_key(ids)
 t = store.TensorBytes("input_ids", "I64", (len(ids),), [store.ids_bytes(ids)])

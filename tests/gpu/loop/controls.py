@@ -62,7 +62,7 @@ def transform(kind: str, x: dict[str, torch.Tensor], plane: Any, layers: list[in
 
 def make(kind: str, samples_dir: Path, ours: Path, out: Path, layers: list[int]) -> dict:
     """Write control ``kind`` of every file of ``ours`` under ``out`` (files already there are kept)."""
-    from hs_patch import lazy_sample, reader
+    from hs_patch.samples import lazy_sample, reader
 
     t0 = time.time()
     entries, _ = reader.manifest_entries(samples_dir)

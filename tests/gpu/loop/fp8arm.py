@@ -66,7 +66,7 @@ def _summary(v: dict[str, list[float]]) -> dict[str, Any]:
 def compare(bf16_dir: Path, fp8_dir: Path, limit: int, device: str) -> dict[str, Any]:
     """Per plane: the fp8 run's rows against the bf16 run's, and the bf16 rows quantized here (per token,
     per block of 128), over at most ``limit`` samples paired by key (every row of each)."""
-    from hs_patch.reader import manifest_entries, read_sample
+    from hs_patch.samples.reader import manifest_entries, read_sample
 
     a, _ = manifest_entries(bf16_dir)
     b, _ = manifest_entries(fp8_dir)
@@ -95,7 +95,7 @@ def bytes_per_token(samples: Path) -> dict[str, Any]:
     """Every listed sample file's bytes over its tokens (the count from each file's header)."""
     from safetensors import safe_open
 
-    from hs_patch.reader import manifest_entries
+    from hs_patch.samples.reader import manifest_entries
 
     entries, _ = manifest_entries(samples)
     nbytes = tokens = 0

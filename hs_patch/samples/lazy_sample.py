@@ -1,7 +1,7 @@
 """Reading one sample lazily, for readers that stream large samples (the exporters, the fidelity check).
 
 ``open_sample`` opens a sample as a memory map and makes the checks of
-:func:`hs_patch.reader.read_sample` on its header (format tag, every declared plane's dtype
+:func:`hs_patch.samples.reader.read_sample` on its header (format tag, every declared plane's dtype
 and shape, the fingerprint and checksum tensors', that the token ids hash to the key; given its manifest
 entry, size and sha256 first); :class:`LazySample` then reads one tensor, or a few rows of a
 plane, at a time, so memory holds what was asked for, not the file. An fp8 sample's planes are read
@@ -15,9 +15,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from hs_patch.reader import check_entry, is_fp8, record_shapes, source_dtype
+from hs_patch.samples.reader import check_entry, is_fp8, record_shapes, source_dtype
+from hs_patch.samples.store import FORMATS_READ, SampleError, sample_key
 from hs_patch.server import fp8
-from hs_patch.store import FORMATS_READ, SampleError, sample_key
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -50,7 +50,7 @@ class LazySample:
 
     @property
     def fp8(self) -> bool:
-        """Its planes are fp8 with a scale a token (checked at open: :func:`hs_patch.reader.is_fp8`)."""
+        """Its planes are fp8 with a scale a token (checked at open: :func:`hs_patch.samples.reader.is_fp8`)."""
         return self._fp8
 
     def has(self, name: str) -> bool:
@@ -101,7 +101,7 @@ def open_sample(path: str | os.PathLike, *, entry: Mapping[str, Any] | None = No
     """
     from safetensors import SafetensorError, safe_open
 
-    from hs_patch.store import DTYPE_NAMES
+    from hs_patch.samples.store import DTYPE_NAMES
 
     path = Path(path)
     if entry is not None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from hs_patch.files import write_text_atomic
+from hs_patch.samples.files import write_text_atomic
 
 FORMAT = "hs_patch.intent/1"
 DIR = "intents"

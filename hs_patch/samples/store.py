@@ -7,7 +7,7 @@ A sample is everything the capture hook saw for one request:
 - ``final.pre_norm`` [L, H]      output of the last decoder layer, before the final norm
 - ``final.post_norm`` [L, H]     the same after the final norm (what the LM head reads)
 - ``input_ids``      int64 [L]   the tokens the server prefilled
-- ``loss_mask``      uint8 [L]   from the driver's intent (see :mod:`hs_patch.intent`), when
+- ``loss_mask``      uint8 [L]   from the driver's intent (see :mod:`hs_patch.samples.intent`), when
                                  the request came from the driver
 
 Format 2 (``hs_patch.sample/2``) is written ONCE by the hook: the planes come first in the
@@ -23,9 +23,9 @@ ids in the forward batch) and however the prefill was chunked. Files are written
 ``.tmp/`` and renamed when complete; a reader never sees a partial file. Every
 completed file is recorded in ``manifest.jsonl`` with its byte size and sha256, hashed
 once, as it is written (or, for a chunked prompt, once when its last chunk is in). The
-capture writer records a *ranged* sha256 (``sha256r64m:<hex>``, :data:`hs_patch.files.RANGED`:
+capture writer records a *ranged* sha256 (``sha256r64m:<hex>``, :data:`hs_patch.samples.files.RANGED`:
 the sha256 of the sha256 digests of the file's 64 MiB ranges, hashed side by side, issue #22);
-every reader verifies a file the way its digest says (:func:`hs_patch.files.file_digest`), so
+every reader verifies a file the way its digest says (:func:`hs_patch.samples.files.file_digest`), so
 samples with a plain sha256 read as before.
 
 Imported inside the SGLang server by the capture hook: standard library at import time
@@ -43,14 +43,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from hs_patch.files import (PRIVATE, RANGE, JsonLog, append_line, digests_apart, file_digest, file_sha256, private_dirs,
-                            pwrite_all, ranged, side_by_side, size_change, write_all, write_text_atomic)
-from hs_patch.files import read_jsonl as _read_jsonl
+from hs_patch.samples.files import (PRIVATE, RANGE, JsonLog, append_line, digests_apart, file_digest, file_sha256,
+                                    private_dirs, pwrite_all, ranged, read_jsonl as _read_jsonl, side_by_side,
+                                    size_change, write_all, write_text_atomic)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["file_sha256", "write_text_atomic"]  # re-exported: the shared helpers of hs_patch.files
+__all__ = ["file_sha256", "write_text_atomic"]  # re-exported: the shared helpers of hs_patch.samples.files
 
 FORMAT = "hs_patch.sample/4"  # 4: + the checksum tensor and the additive relation's streams (issue #33)
 FORMAT_FP8 = "hs_patch.sample/5"  # 5: fp8 planes with a scale a token (HS_CAPTURE_DTYPE=fp8, issue #35); bf16 stay 4
@@ -237,7 +237,7 @@ class Written:
 
 def _write_ranged(fd: int, buffers: list[Any]) -> str:
     """Write the buffers to ``fd`` as one file and return its ranged digest: each RANGE of the file written
-    and hashed by its own task, side by side (:func:`hs_patch.files.side_by_side`)."""
+    and hashed by its own task, side by side (:func:`hs_patch.samples.files.side_by_side`)."""
     pieces, total = [], 0
     for buf in buffers:
         view = memoryview(buf).cast("B")
@@ -360,7 +360,7 @@ def verify_entry(directory: str | os.PathLike, entry: Mapping[str, Any]) -> str 
 class Manifest(JsonLog):
     """Append-only JSON-lines log of completed samples (``op: add``) and removals.
 
-    One whole line per record, appended under ``flock`` (:class:`hs_patch.files.JsonLog`),
+    One whole line per record, appended under ``flock`` (:class:`hs_patch.samples.files.JsonLog`),
     so several processes (the hook's writer, the driver) can append to the same file; a
     full disk leaves no torn line. ``name`` picks another log of the same kind (the
     shipper's ``shipped.jsonl``).

@@ -6,7 +6,7 @@ is recorded too, so ``verify`` can tell an intact patch from a damaged one. Each
 replaces one anchor that must occur exactly once in the pristine file, at the line recorded.
 
 Releases are grouped into families by the code the patch touches; the families and the code
-each inserts are in :mod:`hs_patch.families`, with ``<<slot>>`` names for the lines its
+each inserts are in :mod:`hs_patch.engine.families`, with ``<<slot>>`` names for the lines its
 releases spell differently; a release here gives its family and its own spelling in ``own``.
 Per-release findings: docs/capture.md.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from hs_patch.families import COMMUNICATOR, LAYER_BOUNDARY, LAYER_POINT, Edit, Family
+from hs_patch.engine.families import COMMUNICATOR, LAYER_BOUNDARY, LAYER_POINT, Edit, Family
 
 TARGET = "sglang/srt/models/deepseek_v2.py"
 # The regions of deepseek_v2.py the patch touches or depends on, compared by hs-patch status

@@ -1,5 +1,5 @@
-"""Reading and checking samples, every format in :data:`hs_patch.store.FORMATS_READ` (1 to 5; see
-:mod:`hs_patch.store` for the format; 5: fp8 planes, read dequantized unless asked for raw).
+"""Reading and checking samples, every format in :data:`hs_patch.samples.store.FORMATS_READ` (1 to 5; see
+:mod:`hs_patch.samples.store` for the format; 5: fp8 planes, read dequantized unless asked for raw).
 
 ``read_sample`` validates one file (format tag, planes and shapes, dtype, that the token
 ids hash to the sample's key, and size + sha256 against its manifest entry);
@@ -7,7 +7,7 @@ ids hash to the sample's key, and size + sha256 against its manifest entry);
 tag, key and tensor extents; the tensor data is not read, so a flipped byte there is
 found only by the deep check); ``check_dir`` checks a whole directory against its
 manifest, deep or quick, in parallel; ``hs-patch inspect`` is the command-line face.
-Reading a large sample one tensor at a time, with the same checks: :mod:`hs_patch.lazy_sample`.
+Reading a large sample one tensor at a time, with the same checks: :mod:`hs_patch.samples.lazy_sample`.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
-from hs_patch.files import UNREADABLE, digests_apart, file_digest, json_lines, size_change
+from hs_patch.samples.files import UNREADABLE, digests_apart, file_digest, json_lines, size_change
+from hs_patch.samples.store import (CHECK_ROWS, CHECK_TENSOR, DTYPE_NAMES, FORMAT_FP8, FORMATS_READ, MANIFEST,
+                                    SUFFIX, SampleError, sample_key)
 from hs_patch.server import fingerprint, fp8
-from hs_patch.store import (CHECK_ROWS, CHECK_TENSOR, DTYPE_NAMES, FORMAT_FP8, FORMATS_READ, MANIFEST, SUFFIX,
-                             SampleError, sample_key)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

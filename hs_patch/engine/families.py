@@ -1,11 +1,11 @@
 """The code the patch inserts into SGLang's ``deepseek_v2.py``, written once per family.
 
-Releases are grouped into families by the code the patch touches (:mod:`hs_patch.releases`
+Releases are grouped into families by the code the patch touches (:mod:`hs_patch.engine.releases`
 says which release is in which). ``Family.where`` says where each captures (always the
 residual stream *entering* layer i, after the layer's input step, so fully reduced even where
 flashinfer fusion defers the previous layer's all-reduce). A family writes its edits once with
 ``<<slot>>`` names for the lines its releases spell differently; a release gives its own
-spelling (``Release.own`` in :mod:`hs_patch.releases`). Each edit replaces one anchor that must
+spelling (``Release.own`` in :mod:`hs_patch.engine.releases`). Each edit replaces one anchor that must
 occur exactly once in the pristine file. Every inserted line carries or follows an
 ``hs_patch`` marker. The final norm's input and output are captured where the norm runs, and
 each captured layer hands the hook what its attention reads, which the fidelity check uses
