@@ -271,11 +271,17 @@ def check_rows(sample: lazy_sample.LazySample, norms: Optional[Norms], *, per_ch
     if additive:
         c.result.every_row.append("additive relations (layer + attention output = residual after it; the final "
                                   "norm's addition)")
-    planes = {p: _rows(sample, p, rows) for p in sample.planes}
-    scales = {p: _rows(sample, fp8.scale_name(p), rows) for p in sample.planes} if sample.fp8 else {}
+    if sample.fp8:  # each plane's rows read once, as stored, and its scales at once (4 bytes a token)
+        raw = {p: _rows(sample, p, rows, raw=True) for p in sample.planes}
+        scales = {p: sample.scale(p)[rows] for p in sample.planes}
+        source = source_dtype(meta)
+        planes = {p: fp8.dequantize(raw[p], scales[p], source) for p in sample.planes}
+    else:
+        raw, scales = {}, {}
+        planes = {p: _rows(sample, p, rows) for p in sample.planes}
     for p, data in planes.items():
         if sample.fp8:
-            c.quantized(p, _rows(sample, p, rows, raw=True), scales[p])
+            c.quantized(p, raw[p], scales[p])
         elif not checksummed:
             c.bytes(p, data)
         norms_ = data.float().norm(dim=-1)
