@@ -52,13 +52,16 @@ ENV_DOCS = (
      "(float8_e4m3fn with one fp32 scale a token a plane, amax/448, quantized on the GPU before the copy to the "
      "host: half the plane bytes through PCIe, host staging and disk; format hs_patch.sample/5, docs/samples.md; "
      "made at start besides: one work buffer of slot tokens x hidden x 2 bytes on the GPU, and in each staging "
-     "buffer the check rows' room, slot tokens x hidden x 2 bytes, as with HS_CAPTURE_FINAL=none). The "
+     "buffer the check rows' room, a quarter of slot tokens x hidden x 2 bytes, as with HS_CAPTURE_FINAL=none: "
+     "0.55 of bf16's staging memory at Kimi-K2.5's width). The "
      "fingerprints are of the values "
      "before quantization, the checksums of the bytes stored; the fidelity check's logits come from the bf16 "
      "check rows kept beside them (HS_CAPTURE_CHECK_ROWS)."),
     ("HS_CAPTURE_CHECK_ROWS", "16", "With HS_CAPTURE_FINAL=none or HS_CAPTURE_DTYPE=fp8 only: the LM head's input "
      "at each prompt's last N positions, as the engine computed it (bf16), is kept in the sample (tensor "
-     "check.post_norm, N x hidden x 2 bytes) for the fidelity check's logit gaps, which tie every sample to its own "
+     "check.post_norm, N x hidden x 2 bytes; a staging buffer has room for a quarter of a pass of such rows, so "
+     "a pass of more than slot tokens / 4N prompts keeps fewer a prompt, at least the last, each sample's header "
+     "saying how many) for the fidelity check's logit gaps, which tie every sample to its own "
      "request (hs-extract drive --fidelity-gap-positions, default 16); 0: none kept, and nothing ties such a sample "
      "to its request."),
 )

@@ -48,6 +48,7 @@ from hs_patch.server import config as capture_config
 from hs_patch.server import checks as server_checks
 from hs_patch.server import fingerprint, fp8, leftovers
 from hs_patch.server.device_ring import DeviceRing
+from hs_patch.server.check_rows import check_room
 from hs_patch.server.passes import Pass, Slot
 from hs_patch.server.ranks import RankHook, capturable, tp_all_reduce
 from hs_patch.server.records import PassRecord
@@ -153,7 +154,8 @@ class CaptureHook:
         # logits: where no final plane is stored, and where the stored ones are fp8
         self.check_rows = cfg.check_rows if cfg.final == "none" or self.fp8 else 0
         slots = [Slot(cfg.slot_tokens, len(self.planes), len(self.streams), hidden_size, itemsize, pinned, device,
-                      nchecksums=len(self.checksums), check=bool(self.check_rows), fp8=self.fp8)
+                      nchecksums=len(self.checksums), check=check_room(cfg.slot_tokens, self.check_rows),
+                      fp8=self.fp8)
                  for _ in range(cfg.slots)]  # all staging memory now: never an allocation on the forward path
         for slot in slots:
             self._free.put(slot)

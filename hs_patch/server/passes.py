@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 
 from hs_patch.server import fingerprint, fp8
+from hs_patch.server.check_rows import fit_check_counts
 from hs_patch.server.records import PassRecord
 
 
@@ -61,7 +62,7 @@ class Slot:
     device twins on ``device`` (the GPU's, made now too)."""
 
     def __init__(self, capacity: int, nplanes: int, nstreams: int, hidden: int, itemsize: int, pinned: bool,
-                 device: Optional[torch.device] = None, nchecksums: int = 0, check: bool = False,
+                 device: Optional[torch.device] = None, nchecksums: int = 0, check: int = 0,
                  fp8: bool = False):
         self.capacity, self.hidden, self.itemsize = capacity, hidden, itemsize
         self.plane_itemsize = 1 if fp8 else itemsize  # HS_CAPTURE_DTYPE=fp8: one byte a value, + a scale a row
@@ -75,9 +76,10 @@ class Slot:
                               pin_memory=pinned)
         self.cs = torch.empty(nchecksums, capacity, fingerprint.BLOCKS, dtype=torch.int32, device="cpu",
                               pin_memory=pinned)
-        # HS_CAPTURE_FINAL=none: the LM head's input at each part's last rows (at most every row of the pass)
-        self._check = torch.empty(capacity * hidden * itemsize if check else 0, dtype=torch.uint8, device="cpu",
-                                  pin_memory=pinned)
+        # HS_CAPTURE_FINAL=none or fp8: the LM head's input at each part's last rows, ``check`` rows of room
+        # (:mod:`hs_patch.server.check_rows`: a pass needing more keeps fewer rows a part)
+        self.check_room = check
+        self._check = torch.empty(check * hidden * itemsize, dtype=torch.uint8, device="cpu", pin_memory=pinned)
         self.fp_device = None if device is None else torch.empty(self.fp.shape, dtype=torch.float32, device=device)
         self.cs_device = None if device is None else torch.empty(self.cs.shape, dtype=torch.int32, device=device)
         self.host_bytes = sum(t.numel() * t.element_size()
@@ -99,7 +101,11 @@ class Slot:
         return self._raw[idx][: tokens * self.hidden].view(torch.float8_e4m3fn).view(tokens, self.hidden)
 
     def check(self, like: torch.Tensor, rows: int) -> torch.Tensor:
-        """The first ``rows`` rows of the check buffer, viewed with ``like``'s dtype."""
+        """The first ``rows`` rows of the check buffer, viewed with ``like``'s dtype; past its room (a pass of
+        more parts than it has rows: :func:`hs_patch.server.check_rows.fit_check_counts`) a buffer of this pass's
+        own, in pageable memory."""
+        if rows > self.check_room:
+            return torch.empty(rows, self.hidden, dtype=like.dtype, device="cpu")
         return self._check[: rows * self.hidden * like.element_size()].view(like.dtype).view(rows, self.hidden)
 
     def on(self, t: torch.Tensor, host: torch.Tensor, dev: Optional[torch.Tensor]) -> torch.Tensor:
@@ -342,7 +348,7 @@ class Pass:
             raise
         n = self.tokens
         slot = self.slot
-        counts = [min(hook.check_rows, int(k)) for k in self.seq_lens] if hook.check_rows else None
+        counts = fit_check_counts(self.seq_lens, hook.check_rows, slot.check_room) if hook.check_rows else None
         check = None if counts is None else self.keep_check_rows(post_norm, counts)
         wait = None
         if self.cuda is not None:
