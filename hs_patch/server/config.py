@@ -53,7 +53,7 @@ ENV_DOCS = (
      "host: half the plane bytes through PCIe, host staging and disk; format hs_patch.sample/5, docs/samples.md; "
      "made at start besides: one work buffer of slot tokens x hidden x 2 bytes on the GPU, and in each staging "
      "buffer the check rows' room, a quarter of slot tokens x hidden x 2 bytes, as with HS_CAPTURE_FINAL=none: "
-     "0.55 of bf16's staging memory at Kimi-K2.5's width). The "
+     "0.56 of bf16's staging memory with 5 planes at hidden 7168). The "
      "fingerprints are of the values "
      "before quantization, the checksums of the bytes stored; the fidelity check's logits come from the bf16 "
      "check rows kept beside them (HS_CAPTURE_CHECK_ROWS)."),

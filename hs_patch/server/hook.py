@@ -47,8 +47,8 @@ from hs_patch.samples import files, store
 from hs_patch.server import config as capture_config
 from hs_patch.server import checks as server_checks
 from hs_patch.server import fingerprint, fp8, leftovers
-from hs_patch.server.device_ring import DeviceRing
 from hs_patch.server.check_rows import check_room
+from hs_patch.server.device_ring import DeviceRing
 from hs_patch.server.passes import Pass, Slot
 from hs_patch.server.ranks import RankHook, capturable, tp_all_reduce
 from hs_patch.server.records import PassRecord
