@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -30,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = sorted(p.parent.name for p in (ROOT / "molecule").glob("*/molecule.yml"))
 ROLES = sorted(p.name for p in (ROOT / "roles").iterdir() if (p / "tasks/main.yml").exists())
 BIN = Path(sys.executable).parent
+SCENARIO_TIMEOUT_S = 1200  # the longest (sglang_service) takes about 520 s on a quiet 2-core VM, twice that busy
 
 
 def _tool(name: str) -> str:
@@ -38,11 +40,14 @@ def _tool(name: str) -> str:
     return str(cand) if cand.exists() else (shutil.which(name) or name)
 
 
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment, colours off (the tests read the tools' output), and ``extra``."""
+    return {**os.environ, "PY_COLORS": "0", "ANSIBLE_FORCE_COLOR": "0", "NO_COLOR": "1", **(extra or {})}
+
+
 def _run(cmd: list[str], timeout: int = 900, **kw) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PY_COLORS": "0", "ANSIBLE_FORCE_COLOR": "0", "NO_COLOR": "1"}
-    env.update(kw.pop("env", {}))
     return subprocess.run(cmd, cwd=kw.pop("cwd", ROOT), capture_output=True, text=True, timeout=timeout,
-                          env=env, check=False, **kw)
+                          env=_env(kw.pop("env", {})), check=False, **kw)
 
 
 def _tail(proc: subprocess.CompletedProcess, n: int = 80) -> str:
@@ -465,6 +470,19 @@ def test_lab_removes_a_dead_lab_on_its_gateway_and_waits_for_a_live_one(tmp_path
 # --- molecule scenarios -----------------------------------------------------------------------
 
 
+def _stop_and_destroy(molecule: subprocess.Popen, args: list[str], path: str) -> tuple[str, str, str]:
+    """Stop a molecule run and destroy its test host, which a killed molecule never does and which would hold
+    the lab's gateway (the next scenario would wait for it instead of running). molecule, the ansible-playbook
+    under it and their ssh sessions are one process group (started in a session of its own): all go."""
+    os.killpg(molecule.pid, signal.SIGKILL)
+    try:
+        stdout, stderr = molecule.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # something it started in a session of its own still holds the pipes
+        stdout, stderr = "", "(molecule's output could not be read after it was stopped)"
+    destroy = _run([_tool("molecule"), "destroy", *args], timeout=300, env={"PATH": path})
+    return stdout, stderr, f"its test host destroyed: exit {destroy.returncode}"
+
+
 @LAB
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario", SCENARIOS)
@@ -475,7 +493,18 @@ def test_molecule_scenario(scenario):
     started = time.monotonic()
     # the default scenario exactly as typed at the repository root: `molecule test`
     args = [] if scenario == "default" else ["--scenario-name", scenario]
-    proc = _run([_tool("molecule"), "test", *args], timeout=900, env={"PATH": f"{BIN}:{os.environ.get('PATH', '')}"})
+    env = _env({"PATH": f"{BIN}:{os.environ.get('PATH', '')}"})
+    molecule = subprocess.Popen([_tool("molecule"), "test", *args], cwd=ROOT, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        stdout, stderr = molecule.communicate(timeout=SCENARIO_TIMEOUT_S)
+    except BaseException as exc:  # its time is up, or the run is being stopped (Ctrl-C)
+        stdout, stderr, destroyed = _stop_and_destroy(molecule, args, env["PATH"])
+        if not isinstance(exc, subprocess.TimeoutExpired):
+            raise
+        pytest.fail(f"molecule {scenario} ran past {SCENARIO_TIMEOUT_S}s and was stopped ({destroyed}); where it "
+                    "was:\n" + _tail(subprocess.CompletedProcess([], -9, stdout, stderr), 150))
+    proc = subprocess.CompletedProcess(molecule.args, molecule.returncode, stdout, stderr)
     took = time.monotonic() - started
     print(f"molecule {scenario}: {took:.0f}s")
     assert proc.returncode == 0, _tail(proc, 150)

@@ -2,10 +2,12 @@
 extra), in a network namespace of its own reached over a veth pair, so a test can cut the link.
 
 - ``up`` claims one of a few /30 subnets of 203.0.113.224/27 (a flock a subnet, held while up: two test runs
-  on one machine take different ones), makes the netns ``hss3-<tag>`` and the veth pair ``hss3h<tag>`` (this
-  side, .1) / ``hss3n<tag>`` (the server's, .2), and starts ``weed mini`` there bound to the server's address
-  only, telemetry off, with a private /tmp (weed puts its unix sockets in /tmp under fixed names: two servers
-  on one machine would take each other's), data under the given directory.
+  on one machine take different ones; what a run killed before its ``down`` left on a free subnet, its veth,
+  netns and any process in there, is removed first: its veth would route the address away from the new
+  server), makes the netns ``hss3-<tag>`` and the veth pair ``hss3h<tag>`` (this side, .1) / ``hss3n<tag>``
+  (the server's, .2), and starts ``weed mini`` there bound to the server's address only, telemetry off, with
+  a private /tmp (weed puts its unix sockets in /tmp under fixed names: two servers on one machine would take
+  each other's), data under the given directory.
 - Two identities: ``admin`` (creates buckets, sets quotas, damages objects: the tests' hand) and
   ``shipper``, allowed only Read, Write and List on the buckets named (least privilege, as in production).
 - ``cut`` / ``mend`` take the server's side of the link down and up (its packets are dropped: a storage host
@@ -153,8 +155,34 @@ class Seaweed:
                 f.close()
                 continue
             self.subnet, self._lock = subnet, f
-            return
+            if self._reclaim_stale():
+                return
+            self.subnet, self._lock = "", None
+            f.close()
         raise RuntimeError(f"every test subnet for S3 servers is taken ({LOCK_DIR}): too many test runs at once")
+
+    def _reclaim_stale(self) -> bool:
+        """True if this side's address of the claimed subnet is free, after removing what a killed run of ours
+        left holding it (its veth, its netns and any process still in there: the subnet's lock was free, so
+        no live run owns them). False if an interface not of ours holds it: that subnet is not ours to use."""
+        a, b, c, d = self.subnet.split(".")
+        mine = f"{a}.{b}.{c}.{int(d) + 1}"
+        for _ in range(2):
+            held = _ip("-o", "addr", "show", "to", mine).stdout.split()
+            if not held:
+                return True
+            iface = held[1].split("@")[0]
+            if not iface.startswith("hss3h"):
+                return False
+            stale_netns = f"hss3-{iface[len('hss3h'):]}"
+            for pid in _ip("netns", "pids", stale_netns, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            _ip("link", "del", iface, check=False)
+            _ip("netns", "del", stale_netns, check=False)
+        return not _ip("-o", "addr", "show", "to", mine).stdout.split()
 
     def start(self) -> None:
         """(Re)start the server on its data; return once it answers S3."""
@@ -175,15 +203,17 @@ class Seaweed:
                                      env={**os.environ, "TMPDIR": "/tmp"}, start_new_session=True)
         log.close()
         deadline = time.monotonic() + 60
+        client = self.client()
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"weed mini exited {self.proc.returncode}: {(d / 'weed.log').read_text()[-3000:]}")
             try:
-                self.client().list_buckets()
+                client.list_buckets()
                 return
-            except Exception:
+            except Exception as exc:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"weed mini did not answer S3 within 60 s: "
+                    raise RuntimeError(f"weed mini did not answer S3 at {self.endpoint} within 60 s (last: {exc!r}; "
+                                       f"is another interface routing {self.address}? `ip route get {self.address}`): "
                                        f"{(d / 'weed.log').read_text()[-3000:]}") from None
                 time.sleep(0.2)
 

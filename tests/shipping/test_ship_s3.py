@@ -160,3 +160,47 @@ def test_help_names_the_s3_destination_and_its_options(capsys):
     for words in ("s3://BUCKET/PREFIX", "--s3-endpoint", "--s3-addressing", "--s3-credentials", "--s3-concurrency",
                   "--verify-deep", "LoadCredential"):
         assert words in out, words
+
+
+def test_what_a_killed_run_left_on_a_free_subnet_is_removed_before_the_subnet_is_used(tmp_path):
+    """A run killed before its ``down`` leaves its veth (holding this side's address), its netns and maybe weed
+    itself: the next run's address would route there and its server would never answer (a CI run failed so).
+    The lock of that subnet is free, so the next ``up`` removes them by name, with what still runs inside."""
+    import subprocess
+    import time
+
+    if why := seaweed.available():
+        pytest.skip(why)
+    probe = seaweed.Seaweed(tmp_path, tag="fe01")
+    probe._claim_subnet()  # the first free subnet, as the next run would take it
+    subnet = probe.subnet
+    probe._lock.close()
+    a, b, c, d = subnet.split(".")
+    stale = seaweed.Seaweed(tmp_path, tag="fe02")
+    sleeper = None
+    try:
+        subprocess.run(["ip", "netns", "add", stale.netns], check=True)
+        subprocess.run(["ip", "link", "add", stale.host_veth, "type", "veth", "peer", "name", stale.server_veth,
+                             "netns", stale.netns], check=True)
+        subprocess.run(["ip", "addr", "add", f"{a}.{b}.{c}.{int(d) + 1}/30", "dev", stale.host_veth], check=True)
+        sleeper = subprocess.Popen(["ip", "netns", "exec", stale.netns, "sleep", "120"], start_new_session=True)
+        deadline = time.monotonic() + 10
+        while not subprocess.run(["ip", "netns", "pids", stale.netns], capture_output=True, text=True).stdout.split():
+            assert time.monotonic() < deadline, "the stand-in for a left weed never entered the netns"
+            time.sleep(0.05)
+        fresh = seaweed.Seaweed(tmp_path, tag="fe03")
+        fresh._claim_subnet()
+        try:
+            assert fresh.subnet == subnet, "the stale subnet was skipped instead of reclaimed"
+            links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+            assert stale.host_veth not in links
+            assert stale.netns not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+            assert sleeper.wait(10) == -9, "what ran in the stale netns was not stopped"
+        finally:
+            fresh.down()
+    finally:
+        if sleeper is not None and sleeper.poll() is None:
+            sleeper.kill()
+            sleeper.wait(10)
+        subprocess.run(["ip", "link", "del", stale.host_veth], capture_output=True)
+        subprocess.run(["ip", "netns", "del", stale.netns], capture_output=True)
