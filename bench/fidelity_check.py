@@ -15,6 +15,7 @@ an fp32 lm_head) is not part of it: its cost is the production phase's ``kimi_he
 
     python3 bench/fidelity_check.py                                   # 2048 whole, 16384 in 8 chunks
     python3 bench/fidelity_check.py --rows 2,8,32 --shapes 2048x1,8192x4,16384x8 --reps 5 --json out.json
+    python3 bench/fidelity_check.py --dtypes bf16,fp8 --rows 8 --reps 5      # fp8 samples (issue #35) beside bf16
 """
 
 from __future__ import annotations
@@ -40,11 +41,12 @@ from lab.passes import Batch, play  # noqa: E402
 HIDDEN, LAYERS = 7168, (2, 30, 58)
 
 
-def write_sample(directory: Path, tokens: int, chunks: int, seed: int) -> Path:
-    """One sample of ``tokens`` tokens prefilled in ``chunks`` passes, through the real hook and writer."""
+def write_sample(directory: Path, tokens: int, chunks: int, seed: int, dtype: str = "bf16") -> Path:
+    """One sample of ``tokens`` tokens prefilled in ``chunks`` passes, through the real hook and writer, its planes
+    stored as ``dtype`` (HS_CAPTURE_DTYPE: bf16, or fp8 quantized by the hook)."""
     step = -(-tokens // chunks)
     cfg = config.CaptureConfig(enabled=True, directory=str(directory), layers=LAYERS, final="both", slots=2,
-                               slot_tokens=step, writers=2)
+                               slot_tokens=step, writers=2, dtype=dtype)
     h = hook.CaptureHook(cfg, hidden_size=HIDDEN, metadata={"sglang_release": "bench"})
     g = torch.Generator().manual_seed(seed)
     ids = torch.arange(tokens, dtype=torch.int64) + seed * 1_000_000
@@ -66,6 +68,8 @@ def main() -> int:
     ap.add_argument("--rows", default="2,8,32", help="rows per chunk to compare (the driver's --fidelity-rows)")
     ap.add_argument("--shapes", default="2048x1,16384x8", help="TOKENSxCHUNKS of the samples")
     ap.add_argument("--reps", type=int, default=5, help="checks of each sample at each setting")
+    ap.add_argument("--dtypes", default="bf16", help="the stored planes' HS_CAPTURE_DTYPE, compared side by side "
+                    "(bf16,fp8: the same states, one sample of each)")
     ap.add_argument("--dir", default="/dev/shm", help="where the samples are written (tmpfs, as in production)")
     ap.add_argument("--json", help="also write the rows here")
     a = ap.parse_args()
@@ -76,22 +80,23 @@ def main() -> int:
     with tempfile.TemporaryDirectory(dir=a.dir, prefix="hs-bench-fidelity-") as tmp:
         for k, shape in enumerate(a.shapes.split(",")):
             tokens, chunks = (int(x) for x in shape.split("x"))
-            path = write_sample(Path(tmp) / shape, tokens, chunks, k)
-            gb = tokens * HIDDEN * 2 * 5 / 1e9
-            for rows in (int(r) for r in a.rows.split(",")):
+            paths = {d: write_sample(Path(tmp) / f"{shape}-{d}", tokens, chunks, k, d) for d in a.dtypes.split(",")}
+            gb = tokens * HIDDEN * 2 * 5 / 1e9  # the states as the engine held them (bf16), whatever is stored
+            for rows, dtype in ((int(r), d) for r in a.rows.split(",") for d in paths):
                 t0 = time.process_time()
                 for _ in range(a.reps):
-                    with lazy_sample.open_sample(path) as s:
+                    with lazy_sample.open_sample(paths[dtype]) as s:
                         r = check_rows(s, norms, per_chunk=rows)
                 cpu = (time.process_time() - t0) / a.reps
                 assert r.ok, r.problems
-                out.append({"tokens": tokens, "chunks": chunks, "rows_per_chunk": rows, "rows_checked": r.rows,
+                out.append({"dtype": dtype, "tokens": tokens, "chunks": chunks, "rows_per_chunk": rows,
+                            "rows_checked": r.rows,
                             "GB_states": round(gb, 3), "cpu_ms_per_sample": round(cpu * 1000, 1),
                             "cpu_s_per_GB": round(cpu / gb, 4)})
                 print(json.dumps(out[-1]), flush=True)
-    print(f"\n{'tokens':>7} {'chunks':>6} {'rows/chunk':>10} {'rows':>5} {'ms/sample':>10} {'CPU s/GB':>9}")
+    print(f"\n{'dtype':>5} {'tokens':>7} {'chunks':>6} {'rows/chunk':>10} {'rows':>5} {'ms/sample':>10} {'CPU s/GB':>9}")
     for r in out:
-        print(f"{r['tokens']:>7} {r['chunks']:>6} {r['rows_per_chunk']:>10} {r['rows_checked']:>5} "
+        print(f"{r['dtype']:>5} {r['tokens']:>7} {r['chunks']:>6} {r['rows_per_chunk']:>10} {r['rows_checked']:>5} "
               f"{r['cpu_ms_per_sample']:>10} {r['cpu_s_per_GB']:>9}")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))

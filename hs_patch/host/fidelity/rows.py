@@ -201,11 +201,11 @@ class _Checker:
                 f"{name}: {len(bad)} of {len(self.rows)} checked rows (e.g. {bad[:5]}) differ from what the forward "
                 "pass held at capture: the rows were misplaced, replaced or corrupted between the GPU and the file")
 
-    def quantized(self, name: str, raw: "torch.Tensor", scale: "torch.Tensor") -> None:
+    def quantized(self, name: str, data: "torch.Tensor", scale: "torch.Tensor") -> None:
         """(An fp8 sample: its bytes are checked by checksum, against what the hook quantized.) The stored rows
-        read, dequantized in fp32, are what the forward pass held before quantization, within the fp8 envelope
-        (:func:`hs_patch.server.fp8.block_tolerance`, a bound, not a statistic) and fp32 summation order."""
-        data = raw.float() * scale.float().reshape(-1, 1)
+        read, dequantized in fp32 (``data``), are what the forward pass held before quantization, within the fp8
+        envelope (:func:`hs_patch.server.fp8.block_tolerance`, a bound, not a statistic) and fp32 summation
+        order."""
         got = fingerprint.block_sums(data)
         l1 = data.abs().unflatten(-1, (fingerprint.BLOCKS, -1)).sum(-1)
         tol = fp8.block_tolerance(l1, scale, data.shape[-1] // fingerprint.BLOCKS) + BYTES_TOLERANCE * l1
@@ -233,6 +233,8 @@ def check_rows(sample: lazy_sample.LazySample, norms: Optional[Norms], *, per_ch
                embeddings: Optional[Embeddings] = None) -> RowCheck:
     """Run the row checks on one opened sample (see the module's doc); ``norms`` None skips the norm
     relations, ``embeddings`` None the embedded rows' check."""
+    import torch
+
     from hs_patch.host.model_files import rms_norm
 
     meta = sample.metadata
@@ -271,17 +273,18 @@ def check_rows(sample: lazy_sample.LazySample, norms: Optional[Norms], *, per_ch
     if additive:
         c.result.every_row.append("additive relations (layer + attention output = residual after it; the final "
                                   "norm's addition)")
-    if sample.fp8:  # each plane's rows read once, as stored, and its scales at once (4 bytes a token)
-        raw = {p: _rows(sample, p, rows, raw=True) for p in sample.planes}
+    if sample.fp8:  # each plane's rows read once, as stored, and its scales at once (4 bytes a token),
+        # dequantized once in fp32: the envelope's comparison uses that, the relations its cast to the source dtype
         scales = {p: sample.scale(p)[rows] for p in sample.planes}
+        exact = {p: fp8.dequantize(_rows(sample, p, rows, raw=True), scales[p], torch.float32) for p in sample.planes}
         source = source_dtype(meta)
-        planes = {p: fp8.dequantize(raw[p], scales[p], source) for p in sample.planes}
+        planes = {p: x.to(source) for p, x in exact.items()}
     else:
-        raw, scales = {}, {}
+        exact, scales = {}, {}
         planes = {p: _rows(sample, p, rows) for p in sample.planes}
     for p, data in planes.items():
         if sample.fp8:
-            c.quantized(p, raw[p], scales[p])
+            c.quantized(p, exact[p], scales[p])
         elif not checksummed:
             c.bytes(p, data)
         norms_ = data.float().norm(dim=-1)
