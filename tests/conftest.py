@@ -13,6 +13,8 @@ from hs_patch.engine.releases import RELEASES
 from lab import sglang_wheels
 from lab.hostcmd import tools_of_this_python
 
+pytest_plugins = ["lab.stop_on_sigterm"]  # SIGTERM tears the fixtures down, as Ctrl-C does
+
 tools_of_this_python()  # the README's test command runs .venv/bin/python -m pytest, the venv not activated
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -69,3 +69,47 @@ def test_a_killed_standin_leaves_nothing_in_tmp(tiny_model_dir, tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
     assert not list(tmp.glob("standin-sglang-*")), "a killed stand-in left its unpacked wheel in TMPDIR"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_run_stopped_with_sigterm_tears_its_fixtures_down(tmp_path, workers):
+    """SIGTERM to the run's process group (a cancelled CI job, a session's end) runs every session fixture's
+    teardown, in the controller and in each xdist worker (tests/lab/stop_on_sigterm.py); before, it killed
+    pytest where it stood and left the S3 server's netns and veth to route the next run's address away."""
+    (tmp_path / "test_t.py").write_text(
+        "import os, pathlib, time\nimport pytest\n\n"
+        "@pytest.fixture(scope='session')\ndef held():\n"
+        f"    d = pathlib.Path({str(tmp_path)!r})\n"
+        "    (d / f'up-{os.getpid()}').touch()\n    yield\n    (d / f'down-{os.getpid()}').touch()\n\n"
+        "@pytest.mark.parametrize('i', range(4))\ndef test_long(held, i):\n    time.sleep(60)\n")
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "lab.stop_on_sigterm",
+            "-c", str(tmp_path / "none.ini"), str(tmp_path / "test_t.py"), *(["-n", str(workers)] if workers else [])]
+    (tmp_path / "none.ini").write_text("[pytest]\n")
+    run = subprocess.Popen(argv, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT / "tests")},
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("up-*"))) < max(workers, 1):
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate(timeout=30)[0][-3000:]
+        time.sleep(0.1)
+    time.sleep(0.5)  # inside the tests' sleep
+    os.killpg(run.pid, signal.SIGTERM)
+    out = run.communicate(timeout=60)[0].decode()
+    up = sorted(p.name.split("-")[1] for p in tmp_path.glob("up-*"))
+    down = sorted(p.name.split("-")[1] for p in tmp_path.glob("down-*"))
+    assert up and down == up, f"fixtures set up in {up} were torn down in {down}:\n{out[-3000:]}"
+    assert run.returncode != 0, out[-3000:]
+
+
+def test_a_child_forked_from_a_test_still_dies_of_sigterm():
+    """The handler above is the pytest process's own: a child forked from a test (a pool's worker) inherits
+    it, and must still end on SIGTERM as it did, not raise KeyboardInterrupt into whatever it runs."""
+    pid = os.fork()
+    if pid == 0:  # the child: wait to be stopped
+        try:
+            time.sleep(30)
+        finally:
+            os._exit(3)  # reached only if SIGTERM became an exception
+    time.sleep(0.2)
+    os.kill(pid, signal.SIGTERM)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status
