@@ -171,12 +171,13 @@ def test_what_a_killed_run_left_on_a_free_subnet_is_removed_before_the_subnet_is
 
     if why := seaweed.available():
         pytest.skip(why)
-    probe = seaweed.Seaweed(tmp_path, tag="fe01")
+    # tags with letters no pid-derived tag has (hex digits only): never the names of the run's own server
+    probe = seaweed.Seaweed(tmp_path, tag="tst1")
     probe._claim_subnet()  # the first free subnet, as the next run would take it
     subnet = probe.subnet
     probe._lock.close()
     a, b, c, d = subnet.split(".")
-    stale = seaweed.Seaweed(tmp_path, tag="fe02")
+    stale = seaweed.Seaweed(tmp_path, tag="tst2")
     sleeper = None
     try:
         subprocess.run(["ip", "netns", "add", stale.netns], check=True)
@@ -188,7 +189,7 @@ def test_what_a_killed_run_left_on_a_free_subnet_is_removed_before_the_subnet_is
         while not subprocess.run(["ip", "netns", "pids", stale.netns], capture_output=True, text=True).stdout.split():
             assert time.monotonic() < deadline, "the stand-in for a left weed never entered the netns"
             time.sleep(0.05)
-        fresh = seaweed.Seaweed(tmp_path, tag="fe03")
+        fresh = seaweed.Seaweed(tmp_path, tag="tst3")
         fresh._claim_subnet()
         try:
             assert fresh.subnet == subnet, "the stale subnet was skipped instead of reclaimed"
