@@ -83,8 +83,15 @@ class Seaweed:
 
     @property
     def address(self) -> str:
+        """The server's side of the link (.2 of its /30)."""
         a, b, c, d = self.subnet.split(".")
         return f"{a}.{b}.{c}.{int(d) + 2}"
+
+    @property
+    def host_address(self) -> str:
+        """This side's (.1 of the /30)."""
+        a, b, c, d = self.subnet.split(".")
+        return f"{a}.{b}.{c}.{int(d) + 1}"
 
     @property
     def endpoint(self) -> str:
@@ -123,8 +130,7 @@ class Seaweed:
         try:
             _ip("netns", "add", self.netns)
             _ip("link", "add", self.host_veth, "type", "veth", "peer", "name", self.server_veth, "netns", self.netns)
-            a, b, c, d = self.subnet.split(".")
-            _ip("addr", "add", f"{a}.{b}.{c}.{int(d) + 1}/30", "dev", self.host_veth)
+            _ip("addr", "add", f"{self.host_address}/30", "dev", self.host_veth)
             _ip("link", "set", self.host_veth, "up")
             _ip("-n", self.netns, "addr", "add", f"{self.address}/30", "dev", self.server_veth)
             _ip("-n", self.netns, "link", "set", self.server_veth, "up")
@@ -165,15 +171,9 @@ class Seaweed:
         """True if this side's address of the claimed subnet is free, after removing what a killed run of ours
         left holding it (its veth, its netns and any process still in there: the subnet's lock was free, so
         no live run owns them). False if an interface not of ours holds it: that subnet is not ours to use."""
-        a, b, c, d = self.subnet.split(".")
-        mine = f"{a}.{b}.{c}.{int(d) + 1}"
-        for _ in range(2):
-            held = _ip("-o", "addr", "show", "to", mine).stdout.split()
-            if not held:
-                return True
+        held = _ip("-o", "addr", "show", "to", self.host_address).stdout.split()
+        if held and held[1].startswith("hss3h"):
             iface = held[1].split("@")[0]
-            if not iface.startswith("hss3h"):
-                return False
             stale_netns = f"hss3-{iface[len('hss3h'):]}"
             for pid in _ip("netns", "pids", stale_netns, check=False).stdout.split():
                 try:
@@ -182,7 +182,8 @@ class Seaweed:
                     pass
             _ip("link", "del", iface, check=False)
             _ip("netns", "del", stale_netns, check=False)
-        return not _ip("-o", "addr", "show", "to", mine).stdout.split()
+            held = _ip("-o", "addr", "show", "to", self.host_address).stdout.split()
+        return not held
 
     def start(self) -> None:
         """(Re)start the server on its data; return once it answers S3."""

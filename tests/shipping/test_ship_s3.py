@@ -174,16 +174,15 @@ def test_what_a_killed_run_left_on_a_free_subnet_is_removed_before_the_subnet_is
     # tags with letters no pid-derived tag has (hex digits only): never the names of the run's own server
     probe = seaweed.Seaweed(tmp_path, tag="tst1")
     probe._claim_subnet()  # the first free subnet, as the next run would take it
-    subnet = probe.subnet
+    subnet, host_address = probe.subnet, probe.host_address
     probe._lock.close()
-    a, b, c, d = subnet.split(".")
     stale = seaweed.Seaweed(tmp_path, tag="tst2")
     sleeper = None
     try:
         subprocess.run(["ip", "netns", "add", stale.netns], check=True)
         subprocess.run(["ip", "link", "add", stale.host_veth, "type", "veth", "peer", "name", stale.server_veth,
                              "netns", stale.netns], check=True)
-        subprocess.run(["ip", "addr", "add", f"{a}.{b}.{c}.{int(d) + 1}/30", "dev", stale.host_veth], check=True)
+        subprocess.run(["ip", "addr", "add", f"{host_address}/30", "dev", stale.host_veth], check=True)
         sleeper = subprocess.Popen(["ip", "netns", "exec", stale.netns, "sleep", "120"], start_new_session=True)
         deadline = time.monotonic() + 10
         while not subprocess.run(["ip", "netns", "pids", stale.netns], capture_output=True, text=True).stdout.split():
