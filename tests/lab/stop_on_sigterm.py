@@ -4,8 +4,10 @@ Without it SIGTERM (a CI job cancelled, a session's end) kills pytest where it s
 teardown runs, so the S3 server's netns and veth, a lab's test hosts and the stand-ins stay, and the
 next run on the machine finds them in its way (one such run's veth routed the next run's S3 address
 away from its server). With it, SIGTERM raises KeyboardInterrupt in the controller and in each xdist
-worker, and pytest tears every fixture down before it exits. SIGKILL still cannot be caught: what that
-leaves, the next run's ``up`` removes (tests/lab/gateway.py, tests/lab/seaweed.py).
+worker, and pytest tears its fixtures down before it exits, where the teardown is quick: with xdist the
+controller ends its workers soon after, so a slow teardown (the S3 server's, a molecule destroy) may be cut
+(seen once). SIGKILL cannot be caught at all: what is left, the next run's ``up`` removes where it can
+(tests/lab/gateway.py, tests/lab/seaweed.py).
 """
 
 from __future__ import annotations
