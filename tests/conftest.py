@@ -12,10 +12,14 @@ import pytest
 from hs_patch.engine.releases import RELEASES
 from lab import sglang_wheels
 from lab.hostcmd import tools_of_this_python
+from lab.testhosts import OWNER_ENV
 
 pytest_plugins = ["lab.stop_on_sigterm"]  # SIGTERM tears the fixtures down, as Ctrl-C does
 
 tools_of_this_python()  # the README's test command runs .venv/bin/python -m pytest, the venv not activated
+# Every lab a test makes belongs to this test process (each xdist worker sets its own pid): a lab still
+# running after its worker was killed (before the teardown took it down) is removed by the next lab's up.
+os.environ[OWNER_ENV] = str(os.getpid())
 
 ROOT = Path(__file__).resolve().parent.parent
 SUPPORTED = tuple(RELEASES)  # every release the patch knows: each is patched, verified and captured from

@@ -332,6 +332,8 @@ def test_testhosts_up_down_leaves_nothing(tmp_path):
         state = lab.load()
         lab_id = state["id"]
         pids = [h["pid"] for h in state["hosts"]]
+        # the lab belongs to this test process (tests/conftest.py): were it killed, the next up removes the lab
+        assert state["owner"]["pid"] == os.getpid() and not lab.orphaned()
         assert lab.ssh("gpu", "hostname").stdout.strip() == "gpu"
         assert lab.ssh("storage", "systemctl is-system-running", check=False).stdout.strip() in ("running", "degraded")
         # host to host over the lab bridge (storage's sshd answers; no key needed to prove reachability)
@@ -404,24 +406,27 @@ def test_lab_waits_for_a_busy_gateway_then_names_its_owner(tmp_path, monkeypatch
 
 
 @LAB
-def test_lab_removes_a_dead_lab_on_its_gateway_and_waits_for_a_live_one(tmp_path, monkeypatch):
-    """A lab left by a killed run (no host process alive) is removed by its own ids; a running one is waited for."""
+def test_lab_removes_a_dead_or_orphaned_lab_on_its_gateway_and_waits_for_a_live_one(tmp_path, monkeypatch):
+    """A lab left by a killed run (no host process alive, or hosts alive but the recorded owner gone) is
+    removed by its own ids; a running one whose owner lives is waited for."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("needs root and ip")
     import ipaddress
 
     from lab import gateway
     from lab.hostcmd import proc_start_time
-    from lab.testhosts import Lab, reclaim_dead_lab
+    from lab.testhosts import OWNER_ENV, Lab, reclaim_dead_lab
 
     gw = ipaddress.ip_interface("203.0.113.129/25")  # a gateway no lab of this project uses
     tag = f"{os.getpid() % 0xffff:04x}"
     bridge, netns = f"hsbd{tag}", f"hsd{tag}-gpu"
     sleeper = subprocess.Popen(["sleep", "60"])
+    orphan_host = subprocess.Popen(["sleep", "60"])
     dead = subprocess.Popen(["true"])
     dead.wait()
+    me = {"pid": os.getpid(), "start": proc_start_time(os.getpid())}
 
-    def lab_holding_gateway(host_pid: int, host_start: str | None) -> Path:
+    def lab_holding_gateway(host_pid: int, host_start: str | None, owner: dict | None = None) -> Path:
         state_dir = tmp_path / f"lab-{host_pid}"
         state_dir.mkdir()
         assert _run(["ip", "link", "add", bridge, "type", "bridge"]).returncode == 0
@@ -433,13 +438,19 @@ def test_lab_removes_a_dead_lab_on_its_gateway_and_waits_for_a_live_one(tmp_path
                 "dir": str(state_dir / "hosts" / "gpu"), "mounted": False, "netns_created": True,
                 "pid": host_pid, "pid_start": host_start, "machine": f"hsd{tag}-gpu"}
         (state_dir / "lab.json").write_text(json.dumps({"id": tag, "gateway": str(gw), "bridge": bridge,
-                                                         "bridge_created": True, "hosts": [host]}))
+                                                         "bridge_created": True, "owner": owner, "hosts": [host]}))
         return state_dir
 
+    monkeypatch.setenv(OWNER_ENV, str(dead.pid))  # an owner that is not a running process is refused
+    with pytest.raises(gateway.LabError, match=f"{OWNER_ENV}='{dead.pid}' is not a running process"):
+        Lab(tmp_path / "refused").up([("gpu", "203.0.113.130")], gateway=str(gw))
+    assert not (tmp_path / "refused" / "lab.json").exists()
+    monkeypatch.undo()
     try:
-        # live: its host process runs, so it is waited for (here: 1 s) and named, and left alone
-        live = lab_holding_gateway(sleeper.pid, proc_start_time(sleeper.pid))
-        assert Lab(live).running()
+        # live: its host process runs and its owner (this process) lives, so it is waited for (here: 1 s)
+        # and named, and left alone
+        live = lab_holding_gateway(sleeper.pid, proc_start_time(sleeper.pid), owner=me)
+        assert Lab(live).running() and not Lab(live).orphaned()
         monkeypatch.setattr(gateway, "GATEWAY_WAIT_S", 1)
         with pytest.raises(gateway.LabError, match=f"{bridge} \\(lab in {live}\\)"):
             with gateway.gateway_claimed(gw, reclaim=reclaim_dead_lab):
@@ -459,9 +470,22 @@ def test_lab_removes_a_dead_lab_on_its_gateway_and_waits_for_a_live_one(tmp_path
         assert not Path("/run/netns", netns).exists(), "the dead lab's netns was left"
         assert _run(["ip", "link", "show", bridge]).returncode != 0, "the dead lab's bridge was left"
         assert not (gone / "lab.json").exists() and not (gateway.OWNERS_DIR / bridge).exists()
+
+        # orphaned: its host runs but the owner it recorded is gone, so it is removed at once, its host
+        # stopped by the recorded pid
+        orphan = lab_holding_gateway(orphan_host.pid, proc_start_time(orphan_host.pid),
+                                     owner={"pid": dead.pid, "start": "0"})
+        assert Lab(orphan).running() and Lab(orphan).orphaned()
+        started = time.monotonic()
+        with gateway.gateway_claimed(gw, reclaim=reclaim_dead_lab):
+            assert not gateway.gateway_user(gw)
+        assert time.monotonic() - started < 30
+        assert orphan_host.wait(timeout=10) is not None, "the orphaned lab's host was left running"
+        assert not Path("/run/netns", netns).exists() and not (orphan / "lab.json").exists()
     finally:
-        sleeper.kill()
-        sleeper.wait()
+        for proc in (sleeper, orphan_host):
+            proc.kill()
+            proc.wait()
         _run(["ip", "netns", "del", netns])
         _run(["ip", "link", "del", bridge])
         (gateway.OWNERS_DIR / bridge).unlink(missing_ok=True)

@@ -4,8 +4,9 @@ Two labs on one gateway (another checkout's CI, a helper's molecule run) would c
 ``Lab.up`` waits for the other lab to go, at most ``GATEWAY_WAIT_S``, then fails saying whose
 it is; ``OWNERS_DIR`` maps each lab's bridge to its state dir for that message.
 
-A lab whose every host process is gone (left by a run that was killed before its ``down``) is
-in nobody's use: ``reclaim`` removes it by its own recorded ids instead of waiting for it.
+A lab whose every host process is gone (left by a run that was killed before its ``down``), or
+whose recorded owner is gone while its hosts run (``testhosts.OWNER_ENV``), is in nobody's use:
+``reclaim`` removes it by its own recorded ids instead of waiting for it.
 ``labs_locked`` is the one machine-wide lock: ``up`` holds it while it claims a gateway and
 boots, ``down`` while it removes, so a waiter never sees a lab half made or half gone.
 """
@@ -54,7 +55,7 @@ def gateway_claimed(gw: ipaddress.IPv4Interface,
     """Hold the machine-wide lab lock once ``gw`` is free, waiting at most GATEWAY_WAIT_S for it.
 
     ``reclaim(state_dir)`` is asked first, under the lock, about the lab holding ``gw``: it
-    removes that lab and returns True when nothing of it runs any more.
+    removes that lab and returns True when nobody will take it down (see the module's docstring).
     """
     deadline = time.monotonic() + GATEWAY_WAIT_S
     next_note = 0.0

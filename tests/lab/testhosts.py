@@ -55,6 +55,11 @@ from lab.rootfs import ensure_rootfs  # noqa: E402
 DEFAULT_GATEWAY = "198.51.100.1/24"
 BOOT_TIMEOUT_S = int(os.environ.get("HS_TESTHOSTS_BOOT_S", "180"))  # a guest boots in ~1 s when idle
 STOP_TIMEOUT_S = 30
+# The pid of the process whose life bounds a lab (the test suite sets its own, in tests/conftest.py):
+# recorded by `up`, so a lab still running after its owner died (a worker killed before its teardown
+# took the lab down) is reclaimed like a dead one. Unset (a lab made by hand): the lab is never reclaimed
+# while a host of it runs.
+OWNER_ENV = "HS_TESTHOSTS_OWNER_PID"
 
 
 class Lab:
@@ -99,6 +104,7 @@ class Lab:
             if not (gw.network.subnet_of(ipaddress.ip_network("198.51.100.0/24"))
                     or gw.network.subnet_of(ipaddress.ip_network("203.0.113.0/24"))):
                 raise LabError("test hosts use documentation ranges only (198.51.100.0/24, 203.0.113.0/24)")
+        owner = _owner()
         # The overlay's upper dir becomes each guest's '/': under a caller's umask of 077 (a
         # hardened shell, or a CLI that set it earlier in the same process) it would be 0700,
         # every non-root daemon would be locked out and the boot would never finish (dbus hangs).
@@ -106,9 +112,10 @@ class Lab:
             rootfs = ensure_rootfs()
             self.state_dir.mkdir(parents=True, exist_ok=True)
             with gateway_claimed(gw, reclaim=reclaim_dead_lab):
-                return self._up_claimed(hosts, gw, rootfs)
+                return self._up_claimed(hosts, gw, rootfs, owner)
 
-    def _up_claimed(self, hosts: list[tuple[str, str]], gw: ipaddress.IPv4Interface, rootfs: Path) -> dict:
+    def _up_claimed(self, hosts: list[tuple[str, str]], gw: ipaddress.IPv4Interface, rootfs: Path,
+                    owner: dict | None) -> dict:
         lab_id = secrets.token_hex(2)
         state = {
             "id": lab_id,
@@ -118,6 +125,7 @@ class Lab:
             "rootfs": str(rootfs),
             "key": str(self.key),
             "known_hosts": str(self.known_hosts),
+            "owner": owner,
             "hosts": [],
         }
         self._save(state)
@@ -294,6 +302,11 @@ class Lab:
         """True while any recorded host's systemd-nspawn still runs (by its recorded pid and start)."""
         return any(alive(h.get("pid"), h.get("pid_start")) for h in self.load().get("hosts", []))
 
+    def orphaned(self) -> bool:
+        """True when the lab recorded an owner (see OWNER_ENV) and that process is gone: nobody will take it down."""
+        owner = self.load().get("owner")
+        return bool(owner) and not alive(owner["pid"], owner["start"])
+
     def _down(self) -> None:
         state = self.load()
         if not state:
@@ -353,17 +366,37 @@ class Lab:
         return {group: {"hosts": hosts}}
 
 
-def reclaim_dead_lab(state_dir: Path) -> bool:
-    """Remove the lab in ``state_dir`` if none of its hosts runs (a killed run left it); True if removed.
+def _owner() -> dict | None:
+    """The process named by OWNER_ENV, as recorded in lab.json ({pid, start}), or None when it is unset."""
+    value = os.environ.get(OWNER_ENV, "")
+    if not value:
+        return None
+    start = proc_start_time(int(value)) if value.isdigit() else None
+    if start is None:
+        raise LabError(f"{OWNER_ENV}={value!r} is not a running process: unset it, or set it to the pid of the"
+                       " process the lab belongs to (a lab it outlives is removed by the next lab's up)")
+    return {"pid": int(value), "start": start}
 
-    Called by ``up`` under the labs' lock about the lab holding its gateway, so no lab is
-    being made or removed meanwhile; the removal goes by the dead lab's own recorded ids.
+
+def reclaim_dead_lab(state_dir: Path) -> bool:
+    """Remove the lab in ``state_dir`` if nobody will take it down; True if removed.
+
+    Nobody will: none of its hosts runs (a killed run left it), or its recorded owner is gone
+    (a test worker killed while its lab still ran). Called by ``up`` under the labs' lock about
+    the lab holding its gateway, so no lab is being made or removed meanwhile; the removal goes
+    by the lab's own recorded ids (its hosts are stopped by their recorded pids).
     """
     lab = Lab(state_dir)
-    if not lab.load() or lab.running():
+    if not lab.load():
         return False
-    log(f"the lab in {state_dir} holds the gateway but none of its hosts runs (left by a run that was"
-        " killed before its down): removing it by its recorded ids")
+    if not lab.running():
+        why = "none of its hosts runs (left by a run that was killed before its down)"
+    elif lab.orphaned():
+        owner = lab.load()["owner"]["pid"]
+        why = f"its hosts run but its owner, pid {owner}, is gone (killed before it took the lab down)"
+    else:
+        return False
+    log(f"the lab in {state_dir} holds the gateway but {why}: removing it by its recorded ids")
     lab._down()
     return True
 
