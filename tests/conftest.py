@@ -12,7 +12,7 @@ import pytest
 from hs_patch.engine.releases import RELEASES
 from lab import sglang_wheels
 from lab.hostcmd import tools_of_this_python
-from lab.testhosts import OWNER_ENV
+from lab.gateway import OWNER_ENV
 
 pytest_plugins = ["lab.stop_on_sigterm"]  # SIGTERM tears the fixtures down, as Ctrl-C does
 

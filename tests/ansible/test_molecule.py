@@ -415,7 +415,8 @@ def test_lab_removes_a_dead_or_orphaned_lab_on_its_gateway_and_waits_for_a_live_
 
     from lab import gateway
     from lab.hostcmd import proc_start_time
-    from lab.testhosts import OWNER_ENV, Lab, reclaim_dead_lab
+    from lab.gateway import OWNER_ENV
+    from lab.testhosts import Lab, reclaim_dead_lab
 
     gw = ipaddress.ip_interface("203.0.113.129/25")  # a gateway no lab of this project uses
     tag = f"{os.getpid() % 0xffff:04x}"

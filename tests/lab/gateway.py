@@ -5,7 +5,7 @@ Two labs on one gateway (another checkout's CI, a helper's molecule run) would c
 it is; ``OWNERS_DIR`` maps each lab's bridge to its state dir for that message.
 
 A lab whose every host process is gone (left by a run that was killed before its ``down``), or
-whose recorded owner is gone while its hosts run (``testhosts.OWNER_ENV``), is in nobody's use:
+whose recorded owner is gone while its hosts run (``OWNER_ENV`` below), is in nobody's use:
 ``reclaim`` removes it by its own recorded ids instead of waiting for it.
 ``labs_locked`` is the one machine-wide lock: ``up`` holds it while it claims a gateway and
 boots, ``down`` while it removes, so a waiter never sees a lab half made or half gone.
@@ -20,10 +20,27 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from lab.hostcmd import LabError, file_locked, log, run
+from lab.hostcmd import LabError, file_locked, log, proc_start_time, run
 
 GATEWAY_WAIT_S = int(os.environ.get("HS_TESTHOSTS_WAIT_S", "1200"))
 OWNERS_DIR = Path("/run/hs-testhosts")
+# The pid of the process whose life bounds a lab (the test suite sets its own, in tests/conftest.py):
+# recorded by `up`, so a lab still running after its owner died (a worker killed before its teardown
+# took the lab down) is reclaimed like a dead one. Unset (a lab made by hand): the lab is never reclaimed
+# while a host of it runs.
+OWNER_ENV = "HS_TESTHOSTS_OWNER_PID"
+
+
+def owner_from_env() -> dict | None:
+    """The process named by OWNER_ENV, as a lab records it ({pid, start}), or None when it is unset."""
+    value = os.environ.get(OWNER_ENV, "")
+    if not value:
+        return None
+    start = proc_start_time(int(value)) if value.isdigit() else None
+    if start is None:
+        raise LabError(f"{OWNER_ENV}={value!r} is not a running process: unset it, or set it to the pid of the"
+                       " process the lab belongs to (a lab it outlives is removed by the next lab's up)")
+    return {"pid": int(value), "start": start}
 
 
 def gateway_owner(gw: ipaddress.IPv4Interface) -> tuple[str, Path | None]:

@@ -48,18 +48,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent)]  # run as a script (molecule's create/destroy): `lab` importable
 
-from lab.gateway import OWNERS_DIR, gateway_claimed, labs_locked  # noqa: E402
+from lab.gateway import OWNERS_DIR, gateway_claimed, labs_locked, owner_from_env  # noqa: E402
 from lab.hostcmd import LabError, alive, log, proc_start_time, remove_host, run, umask  # noqa: E402
 from lab.rootfs import ensure_rootfs  # noqa: E402
 
 DEFAULT_GATEWAY = "198.51.100.1/24"
 BOOT_TIMEOUT_S = int(os.environ.get("HS_TESTHOSTS_BOOT_S", "180"))  # a guest boots in ~1 s when idle
 STOP_TIMEOUT_S = 30
-# The pid of the process whose life bounds a lab (the test suite sets its own, in tests/conftest.py):
-# recorded by `up`, so a lab still running after its owner died (a worker killed before its teardown
-# took the lab down) is reclaimed like a dead one. Unset (a lab made by hand): the lab is never reclaimed
-# while a host of it runs.
-OWNER_ENV = "HS_TESTHOSTS_OWNER_PID"
 
 
 class Lab:
@@ -104,7 +99,7 @@ class Lab:
             if not (gw.network.subnet_of(ipaddress.ip_network("198.51.100.0/24"))
                     or gw.network.subnet_of(ipaddress.ip_network("203.0.113.0/24"))):
                 raise LabError("test hosts use documentation ranges only (198.51.100.0/24, 203.0.113.0/24)")
-        owner = _owner()
+        owner = owner_from_env()
         # The overlay's upper dir becomes each guest's '/': under a caller's umask of 077 (a
         # hardened shell, or a CLI that set it earlier in the same process) it would be 0700,
         # every non-root daemon would be locked out and the boot would never finish (dbus hangs).
@@ -303,7 +298,7 @@ class Lab:
         return any(alive(h.get("pid"), h.get("pid_start")) for h in self.load().get("hosts", []))
 
     def orphaned(self) -> bool:
-        """True when the lab recorded an owner (see OWNER_ENV) and that process is gone: nobody will take it down."""
+        """True when the lab recorded an owner (see gateway.OWNER_ENV) and that process is gone: nobody will take it down."""
         owner = self.load().get("owner")
         return bool(owner) and not alive(owner["pid"], owner["start"])
 
@@ -364,18 +359,6 @@ class Lab:
                              "ansible_ssh_private_key_file": d["key"], "ansible_ssh_common_args": common}
                  for h in d["hosts"]}
         return {group: {"hosts": hosts}}
-
-
-def _owner() -> dict | None:
-    """The process named by OWNER_ENV, as recorded in lab.json ({pid, start}), or None when it is unset."""
-    value = os.environ.get(OWNER_ENV, "")
-    if not value:
-        return None
-    start = proc_start_time(int(value)) if value.isdigit() else None
-    if start is None:
-        raise LabError(f"{OWNER_ENV}={value!r} is not a running process: unset it, or set it to the pid of the"
-                       " process the lab belongs to (a lab it outlives is removed by the next lab's up)")
-    return {"pid": int(value), "start": start}
 
 
 def reclaim_dead_lab(state_dir: Path) -> bool:
