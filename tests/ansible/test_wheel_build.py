@@ -28,7 +28,7 @@ def checkout(tmp_path: Path) -> Path:
     for name in ("pyproject.toml", "README.md", "playbooks/tasks/hs-patch-wheel.yml"):
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, root / name)
-    (root / "playbooks/build.yml").write_text(yaml.safe_dump([{
+    (root / "playbooks" / "build.yml").write_text(yaml.safe_dump([{
         "name": "Build the wheel as patch.yml does", "hosts": "localhost", "gather_facts": False,
         "vars": {"hs_patch_dist_dir": str(tmp_path / "dist")},
         "pre_tasks": [{"name": "Build", "ansible.builtin.import_tasks": "tasks/hs-patch-wheel.yml"}],
@@ -42,7 +42,7 @@ def _build(checkout: Path, **env: str) -> subprocess.CompletedProcess:
     tmp = checkout.parent / "tmp"
     return subprocess.run(
         [str(PLAYBOOK), "-i", "localhost,", "-c", "local", "-e", f"ansible_python_interpreter={sys.executable}",
-         str(checkout / "playbooks/build.yml")],
+         str(checkout / "playbooks" / "build.yml")],
         capture_output=True, text=True, timeout=300, check=False,
         env={**os.environ, "TMPDIR": str(tmp), "ANSIBLE_FORCE_COLOR": "0", "NO_COLOR": "1", **env})
 
