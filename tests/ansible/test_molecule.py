@@ -80,6 +80,28 @@ def test_every_role_has_a_scenario_and_argument_specs():
             assert spec["description"] and spec["description"] != name, f"{role}: {name} undocumented"
 
 
+def test_every_apt_task_waits_for_apts_lock():
+    """A freshly booted Ubuntu host runs unattended-upgrades first and holds apt's lock for minutes; ansible's apt
+    module gives up after 60 s by default. Every apt task of every role waits its role's lock timeout."""
+
+    def apt_tasks(tasks: list) -> list[dict]:
+        found = []
+        for task in tasks or []:
+            found += apt_tasks(task.get("block", []) + task.get("rescue", []) + task.get("always", []))
+            if "ansible.builtin.apt" in task:
+                found.append(task)
+        return found
+
+    seen = 0
+    for role in ROLES:
+        for path in sorted((ROOT / "roles" / role / "tasks").glob("*.yml")):
+            for task in apt_tasks(yaml.safe_load(path.read_text())):
+                seen += 1
+                assert task["ansible.builtin.apt"].get("lock_timeout") == f"{{{{ {role}_apt_lock_timeout }}}}", \
+                    f"{path.relative_to(ROOT)}: {task['name']!r} does not wait for apt's lock"
+    assert seen >= 10
+
+
 def test_yamllint():
     proc = _run([_tool("yamllint"), "--strict", "."])
     assert proc.returncode == 0, _tail(proc)
