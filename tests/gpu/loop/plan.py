@@ -25,10 +25,10 @@ PHASES: list[tuple[str, float, str]] = [
     ("controls", 390, "six controls written side by side, 3.7 GB each, each training started as it ends: 387 s on "
                       "2026-12-06 (H100 host, --work on its disk, ten trainings starting beside it; each file "
                       "fsynced); with --work under /dev/shm not measured"),
-    ("fp8", 250, "issue #35: a second capture server with HS_CAPTURE_DTYPE=fp8 (50 s, beside the trainings and "
-                 "SpecForge's capture), drive 70 s, export 16 s, the two runs' samples compared; its trainings "
-                 "started. 2026-12-06, H100, alone on the GPU: the server up in 64 s, the drive NOT done 153 s "
-                 "later (bf16's took 90 s): estimate raised, cause not found"),
+    ("fp8", 220, "issue #35: a second capture server with HS_CAPTURE_DTYPE=fp8 (50 s, beside the trainings and "
+                 "SpecForge's capture), its drive, export 16 s, the two runs' samples compared; its trainings "
+                 "started. 2026-12-06, H100, beside ours' five trainings: server 47 s, drive 123 s (bf16's, "
+                 "alone: 87 s), the phase 190 s"),
     ("specforge", 175, "waits for SpecForge's capture in --sf-shards shards (2026-12-05: 310 s in one "
                        "process at batch size 1 beside the trainings; 2026-12-06, H100: 134 s in 4 shards, "
                        "the phase 171 s with the agreement check)"),
