@@ -206,6 +206,7 @@ def _stacks() -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.early  # ~6 minutes of PyPI answers, no group: started first (tests/conftest.py)
 def test_every_stack_resolves_on_pypi_for_python_3_12():
     """The real complete set of one pin per stack, metadata only (no wheel downloaded), all at once: every
     requirement met inside the set (but those on an overridden or replaced package), every wheel
@@ -236,6 +237,7 @@ def test_every_stack_resolves_on_pypi_for_python_3_12():
 
 
 @pytest.mark.slow
+@pytest.mark.early
 def test_every_pin_has_a_wheel_for_the_host_and_the_stack_releases_py_names():
     """Each of the 19 pins on PyPI: an sglang wheel installable on CPython 3.12 / x86_64, its torch pin
     the one hs_patch.engine.releases names, and each package it replaces pinned by sglang itself (where the
