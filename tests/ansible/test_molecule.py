@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from lab.local_play import run_local_play
+
 # The scenarios' test hosts share 198.51.100.0/24 and the lab tests' gateways are one too: one lab at a
 # time, so those tests run on one of the suite's workers (`-n 2 --dist loadgroup`), and ansible-lint with
 # them (it and molecule prepare the same ansible-compat cache). The pre-flight and dry-run tests (local
@@ -288,14 +290,12 @@ def test_a_dry_run_on_a_fresh_host_passes_the_driver_checks_and_a_real_run_keeps
                  "gpu_host_nvidia_version_file": str(tmp_path / "no-version-file")},
         "tasks": [{"name": f"Run {f}", "ansible.builtin.include_role": {"name": "gpu_host", "tasks_from": f}}
                   for f in ("kernel-modules.yml", "gpu-checks.yml")]}]))
-    argv = [_tool("ansible-playbook"), "-i", "localhost,", "-c", "local", "-e",
-            f"ansible_python_interpreter={sys.executable}", str(play)]
-    dry = _run([*argv, "--check"], timeout=300)
+    dry = run_local_play(play, "--check", cwd=ROOT)
     assert dry.returncode == 0, _tail(dry)
     flat = " ".join(dry.stdout.split())
     assert "Check mode: hs-test-no-such-driver-package is not installed yet" in flat, _tail(dry)
     assert "no-nvidia-smi does not answer yet" in flat, _tail(dry)
-    real = _run(argv, timeout=300)
+    real = run_local_play(play, cwd=ROOT)
     assert real.returncode != 0
     assert "The driver package hs-test-no-such-driver-package is not installed" in " ".join(real.stdout.split()), \
         _tail(real)
@@ -310,12 +310,10 @@ def test_a_dry_run_on_a_fresh_host_passes_the_shipping_stage_before_its_user_exi
         "name": "sample_shipping before its user exists", "hosts": "localhost", "gather_facts": False,
         "roles": [{"role": "sample_shipping", "sample_shipping_user": "hs-test-no-such-user",
                    "sample_shipping_storage_host": "storage.invalid"}]}]))
-    argv = [_tool("ansible-playbook"), "-i", "localhost,", "-c", "local", "-e",
-            f"ansible_python_interpreter={sys.executable}", str(play)]
-    dry = _run([*argv, "--check"], timeout=300)
+    dry = run_local_play(play, "--check", cwd=ROOT)
     assert dry.returncode == 0, _tail(dry)
     assert "Check mode: user hs-test-no-such-user does not exist yet" in " ".join(dry.stdout.split()), _tail(dry)
-    real = _run(argv, timeout=300)
+    real = run_local_play(play, cwd=ROOT)
     assert real.returncode != 0
     assert "User hs-test-no-such-user does not exist on localhost" in " ".join(real.stdout.split()), _tail(real)
 

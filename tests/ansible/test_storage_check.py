@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from lab.local_play import run_local_play
+
 ROOT = Path(__file__).resolve().parents[2]
-PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
 
 
 def _check(tmp_path: Path, managed: bool, stderr: str, rc: int) -> subprocess.CompletedProcess:
@@ -35,11 +35,8 @@ def _check(tmp_path: Path, managed: bool, stderr: str, rc: int) -> subprocess.Co
         "tasks": [{"name": "Check", "ansible.builtin.include_role": {"name": "sample_shipping",
                                                                      "tasks_from": "check-rsync.yml"}}]}]))
     # ansible_become=false: the task's become (to the shipping user) would reset PATH through sudo
-    argv = [str(PLAYBOOK), "-i", "localhost,", "-c", "local", "-e", f"ansible_python_interpreter={sys.executable}",
-            "-e", "ansible_become=false", str(play)]
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "ANSIBLE_ROLES_PATH": str(ROOT / "roles"),
-           "ANSIBLE_FORCE_COLOR": "0", "NO_COLOR": "1"}
-    return subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False, env=env)
+    return run_local_play(play, "-e", "ansible_become=false",
+                          env={"PATH": f"{bin_dir}:{os.environ['PATH']}", "ANSIBLE_ROLES_PATH": str(ROOT / "roles")})
 
 
 @pytest.mark.parametrize("managed, stderr, rc, says", [

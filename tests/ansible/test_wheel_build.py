@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import time
 import zipfile
 from pathlib import Path
@@ -15,8 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from lab.local_play import run_local_play
+
 ROOT = Path(__file__).resolve().parents[2]
-PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
 
 
 @pytest.fixture
@@ -39,12 +39,7 @@ def checkout(tmp_path: Path) -> Path:
 
 
 def _build(checkout: Path, **env: str) -> subprocess.CompletedProcess:
-    tmp = checkout.parent / "tmp"
-    return subprocess.run(
-        [str(PLAYBOOK), "-i", "localhost,", "-c", "local", "-e", f"ansible_python_interpreter={sys.executable}",
-         str(checkout / "playbooks" / "build.yml")],
-        capture_output=True, text=True, timeout=300, check=False,
-        env={**os.environ, "TMPDIR": str(tmp), "ANSIBLE_FORCE_COLOR": "0", "NO_COLOR": "1", **env})
+    return run_local_play(checkout / "playbooks" / "build.yml", env={"TMPDIR": str(checkout.parent / "tmp"), **env})
 
 
 def _planted(tmp: Path, name: str, age_s: float) -> Path:
