@@ -55,7 +55,7 @@ ROOT = HERE.parents[1]
 sys.path[:0] = [str(ROOT), str(HERE.parent), str(HERE)]
 
 from common import REC  # noqa: E402
-from loop import plan, record, table  # noqa: E402
+from loop import controls, plan, record, table  # noqa: E402
 from loop.evalset import subsets  # noqa: E402
 from loop.steps import Steps  # noqa: E402
 
@@ -179,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--draft-batch", type=int, default=4)
     ap.add_argument("--draft-lr", type=float, default=5e-4)
     ap.add_argument("--seeds", type=int, default=3, help="trainings per arm for ours and SpecForge's capture")
-    ap.add_argument("--control-seeds", type=int, default=1, help="trainings per control")
+    ap.add_argument("--control-seeds", default="1", type=_control_seeds, help="trainings per control: N for each, or kind:N,... "
+                    "(a control not named gets 1), e.g. scaled:3")
     ap.add_argument("--controls", default="shuffled,zeroed,late,partial,scaled,prenorm")
     ap.add_argument("--fp8-compare", type=int, default=200, help="samples of the fp8 run compared row by row with "
                     "the bf16 run's (leave the fp8 arm out with --phases)")
@@ -196,6 +197,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cuda", help="where the target trains")
     ap.add_argument("--carry", default=str(ROOT / ".loopcarry"), help="tests/gpu/loop/build_carry.sh's output")
     return ap
+
+
+def _control_seeds(spec: str) -> str:
+    """--control-seeds checked when the command is read, not when the controls phase reaches it."""
+    try:
+        for kind in controls.CONTROLS:
+            controls.seeds_for(spec, kind)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
 
 
 def main(argv: list[str] | None = None) -> int:

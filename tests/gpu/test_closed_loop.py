@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 
 import closed_loop  # noqa: E402
 import common  # noqa: E402
-from loop import corpus, evalset, features, specforge, table  # noqa: E402
+from loop import controls, corpus, evalset, features, specforge, table  # noqa: E402
 from test_gpu_scripts import free_port_block  # noqa: E402
 
 
@@ -99,7 +99,7 @@ def test_extract_controls_serve_and_table_run_on_standins(loop_env, monkeypatch,
         self.state.setdefault("trainings", {})[name] = {"features": str(feat), "seed": seed}
 
     monkeypatch.setattr(closed_loop.Loop, "train", train)
-    assert closed_loop.main([*argv, "--phases", "extract,launch_ours,controls,fp8"]) == 0
+    assert closed_loop.main([*argv, "--phases", "extract,launch_ours,controls,fp8", "--control-seeds", "scaled:2"]) == 0
     state = json.loads((work / "state.json").read_text())
     ext = state["done"]["extract"]
     assert ext["capture_layers"] == [1, 2, 3, 4, 5, 6]
@@ -110,6 +110,7 @@ def test_extract_controls_serve_and_table_run_on_standins(loop_env, monkeypatch,
                                       ("untrained-s0", "ours", 0)] +
                                      [(f"{k}-s0", k, 0) for k in ("shuffled", "zeroed", "late", "partial", "scaled",
                                                                   "prenorm")] +
+                                     [("scaled-s1", "scaled", 1)] +   # --control-seeds scaled:2
                                      [(f"fp8-s{s}", "fp8", s) for s in range(3)])
     assert all(m["files"] == 4 and m["written"] == 4 for m in state["done"]["controls"]["made"].values())
     # a call cut short in the controls phase resumes without making or training the started ones again
@@ -198,6 +199,15 @@ def test_extract_controls_serve_and_table_run_on_standins(loop_env, monkeypatch,
     assert "ours " in data["arms"]["specforge"]["verdict"]
     assert data["arms"]["fp8"]["verdict"].startswith("fp8 ") and data["arms"]["fp8"]["seeds"] == [0, 1, 2]
     assert "| ours | 3 |" in (out / "table.md").read_text()
+
+
+def test_control_seeds_are_one_count_or_a_count_per_control(capsys):
+    assert [controls.seeds_for("3", k) for k in ("scaled", "late")] == [3, 3]
+    assert [controls.seeds_for("scaled:3,prenorm:2", k) for k in ("scaled", "prenorm", "late")] == [3, 2, 1]
+    for bad in ("scaled", "scaled:x", "wrong:2"):
+        with pytest.raises(SystemExit):   # refused when the command is read, before any phase runs
+            closed_loop.build_parser().parse_args(["--control-seeds", bad])
+        assert "--control-seeds" in capsys.readouterr().err
 
 
 def test_specforge_lfm_template_tokenizes_the_loops_chats_as_our_driver(tmp_path):

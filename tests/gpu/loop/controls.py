@@ -30,6 +30,21 @@ from loop import features
 CONTROLS = ("shuffled", "zeroed", "late", "partial", "scaled", "prenorm")
 
 
+def seeds_for(spec: str, kind: str) -> int:
+    """Trainings of control ``kind`` by ``--control-seeds``: ``N`` for every control, or ``kind:N,...``
+    (a control not named gets 1), so one control's verdict can get seeds without the others'."""
+    spec = str(spec).strip()
+    if spec.isdigit():
+        return int(spec)
+    counts = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, sep, n = part.partition(":")
+        if not sep or name not in CONTROLS or not n.isdigit():
+            raise ValueError(f"--control-seeds {spec!r}: expected N or kind:N,... with kind one of {CONTROLS}")
+        counts[name] = int(n)
+    return counts.get(kind, 1)
+
+
 def planes_needed(layers: list[int]) -> list[int]:
     """The layers the capture must hold for every control of aux planes ``layers``."""
     return sorted({*layers, *(i - 1 for i in layers), *(i + 1 for i in layers)})

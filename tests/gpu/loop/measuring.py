@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from common import Server
-from loop import drafters, serving, specbench
+from loop import controls, drafters, serving, specbench
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -58,7 +58,8 @@ class Measuring:
         out = []
         for arm in arms:
             n = seeds if seeds is not None else (self.a.seeds if arm in ("ours", "specforge", "fp8") else
-                                                  1 if arm == "untrained" else self.a.control_seeds)
+                                                  1 if arm == "untrained" else
+                                                  controls.seeds_for(self.a.control_seeds, arm))
             for s in range(n):
                 key = f"{arm}-s{s}@{setting}" + (f"@T{temperature:g}" if temperature else "") + tag
                 if key in self.state.get("measured", {}):

@@ -297,7 +297,7 @@ class Steps(Fp8Arm, Measuring):
         def launch(kind: str) -> None:
             with self.lock:
                 feat = self.ordered(kind, self.work / "feat" / kind, by_name=True)
-                for s in range(self.a.control_seeds):
+                for s in range(controls.seeds_for(self.a.control_seeds, kind)):
                     self.train(f"{kind}-s{s}", feat, s)
                 self.save()
 
