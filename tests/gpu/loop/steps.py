@@ -291,6 +291,7 @@ class Steps(Fp8Arm, Measuring):
 
     def controls(self) -> dict:
         asked = [k for k in self.a.controls.split(",") if k]
+        self.start_specforge_capture(required=False)   # beside the controls, when its delta came with this call
         # a call cut short resumes: the controls whose trainings started are not made or trained again
         kinds = [k for k in asked if f"{k}-s0" not in self.state.get("trainings", {})]
 
@@ -308,7 +309,7 @@ class Steps(Fp8Arm, Measuring):
 
     def start_specforge_capture(self, required: bool = True) -> None:
         """SpecForge's capture started once (by the extract phase when its 0.5.14 delta came with that call, else
-        by the first later phase that has it: the fp8 phase starts it so that the two captures overlap)."""
+        by the first later phase that has it: the controls and fp8 phases start it so that it overlaps them)."""
         ext = self.state["done"]["extract"]
         if ext.get("specforge_started"):
             return
