@@ -51,6 +51,11 @@ if ! "$venv/bin/python" -c 'import sys' 2>/dev/null; then
     "$python" -m venv "$venv"
 fi
 pip=("$venv/bin/python" -m pip)
+# pip itself, pinned: the venv gets the interpreter's bundled pip (Debian 12's venv: 23.2.1), whose
+# resolver took 49-54 s and 40 s of CPU for one SGLang pin's 207 wheels where 26.3 takes 18-20 s and 9-12 s
+# (the wheelhouse build on a control node, the PyPI resolution tests), and which kept scipy 1.17.1 where
+# 1.18.1 (Python >= 3.12) is the newest for the GPU host's CPython 3.12
+"${pip[@]}" install --quiet "pip==26.3"
 
 if [ "$what" = test ]; then
     # torch for the tests is the CPU build. PyPI's Linux torch 2.13.0 is the CUDA one (it brings 15
@@ -64,7 +69,9 @@ if [ "$what" = test ]; then
         *) "${pip[@]}" install --quiet --extra-index-url "${HS_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}" "$torch" ;;
     esac
 fi
-"${pip[@]}" install --quiet -e ".[$what]"
+# -qq: setuptools' notice on every editable install ("Editable installation ... be careful with
+# folders ... of the same name") is not for the user; pip's errors still show
+"${pip[@]}" install --quiet --quiet -e ".[$what]"
 if [ "$what" = test ]; then
     # the trainers whose own readers the export tests run, without their dependencies (why: that file)
     "${pip[@]}" install --quiet --no-deps -r tests/trainer-readers.txt
