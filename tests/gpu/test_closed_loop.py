@@ -200,6 +200,36 @@ def test_extract_controls_serve_and_table_run_on_standins(loop_env, monkeypatch,
     assert data["arms"]["fp8"]["verdict"].startswith("fp8 ") and data["arms"]["fp8"]["seeds"] == [0, 1, 2]
     assert "| ours | 3 |" in (out / "table.md").read_text()
 
+    # SpecForge's benchmark (a stand-in with its imports: the real one needs `datasets`, which only SpecForge's own
+    # site has on the GPU machine): a failing run is not recorded as measured, and the same command runs it again
+    benchmarks = tmp_path / "carry" / "benchmarks"
+    benchmarks.mkdir()
+    (benchmarks / "bench_eagle3.py").write_text(
+        "import argparse, json, pathlib\n"
+        "import datasets  # from SpecForge's site (after the kit's), not this venv's\n"
+        "assert '/sfsite/' in datasets.__file__, datasets.__file__\n"
+        "ap = argparse.ArgumentParser(); ap.add_argument('--output-dir'); ap.add_argument('--name')\n"
+        "ap.add_argument('--config-list'); a, _ = ap.parse_known_args()\n"
+        "b = int(a.config_list.split(',')[0]); out = pathlib.Path(a.output_dir); out.mkdir(parents=True)\n"
+        "m = {'accept_length': 2.5, 'num_questions': 1, 'latency': 1.0, 'output_throughput': 9.0}\n"
+        "(out / (a.name + '.jsonl')).write_text(json.dumps({'humaneval': [{'batch_size': b, 'metrics': [m]}]}))\n")
+    args = [*argv, "--phases", "specbench", "--controls", "zeroed", "--bench-list", "humaneval:1",
+            "--bench-list-b1", "humaneval:1"]
+    env_path = os.environ.get("PYTHONPATH", "")
+    assert closed_loop.main(args) == 0
+    state = json.loads((work / "state.json").read_text())
+    assert "specbench" not in state["done"] and not [k for k in state["measured"] if k.endswith("@bench")]
+    assert "bench_eagle3.py exit 1" in json.dumps(state["partial"]), state["partial"]
+    (work / "sfsite" / "datasets").mkdir(parents=True, exist_ok=True)
+    (work / "sfsite" / "datasets" / "__init__.py").write_text("")
+    assert closed_loop.main(args) == 0 and os.environ.get("PYTHONPATH", "") == env_path
+    state = json.loads((work / "state.json").read_text())
+    assert "specbench" in state["done"], state.get("partial")
+    for key, res in state["done"]["specbench"]["results"].items():
+        for batch in ("batch8", "batch1"):
+            assert res[batch]["specforge_bench"]["metrics"]["humaneval"][0]["accept_length"] == 2.5, key
+            assert res[batch]["hs_extract_accept"]["rc"] == 0 and res[batch]["hs_extract_accept"]["measured"] == 1
+
 
 def test_control_seeds_are_one_count_or_a_count_per_control(capsys):
     assert [controls.seeds_for("3", k) for k in ("scaled", "late")] == [3, 3]

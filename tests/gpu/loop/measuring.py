@@ -133,7 +133,7 @@ class Measuring:
             res: dict = {"rc": 0}
             for batch, blist in ((8, self.a.bench_list), (1, self.a.bench_list_b1)):
                 name = f"{job.key.replace('@', '_').replace(',', '-')}_b{batch}"
-                r = specbench.run(self.carry / "benchmarks", bdir, link, port, batch, blist, self.hs_env(), name,
+                r = specbench.run(self.carry / "benchmarks", bdir, link, port, batch, blist, self.bench_env(), name,
                                   max(60, self.left() - 30))
                 limit = int(blist.split(":")[1]) if ":" in blist else 164
                 out = bdir / f"{name}-accept.json"
@@ -144,6 +144,9 @@ class Measuring:
                                             "seconds")}}
                 done[job.key] = res
                 self.save()
+                if r["rc"] != 0:   # not measured: the same command runs this job again
+                    raise RuntimeError(f"SpecForge's bench_eagle3.py exit {r['rc']} at batch {batch}: "
+                                       f"{r.get('tail', '')[-400:]}")
             return res
 
         jobs = [j for s in ("3,1,4", "7,1,8") for j in self.jobs(["ours", "specforge"], s, seeds=1, tag="@bench")]

@@ -54,6 +54,13 @@ class Steps(Fp8Arm, Measuring):
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
+    def bench_env(self) -> dict[str, str]:
+        """SpecForge's benchmark, a client: this checkout and the kit's SGLang first (it imports sglang's frontend),
+        SpecForge's own site after them for what the kit lacks (``datasets``, which its benchmarkers import)."""
+        env = self.hs_env()
+        env["PYTHONPATH"] = f"{env['PYTHONPATH'].rstrip(':')}:{self.work / 'sfsite'}"
+        return env
+
     def hs_env(self) -> dict[str, str]:
         return {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
 
