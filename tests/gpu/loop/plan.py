@@ -22,9 +22,10 @@ PHASES: list[tuple[str, float, str]] = [
                      "70 s (66 s for 600K tokens at 3 planes; 6 planes here), export 16 s; SpecForge's capture "
                      "starts in the background as soon as the chats exist"),
     ("launch_ours", 15, "ordered links (reads each file once) and the trainings started"),
-    ("controls", 390, "six controls written side by side, 3.7 GB each, each training started as it ends: 387 s on "
-                      "2026-12-06 (H100 host, --work on its disk, ten trainings starting beside it; each file "
-                      "fsynced); with --work under /dev/shm not measured"),
+    ("controls", 65, "a control, written side by side with the others, each training started as it ends (scaled "
+                     "by --controls): six 3.7 GB controls 387 s on 2026-12-06 (H100 host, --work on its disk, ten "
+                     "trainings starting beside it; each file fsynced); two in /dev/shm 112 s on 2026-12-07 "
+                     "(scaled 109 s, prenorm 22 s, SpecForge's capture beside them)"),
     ("fp8", 220, "issue #35: a second capture server with HS_CAPTURE_DTYPE=fp8 (50 s, beside the trainings and "
                  "SpecForge's capture), its drive, export 16 s, the two runs' samples compared; its trainings "
                  "started. 2026-12-06, H100, beside ours' five trainings: server 47 s, drive 123 s (bf16's, "
@@ -52,6 +53,8 @@ def estimate(name: str, a: argparse.Namespace) -> float:
     base = dict((n, s) for n, s, _ in PHASES)[name]
     if name == "target":
         return 40 + a.target_steps * 0.46
+    if name == "controls":
+        return base * max(1, len([k for k in a.controls.split(",") if k]))
     if name == "serve_main":   # the last trainings (SpecForge's, started at the end of its phase), then servers
         return 30 + a.draft_steps * 0.25 + 150
     return base
