@@ -50,7 +50,8 @@ def _start_order(item: pytest.Item) -> int:
     """xdist (--dist loadgroup) hands out the groups first, largest first, then every other test in this
     order. A long test marked `early` (it must load neither Ansible nor a model in-process) goes first of
     those: handed out last, it ran alone at the end while the other worker idled (the PyPI resolution
-    test, ~6 minutes). One run since: no detectable change of the suite's time (docs/testing.md)."""
+    test, ~6 minutes with pip 23.2.1; ~40 s since install.sh pins pip 26.3). One run since: no detectable
+    change of the suite's time (docs/testing.md)."""
     if item.get_closest_marker("early"):
         return 0
     return 2 if Path(str(item.path)).parent.name in ANSIBLE_IN_PROCESS else 1
