@@ -179,8 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--draft-batch", type=int, default=4)
     ap.add_argument("--draft-lr", type=float, default=5e-4)
     ap.add_argument("--seeds", type=int, default=3, help="trainings per arm for ours and SpecForge's capture")
-    ap.add_argument("--control-seeds", default="1", type=_control_seeds, help="trainings per control: N for each, or kind:N,... "
-                    "(a control not named gets 1), e.g. scaled:3")
+    ap.add_argument("--control-seeds", default="1", type=_control_seeds,
+                    help="trainings per control: N for each, or kind:N,... (a control not named gets 1), e.g. scaled:3")
     ap.add_argument("--controls", default="shuffled,zeroed,late,partial,scaled,prenorm")
     ap.add_argument("--fp8-compare", type=int, default=200, help="samples of the fp8 run compared row by row with "
                     "the bf16 run's (leave the fp8 arm out with --phases)")
