@@ -168,3 +168,20 @@ def test_a_prompt_missing_from_one_seed_is_named():
     assert arm.prompts == []
     with pytest.raises(ValueError, match="seed 1: 1"):
         stats.arm_from_reports("ours", rows, prompts=["a"])
+
+
+def test_another_checks_rows_of_the_same_drafter_are_not_the_arms(tmp_path):
+    """The greedy check serves ours-s0 again beside a plain server: its rows (tagged) do not replace serve_main's
+    own measurement of ours-s0, nor add to ours' `= plain` count; in a file packed before the tag, the first row
+    of an arm, seed and prompt is the arm's (serve_main's, which pack writes first)."""
+    rng = np.random.default_rng(3)
+    ours = _arm("ours", rng, prompts=40)
+    rows = _rows(ours)
+    greedy = [{**r, "verify_ct": r["verify_ct"] * 3} for r in rows if r["seed"] == 0]   # a different measurement
+    plain = [{"arm": "plain", "seed": 0, "setting": "3,1,4", "temperature": 0.0, "sample_id": p,
+              "output_sha256": f"{p}-ours"} for p in ours.prompts]
+    want = table.render(rows + plain, replicates=200)[1]["3,1,4 T=0"]["arms"]["ours"]
+    assert want["identical_to_plain"] == (120, 120)
+    for extra in ([{**r, "tag": "plain"} for r in greedy], greedy):   # tagged, and untagged after serve_main's
+        got = table.render(rows + extra + plain, replicates=200)[1]["3,1,4 T=0"]["arms"]["ours"]
+        assert got["per_seed"] == want["per_seed"] and got["identical_to_plain"] == (120, 120)

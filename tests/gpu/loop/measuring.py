@@ -64,8 +64,10 @@ class Measuring:
                 key = f"{arm}-s{s}@{setting}" + (f"@T{temperature:g}" if temperature else "") + tag
                 if key in self.state.get("measured", {}):
                     continue
-                out.append(serving.Job(key, f"{arm}-s{s}", setting, temperature, plain,
-                                       {"arm": arm, "seed": s, "setting": setting, "temperature": temperature}))
+                meta = {"arm": arm, "seed": s, "setting": setting, "temperature": temperature}
+                if tag:   # another check's measurement of the same drafter (the greedy check): kept out of the table
+                    meta["tag"] = tag.lstrip("@")
+                out.append(serving.Job(key, f"{arm}-s{s}", setting, temperature, plain, meta))
         return out
 
     def run_jobs(self, jobs: list[serving.Job], data: Path | None = None, plain_url: str | None = None,

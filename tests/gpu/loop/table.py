@@ -47,10 +47,18 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
 
 
 def group(rows: list[dict[str, Any]]) -> dict[tuple[str, float], dict[str, dict[int, list[dict]]]]:
-    """(setting, temperature) -> arm -> seed -> rows (plain rows apart, under arm 'plain')."""
+    """(setting, temperature) -> arm -> seed -> rows (plain rows apart, under arm 'plain'). Rows another check
+    measured (``tag``: the greedy check serves ours-s0 again) are not the arm's, nor is a second row of the same
+    arm, seed and prompt (files packed before the tag existed hold the greedy check's rows under ours-s0 after
+    serve_main's: the first is kept)."""
     out: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    seen = set()
     for r in rows:
-        out[(r["setting"], float(r.get("temperature", 0.0)))][r["arm"]][int(r.get("seed", 0))].append(r)
+        key = (r["setting"], float(r.get("temperature", 0.0)), r["arm"], int(r.get("seed", 0)), r.get("sample_id"))
+        if r.get("tag") or key in seen:
+            continue
+        seen.add(key)
+        out[key[:2]][r["arm"]][key[3]].append(r)
     return out
 
 
