@@ -213,7 +213,7 @@ def test_extract_controls_serve_and_table_run_on_standins(loop_env, monkeypatch,
         "b = int(a.config_list.split(',')[0]); out = pathlib.Path(a.output_dir); out.mkdir(parents=True)\n"
         "m = {'accept_length': 2.5, 'num_questions': 1, 'latency': 1.0, 'output_throughput': 9.0}\n"
         "(out / (a.name + '.jsonl')).write_text(json.dumps({'humaneval': [{'batch_size': b, 'metrics': [m]}]}))\n")
-    args = [*argv, "--phases", "specbench", "--controls", "zeroed", "--bench-list", "humaneval:1",
+    args = [*argv, "--phases", "specbench", "--controls", "zeroed", "--max-servers", "4", "--bench-list", "humaneval:1",
             "--bench-list-b1", "humaneval:1"]
     env_path = os.environ.get("PYTHONPATH", "")
     assert closed_loop.main(args) == 0
