@@ -55,7 +55,7 @@ ROOT = HERE.parents[1]
 sys.path[:0] = [str(ROOT), str(HERE.parent), str(HERE)]
 
 from common import REC  # noqa: E402
-from loop import controls, plan, record, table  # noqa: E402
+from loop import controls, plan, record, specbench, table  # noqa: E402
 from loop.evalset import subsets  # noqa: E402
 from loop.steps import Steps  # noqa: E402
 
@@ -86,6 +86,8 @@ class Loop(Steps):
                                       notes=notes)
         except Exception as e:  # noqa: BLE001 - the rows came back; the table can be made on the CPU
             text, data = f"table failed: {e}\n{traceback.format_exc()[-2000:]}\n", {}
+        bench = specbench.render(self.state.get("specbench", {}))
+        text += ("\n" + bench) if bench else ""
         (out / "table.md").write_text(text)
         (out / "table.json").write_text(json.dumps(data, indent=1))
         logs = [*(self.work / "train").glob("*/train.log"), *REC.logs.glob("*.log"),

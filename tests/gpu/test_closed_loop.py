@@ -229,6 +229,10 @@ def test_extract_controls_serve_and_table_run_on_standins(loop_env, monkeypatch,
         for batch in ("batch8", "batch1"):
             assert res[batch]["specforge_bench"]["metrics"]["humaneval"][0]["accept_length"] == 2.5, key
             assert res[batch]["hs_extract_accept"]["rc"] == 0 and res[batch]["hs_extract_accept"]["measured"] == 1
+    # the table beside the main one: both tools per drafter, setting and batch
+    md = (out / "table.md").read_text()
+    assert "| ours-s0 | (3,1,4) | 8 | humaneval:1 | 2.500 |" in md
+    assert "| specforge-s0 | (7,1,8) | 1 | humaneval:1 | 2.500 |" in md
 
 
 def test_control_seeds_are_one_count_or_a_count_per_control(capsys):

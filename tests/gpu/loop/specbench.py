@@ -71,3 +71,30 @@ def link_target(target: Path, work: Path) -> Path:
     if not link.exists():
         os.symlink(target, link)
     return link
+
+
+def render(results: dict[str, dict]) -> str:
+    """Markdown: for each drafter, setting and batch, SpecForge's benchmark beside ``hs-extract accept`` on the same
+    server and prompts (``results``: the loop's ``state["specbench"]``); '' when nothing ran."""
+    lines = []
+    for key in sorted(results):
+        drafter, setting = key.split("@")[:2]
+        for batch in ("batch8", "batch1"):
+            r = results[key].get(batch)
+            if not r:
+                continue
+            sb, acc = r.get("specforge_bench", {}), r.get("hs_extract_accept", {})
+            theirs = [m.get("accept_length") for rows in (sb.get("metrics") or {}).values() for m in rows]
+            theirs_v = theirs[0] if len(theirs) == 1 and theirs[0] is not None else None
+            ours_v = acc.get("accept_length")
+            diff = f"{ours_v - theirs_v:+.3f}" if theirs_v is not None and ours_v is not None else "-"
+            bench = f"{theirs_v:.3f}" if theirs_v is not None else f"failed (exit {sb.get('rc')})"
+            mine = "-" if ours_v is None else f"{ours_v:.3f}"
+            lines.append(f"| {drafter} | ({setting}) | {sb.get('batch', batch[5:])} | {sb.get('benchmarks', '-')} | "
+                         f"{bench} | {mine} ({acc.get('measured', '-')}) | {diff} |")
+    if not lines:
+        return ""
+    return "\n".join(["### SpecForge's benchmark beside `hs-extract accept` (same server, same prompts)", "",
+                      "| drafter | setting | batch | prompts | bench_eagle3.py accept length | hs-extract accept "
+                      "(measured) | hs-extract minus bench |", "|---|---|---|---|---|---|---|", *lines, "",
+                      "Both count completion tokens over verify passes, the prefill's token included."]) + "\n"
