@@ -52,7 +52,7 @@ if ! "$venv/bin/python" -c 'import sys' 2>/dev/null; then
 fi
 pip=("$venv/bin/python" -m pip)
 # pip itself, pinned: the venv gets the interpreter's bundled pip (Debian 12's venv: 23.2.1), whose
-# resolver took 49-54 s and 40 s of CPU for one SGLang pin's 207 wheels where 26.3 takes 18-20 s and 9-12 s
+# resolver took 49-54 s and 40 s of CPU for one SGLang pin's 207 wheels where 26.3 took 18 s and 10 s
 # (the wheelhouse build on a control node, the PyPI resolution tests), and which kept scipy 1.17.1 where
 # 1.18.1 (Python >= 3.12) is the newest for the GPU host's CPython 3.12
 "${pip[@]}" install --quiet "pip==26.3"

@@ -211,7 +211,7 @@ def test_every_stack_resolves_on_pypi_for_python_3_12():
     """The real complete set of one pin per stack, metadata only (no wheel downloaded), all at once: every
     requirement met inside the set (but those on an overridden or replaced package), every wheel
     installable on the GPU host, the overrides and replacements in. (With pip 23.2.1 every pin at once took 3
-    to 8 minutes of 2 cores for three pins, 40 s of CPU each; pip 26.3, which install.sh pins, 9-12 s each.)"""
+    to 8 minutes of 2 cores for three pins, 40 s of CPU each; pip 26.3, which install.sh pins, 10 s for one alone.)"""
     target = wh.Target()
 
     def one(pin: str):
