@@ -269,6 +269,36 @@ def test_consecutive_failures_stop_the_run_cleanly(nocapture, tiny_model_dir, tm
     assert _events(tmp_path / "state")[-1]["event"] == "run_end"
 
 
+def test_samples_failing_at_once_are_counted_up_to_the_limit_and_the_rest_abandoned(tiny_model_dir, tmp_path,
+                                                                                    monkeypatch):
+    """Samples waiting at the same time fail at the same time (a server that stopped capturing, a loaded host): the
+    run counts exactly --max-consecutive-failures of them, the one that reaches it stops the run, and the others
+    are abandoned (redone on resume), never counted past the limit (CI once saw 5 failed of a limit of 3)."""
+    cfg = config("http://127.0.0.1:9", str(tmp_path / "capture"), tiny_model_dir, tmp_path, [],
+                 max_consecutive_failures=3)
+    driver = Driver(cfg)
+    driver.state_dir.mkdir(parents=True)
+    driver.ledger = runstate.Ledger(driver.state_dir / runstate.LEDGER)
+    write = runstate.Ledger.write
+    # a slow ledger: unguarded, all eight would be past the stop check before the third stopped the run
+    monkeypatch.setattr(runstate.Ledger, "write", lambda self, *a, **kw: (time.sleep(0.05), write(self, *a, **kw)))
+    together = threading.Barrier(8)
+
+    def fail(i: int) -> None:
+        together.wait()
+        driver._failed(dataset.Record(f"c.jsonl:{i}", "c.jsonl", i, "messages"), None, "wait_raw", "nothing captured")
+
+    threads = [threading.Thread(target=fail, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    events = [e["event"] for e in _events(driver.state_dir)]
+    assert driver.status.c.failed == 3 and len(driver.failures) == 3 and driver.stop.is_set()
+    assert driver.exit_code == EXIT_FAILURES and "3 consecutive failures" in driver.stop_reason
+    assert sorted(events) == ["abandoned"] * 5 + ["failed"] * 3
+
+
 def test_a_server_with_the_radix_cache_is_refused(nocapture, tiny_model_dir, tmp_path):
     NoCapture.radix = True
     data = tmp_path / "chats.jsonl"

@@ -76,6 +76,7 @@ class Driver(SampleSteps):
         self.order = InOrder()               # of two lines with the same tokens, the earlier is kept
         self.shipped: Optional[runstate.ShippedTail] = None
         self.failures: dict[str, missing.Failure] = {}   # sample id -> how it failed in this run
+        self.failing = threading.Lock()  # a failure is counted, or abandoned by a stop, as one step
         self.missing: Optional[dict[str, Any]] = None    # the lines not held, once the run has ended
         self.reconciled: Optional[reconcile.Reconciled] = None   # the held samples against the dataset now
         self.data_changes: list[dict[str, Any]] = []             # the data files changed since the last start

@@ -115,19 +115,22 @@ class SampleSteps:
         return None
 
     def _failed(self, rec: dataset.Record, key: Optional[str], stage: str, error: str, *, retry: bool = True) -> None:
-        """One sample failed; ``retry`` False: it fails the same way on every run (missing.py)."""
-        if self.stop.is_set():  # interrupted by the stop, not a failure of its own: redone on resume
-            self.ledger.write("abandoned", sample_id=rec.sample_id, key=key, stage=stage, error=error)
-            return
-        self.status.error(f"{rec.sample_id}: {error}")
-        self.status.update(failed=1, consecutive_failures=1)
-        with self.status.lock:
-            self.failures[rec.sample_id] = Failure(stage, error, retry)
-        self.ledger.write("failed", sample_id=rec.sample_id, key=key, stage=stage, error=error, retry=retry)
-        n = self.status.c.consecutive_failures
-        if n >= self.cfg.max_consecutive_failures:
-            self.request_stop(f"stopped after {n} consecutive failures (last: {error}); fix the cause, then run "
-                              "the same command again to resume", EXIT_FAILURES)
+        """One sample failed; ``retry`` False: it fails the same way on every run (missing.py). Samples waiting at
+        the same time fail together: the one that reaches the consecutive limit stops the run, and those after it
+        are abandoned (redone on resume), never counted past the limit."""
+        with self.failing:
+            if self.stop.is_set():  # interrupted by the stop, not a failure of its own: redone on resume
+                self.ledger.write("abandoned", sample_id=rec.sample_id, key=key, stage=stage, error=error)
+                return
+            self.status.error(f"{rec.sample_id}: {error}")
+            self.status.update(failed=1, consecutive_failures=1)
+            with self.status.lock:
+                self.failures[rec.sample_id] = Failure(stage, error, retry)
+            self.ledger.write("failed", sample_id=rec.sample_id, key=key, stage=stage, error=error, retry=retry)
+            n = self.status.c.consecutive_failures
+            if n >= self.cfg.max_consecutive_failures:
+                self.request_stop(f"stopped after {n} consecutive failures (last: {error}); fix the cause, then run "
+                                  "the same command again to resume", EXIT_FAILURES)
 
     def _process(self, rec: dataset.Record, turn: Turn, seq: int) -> None:
         """One sample, line ``seq`` of those handed out, begun in a turn at the server (held while it is tokenized,
