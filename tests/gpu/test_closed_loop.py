@@ -87,7 +87,7 @@ def test_a_call_cut_by_sigterm_packs_what_it_measured(loop_env, monkeypatch, tmp
 
 
 @pytest.mark.slow
-def test_extract_controls_serve_and_table_run_on_standins(loop_env, monkeypatch, tmp_path):
+def test_extract_controls_serve_and_table_run_on_standins(loop_env, monkeypatch, tmp_path, capsys):
     """The loop's own glue on stand-in servers (SpecForge's trainer needs a GPU: trainings are recorded, not
     run; SpecForge's capture is off): the capture of planes 1..6, the plain answers to every eval prompt,
     ours exported at 2,4,5, the controls made from our samples file by file and linked in ours' order, then
@@ -222,7 +222,11 @@ def test_extract_controls_serve_and_table_run_on_standins(loop_env, monkeypatch,
     assert "bench_eagle3.py exit 1" in json.dumps(state["partial"]), state["partial"]
     (work / "sfsite" / "datasets").mkdir(parents=True, exist_ok=True)
     (work / "sfsite" / "datasets" / "__init__.py").write_text("")
+    capsys.readouterr()
     assert closed_loop.main(args) == 0 and os.environ.get("PYTHONPATH", "") == env_path
+    # the log says what each job measured (it said "accept length None" for these)
+    assert "ours-s0@3,1,4@bench: batch 8: bench_eagle3.py {'humaneval': [2.5]}, hs-extract accept" in \
+        capsys.readouterr().out
     state = json.loads((work / "state.json").read_text())
     assert "specbench" in state["done"], state.get("partial")
     for key, res in state["done"]["specbench"]["results"].items():

@@ -144,6 +144,9 @@ class Measuring:
                 res[f"batch{batch}"] = {"specforge_bench": r, "hs_extract_accept": {
                     k: acc.get(k) for k in ("rc", "accept_length", "accept_length_gauge", "measured", "at_cap",
                                             "seconds")}}
+                bench = {b: [m.get("accept_length") for m in v] for b, v in (r.get("metrics") or {}).items()}
+                res["summary"] = " ".join(filter(None, [res.get("summary"), f"batch {batch}: bench_eagle3.py {bench}, "
+                                                        f"hs-extract accept {acc.get('accept_length')};"]))
                 done[job.key] = res
                 self.save()
                 if r["rc"] != 0:   # not measured: the same command runs this job again

@@ -110,8 +110,8 @@ class Runner:
                     res["server_start_s"] = server.start_s
                     record(job, res)
                     status[job.key] = "done" if res.get("rc") in (0, 3) else f"accept exit {res.get('rc')}"
-                    self.log(f"{job.key}: accept length {res.get('accept_length')} gauge "
-                             f"{res.get('accept_length_gauge')} at cap {res.get('at_cap')}")
+                    self.log(f"{job.key}: " + res.get("summary", f"accept length {res.get('accept_length')} gauge "
+                                                             f"{res.get('accept_length_gauge')} at cap {res.get('at_cap')}"))
                 except Exception as e:  # noqa: BLE001
                     status[job.key] = f"failed: {e}"[:3000]
                     self.log(f"{job.key} FAILED: {str(e)[:500]}")
