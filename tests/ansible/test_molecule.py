@@ -318,6 +318,25 @@ def test_a_dry_run_on_a_fresh_host_passes_the_shipping_stage_before_its_user_exi
     assert "User hs-test-no-such-user does not exist on localhost" in " ".join(real.stdout.split()), _tail(real)
 
 
+def test_a_dry_run_on_a_fresh_host_passes_the_services_stage_before_nvidia_modprobe_exists(tmp_path):
+    """The same dry run reached the services stage and stopped there: gpu_host's install of nvidia-modprobe is only
+    simulated on a fresh host, and sglang_service asserted it. In check mode it says what a real run needs; a real
+    run still refuses a host without it."""
+    play = tmp_path / "modprobe.yml"
+    missing = tmp_path / "no-nvidia-modprobe"
+    play.write_text(yaml.safe_dump([{
+        "name": "sglang_service's nvidia-modprobe check on a fresh host", "hosts": "localhost", "gather_facts": False,
+        "tasks": [{"name": "Run it", "ansible.builtin.include_role": {"name": "sglang_service",
+                                                                      "tasks_from": "nvidia-modprobe.yml"},
+                   "vars": {"sglang_service_nvidia_modprobe": str(missing)}}]}]))
+    dry = run_local_play(play, "--check", cwd=ROOT)
+    assert dry.returncode == 0, _tail(dry)
+    assert f"Check mode: {missing} is not there yet; a real run needs it" in " ".join(dry.stdout.split()), _tail(dry)
+    real = run_local_play(play, cwd=ROOT)
+    assert real.returncode != 0
+    assert f"{missing} is missing: the unit runs it as root" in " ".join(real.stdout.split()), _tail(real)
+
+
 # --- the test-host lab ----------------------------------------------------------------------
 
 
