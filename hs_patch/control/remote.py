@@ -234,9 +234,12 @@ def upload(c: Shell, t: Target, run: str, local: Path) -> str:
 
 
 def start_server(c: Shell, t: Target, timeout: int, progress: Callable[[str], None]) -> None:
-    """Start the server unit (no-op when running) and wait for /health_generate (no key needed there)."""
+    """Start the server unit (no-op when running) and wait for /health_generate (no key needed there). The start
+    does not block: the unit's pre-start checks (a JIT compile, an all-reduce over every GPU) take minutes on a cold
+    host, and the loop below waits for them as for the load, up to ``timeout``."""
     unit = f"{t.service}.service"
-    c.run(cmd("systemctl", "reset-failed", unit) + " 2>/dev/null; " + cmd("systemctl", "start", unit), check=True)
+    c.run(cmd("systemctl", "reset-failed", unit) + " 2>/dev/null; " + cmd("systemctl", "start", "--no-block", unit),
+          check=True)
     url = f"http://127.0.0.1:{int(t.server_port)}/health_generate"
     probe = [t.bin("python"), "-c", "import sys, urllib.request; "
              "sys.exit(urllib.request.urlopen(sys.argv[1], timeout=30).status != 200)", url]
@@ -245,7 +248,8 @@ def start_server(c: Shell, t: Target, timeout: int, progress: Callable[[str], No
         if c.run(probe, timeout=60).ok:
             return
         state = c.run(["systemctl", "is-active", unit]).stdout.strip()
-        if state in ("failed", "inactive"):
+        # inactive with its start job still queued (waiting for the units it starts after) is not a failure
+        if state in ("failed", "inactive") and not c.run(["systemctl", "list-jobs", "--no-legend", unit]).stdout.strip():
             log = c.run(["journalctl", "-u", unit, "-n", "30", "--no-pager"]).stdout
             raise RemoteError(f"the server unit {t.service} is {state}:\n{log}\nfix it, then run fab extract again")
         waited = time.time() - t0
@@ -403,7 +407,7 @@ def ship_now(c: Shell, t: Target, run: str, *, dest: str | None = None) -> tuple
     """Drain shipping in the foreground (the follow unit is stopped first); it also records
     in the run's shipped.jsonl every sample the destination already holds."""
     _, ship = units(run)
-    c.run(["systemctl", "stop", f"{ship}.service"])
+    c.run(["systemctl", "stop", f"{ship}.service"], timeout=300)  # the unit's TimeoutStopSec is 180
     argv = [t.bin("hs-extract"), "ship", "--samples-dir", t.samples_dir(run), "--state-dir", t.state_dir(run),
             "--dest", dest or destination(t, run), *storage.ship_options(t)]
     if t.s3_url:  # its credentials reach only a unit (storage's module doc): the follow unit's sandbox, in front

@@ -51,7 +51,8 @@ class Shell:
     def run(self, command: str | Sequence[Any], *, check: bool = False, timeout: int | None = 120,
             as_root: bool = True) -> Any:
         """Run ``command`` (an argument list, or a line built with :func:`cmd`); output hidden.
-        ``check`` raises RemoteError on failure. ``as_root=False`` runs as the SSH user."""
+        ``check`` raises RemoteError on failure, and every command past ``timeout`` s does. ``as_root=False`` runs
+        as the SSH user."""
         line = command if isinstance(command, str) else cmd(*command)
         kw: dict[str, Any] = {}
         if as_root and self.target.become and self.target.become_password:
@@ -60,8 +61,14 @@ class Shell:
             kw["watchers"] = [FailingResponder(pattern=re.escape(self._prompt),
                                                response=self.target.become_password + "\n",
                                                sentinel="Sorry, try again.")]
-        r = self.conn.run(self.wrap(line) if as_root else line, hide=True, warn=True, in_stream=False,
-                          timeout=timeout, **kw)
+        from invoke.exceptions import CommandTimedOut
+
+        try:
+            r = self.conn.run(self.wrap(line) if as_root else line, hide=True, warn=True, in_stream=False,
+                              timeout=timeout, **kw)
+        except CommandTimedOut:  # raised whatever warn says: a traceback to the operator without this
+            raise RemoteError(f"on {self.host}: `{line}` did not finish within {timeout} s (the host or the "
+                              "connection is slow or stuck); check the host, then run the same command again") from None
         if as_root and self.target.become and r.failed and "a password is required" in (r.stderr or ""):
             raise RemoteError(f"on {self.host}: sudo asks {self.target.user} for a password: set "
                               "ansible_become_password in the inventory (vault it), or allow NOPASSWD sudo")

@@ -235,3 +235,61 @@ def test_preflight_runs_gpu_ready_from_the_inventorys_check_dir(tmp_path):
     assert Target(host="h").check_dir == yaml.safe_load(
         (Path(__file__).resolve().parents[2] / "roles/sglang_service/defaults/main.yml").read_text()
     )["sglang_service_check_dir"], "the role's default, defined once"
+
+
+class UnitHost:
+    """A host whose server unit starts as systemd does it: the start job is queued (inactive, a job listed),
+    then the pre-start checks run (activating), then the server answers, or the unit fails."""
+
+    def __init__(self, states: list[str], healthy_at: int | None, hang: str = ""):
+        self.host, self.states, self.healthy_at, self.hang, self.lines, self.polls = "stub", states, healthy_at, hang, [], 0
+
+    def run(self, command: str, **kw) -> SimpleNamespace:
+        from invoke.exceptions import CommandTimedOut
+
+        self.lines.append(command)
+        out, code = "", 0
+        if self.hang and self.hang in command:
+            raise CommandTimedOut(SimpleNamespace(command=command, stdout="", stderr=""), kw.get("timeout"))
+        if "urllib" in command:
+            self.polls += 1
+            code = 0 if self.healthy_at is not None and self.polls >= self.healthy_at else 1
+        elif "is-active" in command:
+            out = self.states[min(self.polls, len(self.states)) - 1]
+        elif "list-jobs" in command:
+            out = "7 sglang.service start waiting\n" if self.states[min(self.polls, len(self.states)) - 1] == \
+                "inactive" and self.polls < 2 else ""
+        elif "journalctl" in command:
+            out = "ExecStartPre: gpu_ready.py: nccl: the all-reduce hung\n"
+        return SimpleNamespace(ok=code == 0, failed=code != 0, exited=code, stdout=out, stderr="")
+
+
+def server_target() -> Target:
+    return Target(host="stub", user="root", venv="/opt/v", service="sglang", server_port=30000)
+
+
+def test_fab_starts_the_server_without_blocking_on_its_pre_start_checks(monkeypatch):
+    """`systemctl start` blocks until the unit's pre-start checks end (minutes on a cold host: a JIT compile, an
+    all-reduce over every GPU), past the SSH command's 120 s; the start is queued instead and the health loop waits
+    for it, a start job still queued (inactive) included."""
+    monkeypatch.setattr(remote.time, "sleep", lambda s: None)
+    host = UnitHost(["inactive", "activating", "activating"], healthy_at=3)
+    said: list[str] = []
+    remote.start_server(Shell(host, server_target()), server_target(), 60, said.append)
+    assert "systemctl start --no-block sglang.service" in host.lines[0]
+    assert host.polls == 3 and said == [
+        "waiting for http://127.0.0.1:30000/health_generate (0s, unit inactive)",
+        "waiting for http://127.0.0.1:30000/health_generate (0s, unit activating)"]
+
+    failing = UnitHost(["activating", "failed"], healthy_at=None)
+    with pytest.raises(RemoteError, match=r"(?s)the server unit sglang is failed:.*the all-reduce hung.*fab extract"):
+        remote.start_server(Shell(failing, server_target()), server_target(), 60, lambda m: None)
+
+
+def test_a_command_past_its_timeout_is_a_remote_error_that_says_what_to_do():
+    """invoke raises CommandTimedOut whatever warn says: fab printed a traceback (fab only turns RemoteError into
+    a message)."""
+    host = UnitHost(["active"], healthy_at=1, hang="systemctl stop")
+    with pytest.raises(RemoteError, match=r"on stub: `systemctl stop x.service` did not finish within 300 s .*"
+                                          r"run the same command again"):
+        Shell(host, server_target()).run(["systemctl", "stop", "x.service"], timeout=300)
