@@ -12,7 +12,6 @@ resume where they stopped.
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import json
 import posixpath
@@ -32,6 +31,7 @@ __all__ = ["RemoteError", "Check", "preflight", "estimate_bytes", "prepare", "up
            "units"]
 from hs_patch.engine import kv_cache
 from hs_patch.engine.flags import args_violations
+from hs_patch.samples.files import file_sha256
 
 
 # A preflight finding. The readiness scripts on the host print the same fields as JSON and carry their
@@ -226,7 +226,7 @@ def prepare(c: Shell, t: Target, run: str) -> None:
 def upload(c: Shell, t: Target, run: str, local: Path) -> str:
     """Copy a dataset to the run's state dir (skipped when the same bytes are there)."""
     remote = f"{t.state_dir(run)}/data/{local.name}"
-    digest = hashlib.sha256(local.read_bytes()).hexdigest()
+    digest = file_sha256(local)[1]  # in blocks: a dataset of many GB is never read into memory whole
     r = c.run(["sha256sum", "--", remote])
     if not (r.ok and r.stdout.split()[:1] == [digest]):
         c.put(local, remote, owner=t.service_user)
