@@ -238,7 +238,10 @@ def test_stop_then_resume(demo, tmp_path):
     assert inspect.returncode == 0, inspect.stdout + inspect.stderr  # every file complete and listed
     assert done() < len(expected), "the stop came too late to test anything"
 
+    # the resume finds the server stopped too: fab queues its start and waits for its health (no blocking start)
+    demo.ssh(GPU[0], "systemctl stop sglang.service")
     again = demo.fab("extract", "--dataset", str(data), "--run", run, capture_output=True, text=True)
+    assert unit(demo, "sglang")["ActiveState"] == "active"
     assert again.returncode == 0 and again.stdout.rstrip().splitlines()[-1] == (
         f"complete: every line is held ({len(expected)} samples, shipped and verified at the destination)"), \
         again.stdout[-2000:]
