@@ -111,7 +111,7 @@ def preflight(c: Shell, t: Target, *, estimated_bytes: int | None, bytes_per_tok
         free = int(r.stdout.splitlines()[-1].split()[3]) * 1024 if r.ok and r.stdout.strip() else None
         ok = free is not None and (estimated_bytes is None or free >= estimated_bytes)
         checks.append(Check("storage", ok, f"{t.storage_alias}:{t.storage_dir}: {_gb(free)} free, "
-                            f"{_gb(estimated_bytes)} estimated for this run" if r.ok else (r.stderr.strip() or r.stdout.strip())[-300:],
+                            f"{_gb(estimated_bytes)} estimated for what this run still ships" if r.ok else (r.stderr.strip() or r.stdout.strip())[-300:],
                             "fix the storage target (ansible-playbook site.yml configures it) or free space there"))
     return checks
 
@@ -205,6 +205,24 @@ def estimate_bytes(c: Shell, t: Target, dataset_bytes: int) -> tuple[int, int]:
     planes = len(t.capture_layers) + {"pre": 1, "post": 1, "both": 2}.get(t.capture_final, 0)
     per_token = planes * hidden * 2 + 9
     return dataset_bytes // 4 * per_token, per_token
+
+
+def remote_lines(c: Shell, path: str) -> int:
+    """Lines of a file on the host (a --remote-dataset with --limit)."""
+    r = c.run(cmd("wc", "-l", "--", path))
+    if not r.ok or not r.stdout.split()[:1] or not r.stdout.split()[0].isdigit():
+        raise RemoteError(f"on {c.host}: could not count the lines of {path}: {(r.stderr or r.stdout).strip()[-300:]}")
+    return int(r.stdout.split()[0])
+
+
+def run_status(c: Shell, t: Target, run: str) -> dict[str, Any]:
+    """The run's status.json on the host ({} for a run not started there yet)."""
+    r = c.run(["cat", f"{t.state_dir(run)}/status.json"])
+    try:
+        status = json.loads(r.stdout) if r.ok and r.stdout.strip() else {}
+    except ValueError:
+        return {}
+    return status if isinstance(status, dict) else {}
 
 
 def remote_size(c: Shell, path: str) -> int:

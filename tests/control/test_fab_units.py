@@ -98,6 +98,8 @@ def test_max_tokens_reaches_the_kv_check_the_space_check_and_the_driver(tmp_path
     monkeypatch.setattr(fabfile, "_target", lambda *a: Target(host="gpu1", name="gpu1"))
     monkeypatch.setattr(fabfile, "_connect", lambda t: "conn")
     monkeypatch.setattr(remote, "remote_size", lambda c, path: 1 << 20)
+    monkeypatch.setattr(remote, "remote_lines", lambda c, path: 10)
+    monkeypatch.setattr(remote, "run_status", lambda c, t, run: {})
     monkeypatch.setattr(remote, "estimate_bytes", lambda c, t, size: (size, 100))
     monkeypatch.setattr(remote, "preflight", lambda c, t, **kw: seen.setdefault("preflight", kw) and [])
     for step in ("prepare", "start_server"):
@@ -128,6 +130,39 @@ def test_max_tokens_reaches_the_kv_check_the_space_check_and_the_driver(tmp_path
     jobs = fleet_run.jobs_for(plan, [Target(host="a", name="gpu1")], "/d", True, 0, False, 2048, True)
     assert drive_config(p.parse_args(["--run", "r1", *jobs["gpu1"].driver_args, "--data", "x", "--model", "m"])
                         ).accept_changed_data is True
+
+
+def test_the_space_check_asks_room_for_what_the_run_still_ships(tmp_path, monkeypatch):
+    """Storage must hold the run's estimate: for the whole dataset that asked a --limit trial for ~18,000 times the
+    dataset's bytes, and a resumed run for all of it again. It asks for the limit's share of the lines, less what an
+    earlier start of the same run has shipped (its status.json), on a local and on a remote dataset."""
+    from hs_patch.control import extraction, remote
+    from hs_patch.control.inventory import Target
+
+    data = tmp_path / "d.jsonl"
+    data.write_bytes(b'{"messages": []}\n' * 99 + b'{"messages": []}')  # 100 lines, the last without a newline
+    status: dict = {}
+    seen: list = []
+    monkeypatch.setattr(remote, "estimate_bytes", lambda c, t, size: (size * 1000, 100))
+    monkeypatch.setattr(remote, "remote_size", lambda c, path: data.stat().st_size)
+    monkeypatch.setattr(remote, "remote_lines", lambda c, path: 100)
+    monkeypatch.setattr(remote, "run_status", lambda c, t, run: status)
+    monkeypatch.setattr(remote, "preflight", lambda c, t, **kw: seen.append(kw["estimated_bytes"]) or [])
+    full = data.stat().st_size * 1000
+    for remote_dataset in (False, True):
+        job = lambda *args: extraction.Job("r", str(data), remote_dataset, list(args))  # noqa: E731
+        t = Target(host="gpu1")
+        for args, shipped, expected in [((), None, full), (("--limit", "10"), None, full // 10),
+                                        (("--limit", "1000"), None, full), ((), 50, full // 2),
+                                        (("--limit", "10"), 4, full // 10 * 6 // 10)]:
+            status.clear()
+            if shipped is not None:
+                status.update({"samples": {"total": 10 if args else 100}, "shipping": {"shipped": shipped}})
+            extraction.preflight("conn", t, job(*args))
+            assert seen[-1] == expected, (remote_dataset, args, shipped)
+    ended = tmp_path / "e.jsonl"
+    ended.write_bytes(b"{}\n" * 7)
+    assert extraction.count_lines(data) == 100 and extraction.count_lines(ended) == 7
 
 
 def test_fab_list_shows_each_task_in_a_whole_sentence():
