@@ -201,5 +201,9 @@ def conclusion(ended: list[tuple[str, dict[str, Any]]]) -> Ending:
         return Ending(1, problems + [verdict.summary([snap for _, snap in ended])])
     done = sum(((snap.get("driver") or {}).get("samples") or {}).get("done", 0) for _, snap in ended)
     shipped = all(f"hs-ship-{snap['run']}" in (snap.get("units") or {}) for _, snap in ended)
-    return Ending(0, [f"complete: every line is held ({done} samples"
-                      f"{', shipped and verified at the destination' if shipped else ''})"], "green")
+    if shipped:
+        return Ending(0, [f"complete: every line is held ({done} samples, shipped and verified at the destination)"],
+                      "green")
+    where = ", ".join(f"{label}:{(snap.get('samples') or {}).get('path', '?')}" for label, snap in ended)
+    return Ending(0, [f"complete: every line is held ({done} samples, not shipped: shipping is off), in {where}; "
+                      "copy them off before a reboot where that is a tmpfs (/dev/shm: RAM)"], "green")

@@ -97,6 +97,18 @@ def preflight(c: Shell, t: Target, *, estimated_bytes: int | None, bytes_per_tok
                         + (f" both under {shared}" if shared else " apart"), APART_FIX))
     for label, path in (("dump space", t.dump_dir), ("samples space", t.samples_root)):
         free = _free_bytes(c, path)
+        if label == "samples space" and not t.ship_enabled and estimated_bytes:
+            # nothing ships the samples away: the whole run stays there, and the driver pauses for good once the
+            # filesystem is HIGH_WATER_PCT used
+            size, free = _space(c, path) or (0, None)
+            room = None if free is None else free - size * (100 - HIGH_WATER_PCT) // 100
+            checks.append(Check(label, room is not None and room >= estimated_bytes,
+                                f"{_gb(room)} for {path} below the driver's high water ({HIGH_WATER_PCT}% used), "
+                                f"{_gb(estimated_bytes)} estimated for the run, which stays there (shipping is off)",
+                                f"shipping is off (hs_ship_enabled: false): free {_gb(estimated_bytes - (room or 0))} "
+                                "more there, run fewer lines (--limit), or ship to training storage (hs_storage_host "
+                                "or hs_s3_url, then ansible-playbook site.yml --tags shipping)"))
+            continue
         checks.append(Check(label, free is not None and free >= need, f"{_gb(free)} free for {path}",
                             f"free at least {_gb(need)} there (one sample of {max_tokens} tokens)"))
     if t.ship_enabled and t.s3_url:
@@ -172,12 +184,19 @@ def _api_key(c: Shell, t: Target) -> Check:
                  f"{t.service_user}; hs_server_api_key_file must name it)")
 
 
-def _free_bytes(c: Shell, path: str) -> int | None:
+def _space(c: Shell, path: str) -> tuple[int, int] | None:
+    """(size, available) bytes of the filesystem holding ``path`` (or its parent, before it exists)."""
     r = c.run(cmd("df", "-Pk", path) + " 2>/dev/null || " + cmd("df", "-Pk", str(Path(path).parent)))
     try:
-        return int(r.stdout.splitlines()[-1].split()[3]) * 1024
+        fields = r.stdout.splitlines()[-1].split()
+        return int(fields[1]) * 1024, int(fields[3]) * 1024
     except (IndexError, ValueError):
         return None
+
+
+def _free_bytes(c: Shell, path: str) -> int | None:
+    space = _space(c, path)
+    return space[1] if space else None
 
 
 def _gb(n: int | None) -> str:
@@ -317,6 +336,8 @@ SANDBOX = ("NoNewPrivileges=yes", "ProtectSystem=strict", "ProtectHome=read-only
            "SystemCallFilter=~@privileged @resources", "SystemCallErrorNumber=EPERM", "CapabilityBoundingSet=",
            "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", "UMask=0077")
 
+
+HIGH_WATER_PCT = 80  # the driver's default --high-water: it pauses sending once its filesystem is this much used
 
 APART_FIX = ("set hs_dump_dir and hs_runs_samples_root under one directory at least two levels deep (both under "
              "/dev/shm by default): the driver moves each sample from one to the other inside its sandbox")

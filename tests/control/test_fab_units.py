@@ -165,6 +165,37 @@ def test_the_space_check_asks_room_for_what_the_run_still_ships(tmp_path, monkey
     assert extraction.count_lines(data) == 100 and extraction.count_lines(ended) == 7
 
 
+def test_with_shipping_off_the_samples_space_must_hold_the_whole_run_below_the_high_water():
+    """Nothing ships the samples away when hs_ship_enabled is false: the run stays in the samples dir, and the driver
+    pauses for good at its high water. The check asked room for one sample; it asks for the run below the mark."""
+    from types import SimpleNamespace
+
+    from hs_patch.control import remote
+    from hs_patch.control.inventory import Target
+    from hs_patch.control.shell import Shell
+    from hs_patch.host.driver.config import DriveConfig
+
+    class Host:  # a 1 GiB tmpfs, all of it free
+        host = "gpu"
+
+        def run(self, line, **kw):
+            out = "Filesystem 1024-blocks Used Available Capacity Mounted on\ntmpfs 1048576 0 1048576 0% /dev/shm\n" \
+                if line.startswith("df -Pk") else ""
+            return SimpleNamespace(ok=True, failed=False, exited=0, stdout=out, stderr="")
+
+    def samples_check(ship: bool, estimated: int):
+        t = Target(host="gpu", ship_enabled=ship)
+        return next(ch for ch in remote.preflight(Shell(Host(), t), t, estimated_bytes=estimated, bytes_per_token=1,
+                                                   need_gpus=False) if ch.name == "samples space")
+
+    assert remote.HIGH_WATER_PCT == DriveConfig.high_water, "the driver's default, named once on each side"
+    fits, too_big = samples_check(False, 700 << 20), samples_check(False, 900 << 20)
+    assert fits.ok and "0.8 GiB for /dev/shm" in fits.detail and "(shipping is off)" in fits.detail, fits
+    assert not too_big.ok and too_big.fix.startswith("shipping is off (hs_ship_enabled: false): free 0.1 GiB more"), \
+        too_big
+    assert samples_check(True, 900 << 20).ok  # shipping frees the space as it goes: one sample's room is enough
+
+
 def test_fab_list_shows_each_task_in_a_whole_sentence():
     """fab --list shows a docstring's first line: it was cut mid-sentence ('...(resume with fab extract);')."""
     import fabfile
@@ -297,6 +328,13 @@ def test_a_run_that_ended_with_a_failed_sample_exits_1_naming_it_one_host_and_a_
     done = {r.label: ended_run(r.run, 300, []) for r in rows}
     assert ending(rows, done, "f", "", 120) == dashboard.Ending(
         0, ["complete: every line is held (900 samples, shipped and verified at the destination)"], "green")
+    # shipping off: no shipper; fab says where the samples are, and that a tmpfs loses them at a reboot
+    alone = ended_run("f", 300, [])
+    del alone["shipper"], alone["units"]["hs-ship-f"]
+    alone["samples"] = {"path": "/dev/shm/hs-runs/f/samples", "total": 1 << 30, "free": 1 << 29, "used_pct": 50.0}
+    assert dashboard.conclusion([("gpu1", alone)]) == dashboard.Ending(0, [
+        "complete: every line is held (300 samples, not shipped: shipping is off), in "
+        "gpu1:/dev/shm/hs-runs/f/samples; copy them off before a reboot where that is a tmpfs (/dev/shm: RAM)"], "green")
     unshipped = {**done, "gpu1": {**done["gpu1"], "shipper": {"pending": {"count": 4}, "last_error": "refused"},
                                   "units": {**done["gpu1"]["units"],
                                             "hs-ship-f": {"ActiveState": "failed", "ExecMainStatus": "1"}}}}
