@@ -337,6 +337,25 @@ def test_a_dry_run_on_a_fresh_host_passes_the_services_stage_before_nvidia_modpr
     assert f"{missing} is missing: the unit runs it as root" in " ".join(real.stdout.split()), _tail(real)
 
 
+def test_a_dry_run_on_a_fresh_host_says_the_model_download_cannot_be_listed_yet(tmp_path):
+    """docs/deployment.md promised that a dry run lists what the model stage downloads (hs-model fetch --plan); on
+    a fresh host hs-model is not installed yet (the patch stage is simulated), and the stage skipped it silently."""
+    play = tmp_path / "model.yml"
+    play.write_text(yaml.safe_dump([{
+        "name": "sglang_service's model stage on a fresh host", "hosts": "localhost", "gather_facts": False,
+        "tasks": [{"name": "Run it", "ansible.builtin.include_role": {"name": "sglang_service",
+                                                                      "tasks_from": "model.yml"},
+                   "vars": {"sglang_service_venv": str(tmp_path / "no-venv"), "sglang_service_model_source": "hub",
+                            "sglang_service_model_repo": "moonshotai/Kimi-K2.5",
+                            "sglang_service_model_revision": "a" * 40,
+                            "sglang_service_model_path": str(tmp_path / "models/Kimi-K2.5")}}]}]))
+    dry = run_local_play(play, "--check", cwd=ROOT)
+    assert dry.returncode == 0, _tail(dry)
+    assert (f"Check mode: {tmp_path}/no-venv/bin/hs-model is not installed yet (the patch stage installs it), so this "
+            f"dry run cannot list the download; a real run places moonshotai/Kimi-K2.5@{'a' * 40} at "
+            f"{tmp_path}/models/Kimi-K2.5") in " ".join(dry.stdout.split()), _tail(dry)
+
+
 # --- the test-host lab ----------------------------------------------------------------------
 
 
