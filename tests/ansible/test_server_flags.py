@@ -45,3 +45,37 @@ def test_the_decode_graph_limit_flag_is_the_releases_own_and_not_a_deprecated_al
     # the newer name where the release has it (0.5.14 on): the old one is a deprecated alias, then gone
     has_decode = '"--cuda-graph-max-bs-decode",' in src or "    cuda_graph_max_bs_decode: " in src
     assert (flag == "--cuda-graph-max-bs-decode") == has_decode, (version, flag)
+
+
+
+# How each release logs its arguments at start (SGLang's engine.py), and that line as it prints it with a key
+LOGGED = {'logger.info(f"{server_args=}")': "server_args=ServerArgs(model_path='/models/K', api_key='k3y', port=1)",
+          'logger.info(f"server_args={server_args.resolved_dict()}")':
+              "server_args={'model_path': '/models/K', 'api_key': 'k3y', 'port': 1}",
+          'logger.info(f"server_args={_server_args_for_logging(server_args)}")':
+              "server_args={'model_path': '/models/K', 'api_key': 'k3y', 'port': 1}"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", SUPPORTED)
+def test_every_release_logs_its_api_key_at_start_and_the_unit_filters_that_line(version, release_sources):
+    """Why the unit has LogFilterPatterns=: each release's engine logs every server argument at start, the API key
+    among them (a dataclass repr to 0.5.18, a dict from 0.5.19: neither redacts it), and the pattern drops both
+    forms of that line. A release that logs them another way fails here (docs/security.md)."""
+    import re
+
+    site = release_sources[version]
+    engine = (site / "sglang/srt/entrypoints/engine.py").read_text()
+    forms = [line for code, line in LOGGED.items() if code in engine]
+    assert forms, f"SGLang {version} logs its server arguments in a form this test does not know"
+    serving = site / "sglang/srt/arg_groups/fields/serving.py"  # 0.5.20 on: the field's definition
+    assert "    api_key: " in _own_flags(site) + (serving.read_text() if serving.is_file() else "")
+    if "_server_args_for_logging" in engine:  # 0.5.22 on: it redacts the watermark's secrets, not the API key
+        body = engine.split("def _server_args_for_logging", 1)[1].split("\ndef ", 1)[0]
+        assert "api_key" not in body, body
+    unit = (ROOT / "roles/sglang_service/templates/sglang.service.j2").read_text()
+    pattern = re.search(r"^LogFilterPatterns=~(.+)$", unit, re.M).group(1)
+    for line in forms:
+        assert re.search(pattern, line), (pattern, line)
+    for kept in ("api_key_file=/var/lib/sglang/api-key", "the server's API key is set"):
+        assert not re.search(pattern, kept), kept

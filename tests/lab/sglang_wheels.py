@@ -25,7 +25,8 @@ CACHE = Path(os.environ.get("HS_PATCH_TEST_CACHE", Path.home() / ".cache" / "hs-
 MEMBERS = ("sglang/__init__.py", "sglang/version.py", "sglang/srt/models/deepseek_v2.py",
            "sglang/srt/models/kimi_k25.py", "sglang/srt/layers/aux_hidden_states.py",
            "sglang/srt/layers/communicator.py", "sglang/srt/model_executor/cuda_graph_runner.py",
-           "sglang/srt/server_args.py", "sglang/srt/arg_groups/fields/exec_.py")
+           "sglang/srt/server_args.py", "sglang/srt/arg_groups/fields/exec_.py",
+           "sglang/srt/arg_groups/fields/serving.py", "sglang/srt/entrypoints/engine.py")
 
 
 def sglang_wheel(version: str) -> Path:

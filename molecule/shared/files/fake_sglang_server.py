@@ -93,6 +93,10 @@ def main():
     if args.config:
         with open(args.config, encoding="utf-8") as f:
             api_key = json.load(f).get("api-key")
+    # SGLang's engine logs every server argument at start, the API key among them (logger.info(f"{server_args=}")
+    # to 0.5.18; a dict from 0.5.19): what the unit's LogFilterPatterns= keeps out of the journal
+    print(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] server_args=ServerArgs(model_path={args.model_path!r}, "
+          f"tp_size={args.tp_size}, port={args.port}, api_key={api_key!r})", file=sys.stderr, flush=True)
     with open("starts.log", "a") as f:
         f.write(f"{os.getpid()} {time.time():.3f}\n")
 
