@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from hs_patch.control import remote
+from hs_patch.control import remote, sizing
 from hs_patch.control.inventory import Target
 from hs_patch.control.remote import Check
 from hs_patch.control.shell import RemoteError, Shell
@@ -36,33 +36,10 @@ class Job:
 
 
 def preflight(c: Shell, t: Target, job: Job) -> list[Check]:
-    """remote.preflight for what the job still has to extract and ship: its share of the dataset, its ``--limit``
-    lines of it, less what an earlier start of the same run has already shipped (its status.json)."""
-    size = remote.remote_size(c, job.dataset) if job.remote_dataset else Path(job.dataset).stat().st_size
-    estimated, per_token = remote.estimate_bytes(c, t, size // max(1, job.share))
-    limit = _limit(job.driver_args)
-    if limit:
-        lines = remote.remote_lines(c, job.dataset) if job.remote_dataset else count_lines(Path(job.dataset))
-        estimated = estimated * min(limit, lines) // max(1, lines)
-    status = remote.run_status(c, t, job.run)
-    total, shipped = (status.get("samples") or {}).get("total"), (status.get("shipping") or {}).get("shipped")
-    if isinstance(total, int) and isinstance(shipped, int) and total > 0:  # a resumed run
-        estimated = estimated * max(0, total - shipped) // total
+    """remote.preflight for what the job still has to extract and ship (:func:`sizing.still_to_ship`)."""
+    estimated, per_token = sizing.still_to_ship(c, t, dataset=job.dataset, remote_dataset=job.remote_dataset,
+                                                share=job.share, driver_args=job.driver_args, run=job.run)
     return remote.preflight(c, t, estimated_bytes=estimated, bytes_per_token=per_token, max_tokens=job.max_tokens)
-
-
-def _limit(driver_args: list[str]) -> int:
-    """The driver's ``--limit`` among its arguments (0: every line)."""
-    return next((int(driver_args[i + 1]) for i, a in enumerate(driver_args[:-1]) if a == "--limit"), 0)
-
-
-def count_lines(path: Path) -> int:
-    """Lines of a local file (a last one without a newline counted), read in blocks."""
-    n, last = 0, b"\n"
-    with open(path, "rb") as f:
-        while block := f.read(8 << 20):
-            n, last = n + block.count(b"\n"), block[-1:]
-    return n + (last != b"\n")
 
 
 def report(host: str, checks: list[Check]) -> str:

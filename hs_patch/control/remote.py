@@ -26,7 +26,7 @@ from hs_patch.control.inventory import Target
 from hs_patch.control.shell import RemoteError, Shell, cmd
 from hs_patch.control.storage import destination
 
-__all__ = ["RemoteError", "Check", "preflight", "estimate_bytes", "prepare", "upload", "start_server",
+__all__ = ["RemoteError", "Check", "preflight", "prepare", "upload", "start_server",
            "check_kv_cache", "destination", "start_jobs", "unit_hardening", "snapshot", "runs", "stop", "ship_now",
            "units"]
 from hs_patch.engine import kv_cache
@@ -96,12 +96,12 @@ def preflight(c: Shell, t: Target, *, estimated_bytes: int | None, bytes_per_tok
     checks.append(Check("dirs", shared is not None, f"capture dir {t.dump_dir} and samples root {t.samples_root}"
                         + (f" both under {shared}" if shared else " apart"), APART_FIX))
     for label, path in (("dump space", t.dump_dir), ("samples space", t.samples_root)):
-        free = _free_bytes(c, path)
+        space = _space(c, path)
+        free = space[1] if space else None
         if label == "samples space" and not t.ship_enabled and estimated_bytes:
             # nothing ships the samples away: the whole run stays there, and the driver pauses for good once the
             # filesystem is HIGH_WATER_PCT used
-            size, free = _space(c, path) or (0, None)
-            room = None if free is None else free - size * (100 - HIGH_WATER_PCT) // 100
+            room = None if space is None else space[1] - space[0] * (100 - HIGH_WATER_PCT) // 100
             checks.append(Check(label, room is not None and room >= estimated_bytes,
                                 f"{_gb(room)} for {path} below the driver's high water ({HIGH_WATER_PCT}% used), "
                                 f"{_gb(estimated_bytes)} estimated for the run, which stays there (shipping is off)",
@@ -194,11 +194,6 @@ def _space(c: Shell, path: str) -> tuple[int, int] | None:
         return None
 
 
-def _free_bytes(c: Shell, path: str) -> int | None:
-    space = _space(c, path)
-    return space[1] if space else None
-
-
 def _gb(n: int | None) -> str:
     return "?" if n is None else f"{n / 2**30:.1f} GiB"
 
@@ -210,46 +205,6 @@ def _last_json(text: str) -> dict[str, Any]:
         except ValueError:
             continue
     return {}
-
-
-def estimate_bytes(c: Shell, t: Target, dataset_bytes: int) -> tuple[int, int]:
-    """(stored bytes for a dataset, bytes per token): ~4 bytes of JSON per token, planes x
-    hidden x 2 (+ 9 for the id and the loss mask) per token."""
-    r = c.run(["cat", f"{t.model_path}/config.json"])
-    try:
-        cfg = json.loads(r.stdout) if r.ok else {}
-    except ValueError:
-        cfg = {}
-    hidden = int((cfg.get("text_config") or cfg).get("hidden_size", 7168))
-    planes = len(t.capture_layers) + {"pre": 1, "post": 1, "both": 2}.get(t.capture_final, 0)
-    per_token = planes * hidden * 2 + 9
-    return dataset_bytes // 4 * per_token, per_token
-
-
-def remote_lines(c: Shell, path: str) -> int:
-    """Lines of a file on the host (a --remote-dataset with --limit)."""
-    r = c.run(cmd("wc", "-l", "--", path))
-    if not r.ok or not r.stdout.split()[:1] or not r.stdout.split()[0].isdigit():
-        raise RemoteError(f"on {c.host}: could not count the lines of {path}: {(r.stderr or r.stdout).strip()[-300:]}")
-    return int(r.stdout.split()[0])
-
-
-def run_status(c: Shell, t: Target, run: str) -> dict[str, Any]:
-    """The run's status.json on the host ({} for a run not started there yet)."""
-    r = c.run(["cat", f"{t.state_dir(run)}/status.json"])
-    try:
-        status = json.loads(r.stdout) if r.ok and r.stdout.strip() else {}
-    except ValueError:
-        return {}
-    return status if isinstance(status, dict) else {}
-
-
-def remote_size(c: Shell, path: str) -> int:
-    """Bytes of a file on the host (a --remote-dataset)."""
-    r = c.run(["stat", "-c", "%s", "--", path])
-    if not r.ok or not r.stdout.strip().isdigit():
-        raise RemoteError(f"on {c.host}: no dataset file {path}: {(r.stderr or r.stdout).strip()[-300:]}")
-    return int(r.stdout)
 
 
 # --------------------------------------------------------------------------- starting

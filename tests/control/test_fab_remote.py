@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from hs_patch.control import remote
+from hs_patch.control import remote, sizing
 from hs_patch.control.inventory import Target
 from hs_patch.control.shell import RemoteError, Shell
 
@@ -118,8 +118,8 @@ def test_hostile_names_stay_single_arguments(lab, become):
     dataset = lab.tmp / "data.jsonl"
     dataset.write_text('{"input_ids": [1, 2]}\n')
 
-    remote.remote_size(c, "/data/" + HOSTILE[0])
-    remote.estimate_bytes(c, t, 1000)
+    sizing.remote_size(c, "/data/" + HOSTILE[0])
+    sizing.estimate_bytes(c, t, 1000)
     remote.preflight(c, t, estimated_bytes=1, bytes_per_token=1)
     remote.prepare(c, t, run)
     remote.upload(c, t, run, dataset)

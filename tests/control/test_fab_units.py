@@ -90,17 +90,17 @@ def test_max_tokens_reaches_the_kv_check_the_space_check_and_the_driver(tmp_path
     import fabfile
     from invoke import Context
 
-    from hs_patch.control import extraction, fleet, fleet_run, remote
+    from hs_patch.control import extraction, fleet, fleet_run, remote, sizing
     from hs_patch.control.inventory import Target
     from hs_patch.host.driver.cli import add_arguments, drive_config
 
     seen: dict = {}
     monkeypatch.setattr(fabfile, "_target", lambda *a: Target(host="gpu1", name="gpu1"))
     monkeypatch.setattr(fabfile, "_connect", lambda t: "conn")
-    monkeypatch.setattr(remote, "remote_size", lambda c, path: 1 << 20)
-    monkeypatch.setattr(remote, "remote_lines", lambda c, path: 10)
-    monkeypatch.setattr(remote, "run_status", lambda c, t, run: {})
-    monkeypatch.setattr(remote, "estimate_bytes", lambda c, t, size: (size, 100))
+    monkeypatch.setattr(sizing, "remote_size", lambda c, path: 1 << 20)
+    monkeypatch.setattr(sizing, "remote_lines", lambda c, path: 10)
+    monkeypatch.setattr(sizing, "run_status", lambda c, t, run: {})
+    monkeypatch.setattr(sizing, "estimate_bytes", lambda c, t, size: (size, 100))
     monkeypatch.setattr(remote, "preflight", lambda c, t, **kw: seen.setdefault("preflight", kw) and [])
     for step in ("prepare", "start_server"):
         monkeypatch.setattr(remote, step, lambda *a, **k: None)
@@ -136,17 +136,17 @@ def test_the_space_check_asks_room_for_what_the_run_still_ships(tmp_path, monkey
     """Storage must hold the run's estimate: for the whole dataset that asked a --limit trial for ~18,000 times the
     dataset's bytes, and a resumed run for all of it again. It asks for the limit's share of the lines, less what an
     earlier start of the same run has shipped (its status.json), on a local and on a remote dataset."""
-    from hs_patch.control import extraction, remote
+    from hs_patch.control import extraction, remote, sizing
     from hs_patch.control.inventory import Target
 
     data = tmp_path / "d.jsonl"
     data.write_bytes(b'{"messages": []}\n' * 99 + b'{"messages": []}')  # 100 lines, the last without a newline
     status: dict = {}
     seen: list = []
-    monkeypatch.setattr(remote, "estimate_bytes", lambda c, t, size: (size * 1000, 100))
-    monkeypatch.setattr(remote, "remote_size", lambda c, path: data.stat().st_size)
-    monkeypatch.setattr(remote, "remote_lines", lambda c, path: 100)
-    monkeypatch.setattr(remote, "run_status", lambda c, t, run: status)
+    monkeypatch.setattr(sizing, "estimate_bytes", lambda c, t, size: (size * 1000, 100))
+    monkeypatch.setattr(sizing, "remote_size", lambda c, path: data.stat().st_size)
+    monkeypatch.setattr(sizing, "remote_lines", lambda c, path: 100)
+    monkeypatch.setattr(sizing, "run_status", lambda c, t, run: status)
     monkeypatch.setattr(remote, "preflight", lambda c, t, **kw: seen.append(kw["estimated_bytes"]) or [])
     full = data.stat().st_size * 1000
     for remote_dataset in (False, True):
@@ -162,7 +162,7 @@ def test_the_space_check_asks_room_for_what_the_run_still_ships(tmp_path, monkey
             assert seen[-1] == expected, (remote_dataset, args, shipped)
     ended = tmp_path / "e.jsonl"
     ended.write_bytes(b"{}\n" * 7)
-    assert extraction.count_lines(data) == 100 and extraction.count_lines(ended) == 7
+    assert sizing.count_lines(data) == 100 and sizing.count_lines(ended) == 7
 
 
 def test_with_shipping_off_the_samples_space_must_hold_the_whole_run_below_the_high_water():
