@@ -78,6 +78,20 @@ def test_template_that_rewrites_turns_falls_back_to_the_content(tiny_tokenizer):
     assert assistant_text(tiny_tokenizer, enc) == ["Paris is the capital.", "hello world<|im_end|>"]
 
 
+def test_a_rewritten_turn_that_repeats_the_user_is_found_in_its_own_place(tiny_tokenizer):
+    """The content fallback searched from the end of the previous assistant turn, so a user turn quoting the answer
+    got the mask: "Repeat after me: Paris is the capital." masked its own words and left the answer unmasked."""
+    conv = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Repeat after me: Paris is the capital."},
+            {"role": "assistant", "content": "Paris is the capital."}, {"role": "user", "content": "thanks"},
+            {"role": "assistant", "content": "hello world"}]
+    enc = chat.encode_chat(RewritingTemplate(tiny_tokenizer), conv)
+    assert assistant_text(tiny_tokenizer, enc) == ["Paris is the capital.", "hello world<|im_end|>"]
+    user_turn = enc.text.index("Repeat after me:")
+    before_answer = len(chat.encode_text(tiny_tokenizer, enc.text[:enc.text.index("Paris", user_turn + 20)]))
+    assert not any(enc.loss_mask[:before_answer]), "a token of the user's turn is in the loss mask"
+
+
 def test_unalignable_turns_and_template_errors_are_rejects(tiny_tokenizer):
     conv = [dict(m) for m in CONV]
     conv[2]["content"] = "<think>hmm</think>Paris is the capital."  # the template drops the reasoning

@@ -71,6 +71,13 @@ def assistant_spans(tokenizer: Any, messages: list[dict[str, str]], full: str,
     cursor = 0
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
+            # past this turn's own text, where the template kept it: an assistant turn that repeats it (an echo, a
+            # tool result read back) is searched for after it, never found inside it
+            for text in (m["content"], m["content"].strip()):
+                at = full.find(text, cursor) if text else -1
+                if at >= 0:
+                    cursor = at + len(text)
+                    break
             continue
         if i == 0:  # nothing before it to render a generation prompt from
             spans.append(_first_turn_span(tokenizer, m, full, template_kwargs))
