@@ -299,6 +299,40 @@ def test_samples_failing_at_once_are_counted_up_to_the_limit_and_the_rest_abando
     assert sorted(events) == ["abandoned"] * 5 + ["failed"] * 3
 
 
+def test_a_state_dir_that_fills_up_stops_the_run_instead_of_hanging_it(standin, tiny_model_dir, tmp_path,
+                                                                          monkeypatch):
+    """Every ledger write failing (ENOSPC: the state dir's filesystem full) made each worker's failure bookkeeping
+    raise in turn: the workers died one by one and the feeder waited for them for ever, SIGTERM included. Now the
+    run stops, saying where to free space, and the process ends."""
+    import errno
+
+    data = tmp_path / "chats.jsonl"
+    write_chats(data, 200)  # more lines than the work queue holds (2 x the 36 workers)
+    write, writes = runstate.Ledger.write, []
+
+    def fills_up(self, event, **fields):
+        writes.append(event)
+        if len(writes) > 12:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(self, event, **fields)
+
+    monkeypatch.setattr(runstate.Ledger, "write", fills_up)
+    ended: dict = {}
+
+    def run() -> None:
+        try:
+            ended["summary"] = drive(standin, tiny_model_dir, tmp_path, [data], concurrency=4)
+        except OSError as e:  # the end's own records cannot be written either: hs-extract drive says so, exit 1
+            ended["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(120)
+    assert not t.is_alive(), "the driver hung on a full state dir"
+    said = ended.get("error") or ended.get("summary").message
+    assert "No space left on device" in str(said), ended
+
+
 def test_a_server_with_the_radix_cache_is_refused(nocapture, tiny_model_dir, tmp_path):
     NoCapture.radix = True
     data = tmp_path / "chats.jsonl"

@@ -384,7 +384,13 @@ class Driver(SampleSteps):
             try:
                 self._process(rec, turn, seq)
             except Exception as e:  # noqa: BLE001 - one sample's bug must not kill the run; it is recorded
-                self._failed(rec, None, "internal", f"{type(e).__name__}: {e}")
+                try:
+                    self._failed(rec, None, "internal", f"{type(e).__name__}: {e}")
+                except Exception as again:  # noqa: BLE001 - nothing can be recorded (a full state dir): a worker
+                    # that died here left the feeder waiting for it for ever
+                    self.request_stop(f"the run's records in {self.state_dir} cannot be written ({type(again).__name__}:"
+                                      f" {again}); free space there (df -h {self.state_dir}), then run the same "
+                                      "command again", EXIT_ERROR)
             finally:
                 turn.release()
                 self.order.settle(seq)  # a line that ended before it claimed its tokens
