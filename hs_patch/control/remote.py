@@ -292,6 +292,7 @@ SANDBOX = ("NoNewPrivileges=yes", "ProtectSystem=strict", "ProtectHome=read-only
            "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", "UMask=0077")
 
 
+DRIVER_DONE = "driver.done"  # the driver's end marker in its state dir (runstate.DONE): a following shipper ends on it
 HIGH_WATER_PCT = 80  # the driver's default --high-water: it pauses sending once its filesystem is this much used
 
 APART_FIX = ("set hs_dump_dir and hs_runs_samples_root under one directory at least two levels deep (both under "
@@ -351,6 +352,8 @@ def start_jobs(c: Shell, t: Target, run: str, driver_args: list[str], *, dest: s
             continue
         c.run(cmd("systemctl", "reset-failed", f"{unit}.service") + " 2>/dev/null; "
               + cmd("systemctl", "stop", f"{unit}.service") + " 2>/dev/null")
+        if unit == drive:  # an earlier driver's end marker: the shipper started next would take it for this one's
+            c.run(["rm", "-f", "--", f"{t.state_dir(run)}/{DRIVER_DONE}"], check=True)
         c.run(["systemd-run", f"--unit={unit}", f"--description=hs-patch {unit}", *common, *argv], check=True)
         started.append(unit)
     return started

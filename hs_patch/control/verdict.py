@@ -52,10 +52,13 @@ def gaps(snap: dict[str, Any]) -> list[str]:
     ship = _unit(snap, f"hs-ship-{run}")
     sh = snap.get("shipper") or {}
     pending = (sh.get("pending") or {}).get("count", 0)
-    if ship and d.get("state") == "finished" and (pending or ship.get("ExecMainStatus") not in (None, "", "0")):
-        out.append(f"{pending} extracted sample(s) not at the destination (shipper {ship.get('ActiveState')}, exit "
-                   f"{ship.get('ExecMainStatus') or '?'}{': ' + str(sh['last_error']) if sh.get('last_error') else ''})"
-                   f"; fab ship sends them")
+    # the samples dir itself, not only the shipper's count: a shipper that ended on an earlier driver's end marker
+    # counted nothing pending while this driver's samples were still there
+    left = snap.get("samples_left") or 0
+    if ship and d.get("state") == "finished" and (pending or left or ship.get("ExecMainStatus") not in (None, "", "0")):
+        out.append(f"{max(pending, left)} extracted sample(s) not at the destination (shipper "
+                   f"{ship.get('ActiveState')}, exit {ship.get('ExecMainStatus') or '?'}"
+                   f"{': ' + str(sh['last_error']) if sh.get('last_error') else ''}); fab ship sends them")
     return out
 
 

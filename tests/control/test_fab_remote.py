@@ -293,3 +293,33 @@ def test_a_command_past_its_timeout_is_a_remote_error_that_says_what_to_do():
     with pytest.raises(RemoteError, match=r"on stub: `systemctl stop x.service` did not finish within 300 s .*"
                                           r"run the same command again"):
         Shell(host, server_target()).run(["systemctl", "stop", "x.service"], timeout=300)
+
+
+def test_a_driver_is_started_only_after_an_earlier_drivers_end_marker_is_gone():
+    """A finished run started again (a --limit trial, lines appended): the shipper, started right after the driver,
+    found the old driver.done before the new driver removed it, shipped nothing and ended 'done', and fab said every
+    sample was shipped. fab removes the marker before it starts a driver that is not running, never under one."""
+    from hs_patch.host.driver.runstate import DONE
+
+    class Host:
+        host = "stub"
+
+        def __init__(self, drive_state: str):
+            self.drive_state, self.lines = drive_state, []
+
+        def run(self, command: str, **kw) -> SimpleNamespace:
+            self.lines.append(command)
+            out = (self.drive_state if "hs-drive-r1" in command else "inactive") + "\n" \
+                if "ActiveState" in command else ""
+            return SimpleNamespace(ok=True, failed=False, exited=0, stdout=out, stderr="")
+
+    t = Target(host="stub", venv="/opt/v", state_root="/var/lib/hs-patch/runs")
+    assert remote.DRIVER_DONE == DONE, "the driver's own name for it"
+    idle = Host("inactive")
+    remote.start_jobs(Shell(idle, t), t, "r1", [])
+    rm = idle.lines.index(f"rm -f -- /var/lib/hs-patch/runs/r1/{DONE}")
+    starts = [i for i, line in enumerate(idle.lines) if line.startswith("systemd-run")]
+    assert len(starts) == 2 and rm < starts[0] and "hs-drive-r1" in idle.lines[starts[0]], idle.lines
+    running = Host("active")
+    remote.start_jobs(Shell(running, t), t, "r1", [])
+    assert not any(DONE in line for line in running.lines), running.lines

@@ -236,6 +236,11 @@ def test_snapshot_reads_what_is_there(tmp_path):
     assert snap["driver"]["samples"]["done"] == 4 and snap["shipper"] is None and snap["hook"] is None
     assert snap["rejects"] == [{"line": 3, "reason": "bad json"}]
     assert snap["dump"]["total"] > 0
+    assert snap["samples_left"] is None  # no samples dir yet
+    (tmp_path / "s").mkdir()
+    for name in ("a.safetensors", "b.safetensors", "manifest.jsonl", ".hs-samples.lock"):
+        (tmp_path / "s" / name).write_text("")
+    assert snapshot.take("r1", str(state), str(tmp_path / "s"), str(tmp_path / "cap"), "sglang")["samples_left"] == 2
 
 
 def test_dashboard_shows_progress_rates_gpus_and_problems():
@@ -328,6 +333,11 @@ def test_a_run_that_ended_with_a_failed_sample_exits_1_naming_it_one_host_and_a_
     done = {r.label: ended_run(r.run, 300, []) for r in rows}
     assert ending(rows, done, "f", "", 120) == dashboard.Ending(
         0, ["complete: every line is held (900 samples, shipped and verified at the destination)"], "green")
+    # a shipper that counted nothing pending while samples are still in the samples dir: not complete
+    stale = ended_run("f", 300, [])
+    stale["samples_left"] = 6
+    assert verdict.gaps(stale) == ["6 extracted sample(s) not at the destination (shipper inactive, exit 0); fab ship "
+                                   "sends them"]
     # shipping off: no shipper; fab says where the samples are, and that a tmpfs loses them at a reboot
     alone = ended_run("f", 300, [])
     del alone["shipper"], alone["units"]["hs-ship-f"]

@@ -248,3 +248,17 @@ def test_stop_then_resume(demo, tmp_path):
     assert demo.fab("ship", "--run", run, capture_output=True, text=True).returncode == 0
     check_destination(demo.fetch_destination(run, tmp_path / "dest"), expected)
     assert_gpu_host_empty(demo)
+
+    # the finished run started again with lines appended: its shipper must not end on the earlier driver's
+    # driver.done (it did: the new samples stayed on the GPU host and fab said every one was shipped)
+    with open(data, "a", encoding="utf-8") as f:
+        for i in range(12):
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"Appended question {i}: and then?"},
+                                             {"role": "assistant", "content": f"Then step {i} follows."}]}) + "\n")
+    added = {f"{data.name}:{len(expected) + i + 1}" for i in range(12)}
+    grown = demo.fab("extract", "--dataset", str(data), "--run", run, capture_output=True, text=True)
+    assert grown.returncode == 0 and grown.stdout.rstrip().splitlines()[-1] == (
+        f"complete: every line is held ({len(expected | added)} samples, shipped and verified at the destination)"), \
+        grown.stdout[-2000:]
+    check_destination(demo.fetch_destination(run, tmp_path / "dest2"), expected | added)
+    assert_gpu_host_empty(demo)

@@ -103,6 +103,15 @@ def usage(path: str) -> dict[str, Any] | None:
     return {"path": path, "total": total, "free": free, "used_pct": round(100 * (1 - free / total), 1) if total else 0}
 
 
+def sample_files(samples_dir: str) -> int | None:
+    """Sample files in the run's samples dir (those not shipped yet, with shipping on); None if unreadable."""
+    try:
+        with os.scandir(samples_dir) as it:
+            return sum(1 for e in it if e.name.endswith(".safetensors"))
+    except OSError:
+        return None
+
+
 def take(run: str, state_dir: str, samples_dir: str, capture_dir: str, service: str) -> dict[str, Any]:
     state = Path(state_dir)
     return {
@@ -111,7 +120,7 @@ def take(run: str, state_dir: str, samples_dir: str, capture_dir: str, service: 
         "shipper": _json(state / "shipper_status.json"),
         "hook": _json(Path(capture_dir) / "hook_status.json"),
         "units": units([f"hs-drive-{run}", f"hs-ship-{run}", service]),
-        "dump": usage(capture_dir), "samples": usage(samples_dir),
+        "dump": usage(capture_dir), "samples": usage(samples_dir), "samples_left": sample_files(samples_dir),
         "gpus": gpus(),
         "rejects": _tail_jsonl(state / "rejects.jsonl", 5),
     }
