@@ -15,7 +15,7 @@ from hs_patch.samples import files, reader, store
 from hs_patch.samples.files import RANGE, RANGED
 
 SHIPPED_SHAPE = {"op", "key", "file", "bytes", "sha256", "t"}
-SHIPPED_OPTIONAL = {"sample_id", "from", "kept"}  # from: destination (start-up sync); kept: the destination's copy
+SHIPPED_OPTIONAL = {"sample_id", "line_sha256", "from", "kept"}  # from: destination (start-up sync); kept: the destination's copy
 
 
 def make_samples(directory: Path, n: int, *, start: int = 0, tokens: int = 8, hidden: int = 64,

@@ -37,6 +37,20 @@ class Cancelled(Exception):
     """The shipper is stopping: the batch's remaining work is dropped (a later start does it)."""
 
 
+def finish_all(results: list[dict[str, Any]], uploads: list[Callable[[], dict[str, Any]]]) -> None:
+    """Each upload's end into its result; every upload ends (and closes its file) even when an earlier one failed,
+    then the first failure is raised (one upload cut by an outage left the others' files open: a batch's RAM in
+    /dev/shm held by deleted samples, and file descriptors, for each cut)."""
+    failure: BaseException | None = None
+    for res, finish in zip(results, uploads, strict=True):
+        try:
+            res.update(finish())
+        except BaseException as e:  # noqa: BLE001 - raised once all have ended
+            failure = failure or e
+    if failure is not None:
+        raise failure
+
+
 class BucketLink:
     def __init__(self, dest: BucketDest, opts: S3Options, state_dir: Path):
         self.dest, self.opts = dest, opts
@@ -90,7 +104,7 @@ class BucketLink:
                 return bool(keys)
             with self.manifest_lock:
                 b.update_manifest(drop)
-        fields = ("key", "file", "bytes", "sha256", "sample_id")
+        fields = ("key", "file", "bytes", "sha256", "sample_id", "line_sha256")  # as at_destination's listing
         left = [{k: e.get(k) for k in fields} for k, e in entries.items() if k not in {d["key"] for d in damaged}]
         return {"entries": left, "damaged": damaged, "checked": len(ours)}
 
@@ -129,8 +143,7 @@ class BucketLink:
                 except BaseException:
                     pass
             raise
-        for (res, f), finish in zip(todo, uploads):
-            res.update(finish())
+        finish_all([res for res, _ in todo], uploads)
         # 3. a HEAD of each sent: size and checksum as the manifest line says
         sent = [(res, f) for res, f in zip(results, files) if res["status"] == "sent"]
         for (res, f), h in zip(sent, self.pool.map(lambda rf: b.verified(self.object(rf[1]), rf[1]["bytes"],
