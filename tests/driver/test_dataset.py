@@ -72,6 +72,11 @@ def test_reject_log_counts_each_line_once_across_restarts(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "rejects.jsonl").read_text().splitlines()]
     assert [(r["line"], r["reason"]) for r in lines] == [(3, "bad_json"), (4, "empty")]
     assert again.total == 2 and again.by_reason == {"bad_json": 1, "empty": 1}
+    # what counts is this pass's: a restart that finds line 3 fixed rejects line 4 only
+    third = dataset.RejectLog(tmp_path / "rejects.jsonl")
+    third.add(dataset.Reject("a.jsonl", 4, "empty", "y"))
+    assert third.total == 1 and third.by_reason == {"empty": 1} and list(third.now) == [("a.jsonl", 4)]
+    assert len((tmp_path / "rejects.jsonl").read_text().splitlines()) == 2
 
 
 def test_sources_must_exist_and_have_distinct_names(tmp_path):

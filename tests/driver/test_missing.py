@@ -41,6 +41,26 @@ def test_a_run_names_each_line_it_does_not_hold_and_which_can_never_be_extracted
             entries["d.jsonl:6"]["retry"] is False
 
 
+def test_a_line_fixed_after_its_reject_is_held_and_no_longer_missing(standin, tiny_model_dir, tmp_path):
+    """missing.jsonl tells the operator to change a rejected line; once changed, the next run extracts it, and the
+    run is complete: the old reject was kept and listed for ever (fab exited 1 on every run, naming a line that was
+    already held)."""
+    data = tmp_path / "d.jsonl"
+    write_chats(data, 3)
+    good = data.read_text().splitlines()
+    data.write_text("\n".join(good[:1] + ["{not json"] + good[1:]) + "\n")
+    first = drive(standin, tiny_model_dir, tmp_path, [data])
+    assert first.message.startswith("complete but for bad input") and first.status["missing"]["rejected"] == 1
+    fixed = json.loads(good[0])
+    fixed["messages"][0]["content"] += " (fixed)"
+    data.write_text("\n".join(good[:1] + [json.dumps(fixed)] + good[1:]) + "\n")
+    again = drive(standin, tiny_model_dir, tmp_path, [data])
+    assert (again.exit_code, again.message) == (EXIT_OK, "complete"), again.message
+    assert again.status["samples"]["done"] == 4 and again.status["samples"]["rejected"] == 0
+    assert (tmp_path / "state" / missing.FILE).read_text() == ""
+    assert len(runstate.read_jsonl(tmp_path / "state" / runstate.REJECTS)) == 1  # the history stays
+
+
 def test_a_complete_run_names_nothing(standin, tiny_model_dir, tmp_path):
     data = tmp_path / "d.jsonl"
     write_chats(data, 3)

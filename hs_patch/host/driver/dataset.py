@@ -27,6 +27,7 @@ import json
 import os
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
@@ -278,34 +279,37 @@ def _conversation(turns: Any, fmt: str, need_assistant: bool = True) -> list[dic
 
 
 class RejectLog:
-    """``rejects.jsonl``: one line per rejected (file, line), appended at most once across restarts."""
+    """``rejects.jsonl``: one line per rejected (file, line), appended at most once across restarts. What counts is
+    this pass's (``now``): every line is read again on each start and rejected again while it is bad, so a line
+    fixed since an earlier start is not counted, nor listed among the missing (it was, for ever)."""
 
     def __init__(self, path: Union[str, os.PathLike]):
         self.path = Path(path)
         self._lock = threading.Lock()
-        self.seen: set[tuple[str, int]] = set()
-        self.by_reason: dict[str, int] = {}
+        self.seen: set[tuple[str, int]] = set()   # in the file
+        self.now: dict[tuple[str, int], dict[str, Any]] = {}   # rejected in this pass
         if self.path.exists():
             for raw in self.path.read_bytes().splitlines():
                 try:
                     rec = json.loads(raw)
                 except ValueError:
                     continue  # a torn last line from a crash: the reject is written again
-                self._count((rec["source"], rec["line"]), rec["reason"])
-
-    def _count(self, where: tuple[str, int], reason: str) -> bool:
-        if where in self.seen:
-            return False
-        self.seen.add(where)
-        self.by_reason[reason] = self.by_reason.get(reason, 0) + 1
-        return True
+                self.seen.add((rec["source"], rec["line"]))
 
     def add(self, reject: Reject) -> None:
         with self._lock:
-            if self._count((reject.source, reject.line), reject.reason):
+            where = (reject.source, reject.line)
+            self.now[where] = reject.as_dict()
+            if where not in self.seen:
+                self.seen.add(where)
                 with open(self.path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(reject.as_dict(), sort_keys=True) + "\n")
 
     @property
+    def by_reason(self) -> dict[str, int]:
+        with self._lock:
+            return dict(Counter(r["reason"] for r in self.now.values()))
+
+    @property
     def total(self) -> int:
-        return len(self.seen)
+        return len(self.now)

@@ -3,7 +3,7 @@
 Written by the driver as it ends (not when it fails as a whole): one JSON line for each line
 of its input (its shard) that it does not hold, ``{"sample_id", "why", "retry"}``: a rejected
 line (bad input, the reason from rejects.jsonl: rejected again on every run until the line
-changes), or a sample that failed in this run (its stage and error, and in how many runs it
+changes, and no longer listed once it has), or a sample that failed in this run (its stage and error, and in how many runs it
 has failed so far). ``retry`` says whether running the same command again can extract it: not
 for a rejected line, nor for a failure that comes from the line itself (the server refused the
 request, HTTP 4xx; the provenance is over the intent's limit). Lines the driver never reached
@@ -56,11 +56,13 @@ def runs_failed(ledger: Path, ids: set[str]) -> dict[str, int]:
     return {k: len(v) for k, v in runs.items()}
 
 
-def account(state_dir: Path, failures: dict[str, Failure], not_attempted: int) -> dict[str, Any]:
-    """Write ``missing.jsonl``; the summary for status.json (counts, and the first entries)."""
+def account(state_dir: Path, failures: dict[str, Failure], not_attempted: int,
+            rejects: list[dict[str, Any]]) -> dict[str, Any]:
+    """Write ``missing.jsonl``; the summary for status.json (counts, and the first entries). ``rejects``: this
+    pass's (``RejectLog.now``), not every line ever rejected (one fixed since is held now)."""
     entries = [{"sample_id": r.get("sample_id", f"{r.get('source')}:{r.get('line')}"), "retry": False,
                 "why": f"rejected: {r.get('reason')} ({r.get('detail', '')})"[:300]}
-               for r in runstate.read_jsonl(state_dir / runstate.REJECTS)]
+               for r in sorted(rejects, key=lambda r: (str(r.get("source")), int(r.get("line") or 0)))]
     rejected = len(entries)
     repeats = runs_failed(state_dir / runstate.LEDGER, set(failures))
     for sid, f in sorted(failures.items()):

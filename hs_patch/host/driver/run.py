@@ -202,7 +202,8 @@ class Driver(SampleSteps):
                 if empty:
                     self.exit_code, self.stop_reason = EXIT_ERROR, empty
                 self.status.state = "failed" if empty else "finished" if not self.stop_reason else "stopped"
-                self.missing = missing.account(self.state_dir, dict(self.failures), s["remaining"])
+                self.missing = missing.account(self.state_dir, dict(self.failures), s["remaining"],
+                                               list(self.rejects.now.values()))
                 gaps = missing.describe(self.missing)
                 self.status.message = self.stop_reason or (
                     ("complete" + (f" but for bad input: {gaps}" if gaps else "")) if self.exit_code == EXIT_OK else
