@@ -88,3 +88,18 @@ def test_a_damaged_sample_still_here_is_shipped_again_not_lost(tmp_path, capsys)
     assert not [r for r in shipped_records(state) if r["op"] == "lost"]
     assert store.verify_entry(dest, store.read_manifest(dest)[again[0].key]) is None
     assert set(store.read_manifest(dest)) == {w.key for w in written + again}
+
+
+def test_a_file_touched_or_copied_without_its_times_is_not_damage(tmp_path, capsys):
+    """The cheap check took any new mtime for a rewrite: storage copied or restored without its times (cp -r, a
+    backup tool) had every sample moved aside as damaged and the whole run extracted again. A new mtime now has the
+    file hashed: the same bytes keep it (its new time recorded, so the next check is cheap again); other bytes are
+    damage as before (the test above)."""
+    samples, state, dest, written = _shipped(tmp_path, 3)
+    touched = dest / "samples" / written[0].path.name
+    os.utime(touched, ns=(touched.stat().st_atime_ns, touched.stat().st_mtime_ns + 10**9))
+    capsys.readouterr()
+    assert shipper.main(ship_cmd(samples, state, str(dest))) == shipper.EXIT_OK
+    assert "damaged" not in capsys.readouterr().err
+    assert set(store.read_manifest(dest)) == {w.key for w in written} and not (dest / ".damaged").exists()
+    assert store.read_manifest(dest)[written[0].key]["mtime_ns"] == touched.stat().st_mtime_ns

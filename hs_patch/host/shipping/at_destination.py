@@ -212,7 +212,12 @@ def damage(root, rec, deep):
     if st.st_size != rec.get("bytes"):
         return "size %d, verified with %s (truncated or rewritten)" % (st.st_size, rec.get("bytes"))
     if isinstance(rec.get("mtime_ns"), int) and st.st_mtime_ns != rec["mtime_ns"]:
-        return "written since it was verified (mtime %d, verified at %d)" % (st.st_mtime_ns, rec["mtime_ns"])
+        # rewritten, or only touched or copied without its times (cp -r, a restore): its digest tells
+        if sha256_and_sync(path, rec.get("sha256") or "") != (rec.get("bytes"), rec.get("sha256")):
+            return "written since it was verified (mtime %d, verified at %d; its digest differs)" % (
+                st.st_mtime_ns, rec["mtime_ns"])
+        rec["mtime_ns"] = st.st_mtime_ns  # the same bytes: the new time is recorded (check writes the manifest)
+        return None
     if deep and sha256_and_sync(path, rec.get("sha256") or "") != (rec.get("bytes"), rec.get("sha256")):
         return "its content no longer has the verified digest"
     return None
@@ -223,8 +228,10 @@ def check(root, deep):
     entries = read_entries(os.path.join(root, MANIFEST))
     # a line without bytes or sha256 is not one this step wrote: left alone (the shipper names it)
     ours = [rec for rec in entries.values() if type(rec.get("bytes")) is int and isinstance(rec.get("sha256"), str)]
+    times = [rec.get("mtime_ns") for rec in ours]
     with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
         whys = list(pool.map(lambda rec: damage(root, rec, deep), ours))
+    refreshed = any(rec.get("mtime_ns") != t for rec, t in zip(ours, times))
     damaged = []
     for rec, why in zip(ours, whys):
         if why is None:
@@ -235,7 +242,7 @@ def check(root, deep):
             os.replace(path, os.path.join(root, DAMAGED, "%s.%d" % (os.path.basename(path), int(time.time() * 1e6))))
         del entries[rec["key"]]
         damaged.append({"key": rec["key"], "file": rec["file"], "why": why})
-    if damaged:
+    if damaged or refreshed:
         write_entries(root, entries)
     return {"checked": len(whys), "damaged": damaged}
 
