@@ -337,8 +337,10 @@ def start_jobs(c: Shell, t: Target, run: str, driver_args: list[str], *, dest: s
                      "--api-key-file", t.api_key_file, "--capture-dir", t.dump_dir, "--state-dir", t.state_dir(run),
                      "--samples-dir", t.samples_dir(run), *driver_args])]
     if t.ship_enabled:
-        # the shipper waits out storage outages itself; exit 2 is bad configuration: no restart
-        jobs.append((ship, ["--property=Restart=on-failure", "--property=RestartPreventExitStatus=2",
+        # the shipper waits out storage outages itself; exit 2 is bad configuration, exit 3 samples it could not
+        # verify after its own retries (kept here) or lost at the destination: no restart (a restart tried the same
+        # files again for ever, and fab's foreground never ended); fab names them, fab ship sends them
+        jobs.append((ship, ["--property=Restart=on-failure", "--property=RestartPreventExitStatus=2 3",
                             *unit_hardening(t, run, "ship"), *storage.credential_properties(c, t), "--",
                             t.bin("hs-extract"), "ship", "--samples-dir", t.samples_dir(run),
                             "--state-dir", t.state_dir(run), "--dest", dest or destination(t, run),

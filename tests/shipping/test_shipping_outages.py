@@ -138,7 +138,8 @@ def test_the_shipper_unit_restarts_on_failure_but_not_on_bad_configuration():
     remote.start_jobs(Shell(c, t), t, "r1", [])
     drive = next(x for x in c.commands if "systemd-run --unit=hs-drive-r1" in x)
     ship = next(x for x in c.commands if "systemd-run --unit=hs-ship-r1" in x)
-    assert "--property=Restart=on-failure" in shlex.split(ship) and "--property=RestartPreventExitStatus=2" in ship
+    assert "--property=Restart=on-failure" in shlex.split(ship)
+    assert "--property=RestartPreventExitStatus=2 3" in shlex.split(ship)  # bad configuration; unverifiable samples
     assert "--property=Restart=on-abnormal" in shlex.split(drive) and "on-failure" not in drive
 
 

@@ -46,7 +46,7 @@ def ship(cfg: ShipConfig) -> int:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             # exit 1, not 2: a busy lock is no bad configuration, and the follow unit (Restart=on-failure,
-            # RestartPreventExitStatus=2) must come back once a manual shipper is done, not stay down
+            # RestartPreventExitStatus=2 3) must come back once a manual shipper is done, not stay down
             raise LinkError(f"another shipper holds {cfg.state_dir / LOCK_FILE}: one shipper per "
                             "state directory; stop it first (or wait for it)") from None
         shipper = Shipper(cfg)
