@@ -74,7 +74,7 @@ def test_ships_to_a_bucket_verified_by_the_store_whose_composite_checksum_is_our
 def test_every_upload_of_a_round_ends_when_one_fails():
     """One upload cut by an outage raised before the others' ends ran, and those end by closing their files: each
     cut left a batch of deleted samples' files open (their RAM in /dev/shm) and file descriptors with them."""
-    from hs_patch.host.shipping import bucket_link
+    from hs_patch.host.shipping import bucket_commit
 
     ended: list[int] = []
 
@@ -82,13 +82,13 @@ def test_every_upload_of_a_round_ends_when_one_fails():
         def finish() -> dict:
             ended.append(i)
             if i == 0:
-                raise bucket_link.LinkError("the store did not answer")
+                raise bucket_commit.LinkError("the store did not answer")
             return {"status": "sent"}
         return finish
 
     results = [{} for _ in range(4)]
-    with pytest.raises(bucket_link.LinkError, match="did not answer"):
-        bucket_link.finish_all(results, [upload(i) for i in range(4)])
+    with pytest.raises(bucket_commit.LinkError, match="did not answer"):
+        bucket_commit.finish_all(results, [upload(i) for i in range(4)])
     assert ended == [0, 1, 2, 3] and results[1:] == [{"status": "sent"}] * 3
 
 

@@ -39,6 +39,11 @@ from hs_patch.host.driver.runstate import read_shipped  # noqa: E402
 STATUS_FILE = "shipper_status.json"
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNVERIFIED = 0, 1, 2, 3
 WAITING = "waiting_for_destination"
+# A sample another shipper of the same S3 prefix wrote meanwhile (``raced``: a reassigned shard and its host
+# back) is decided again after a pause (jittered, so two shippers stop meeting), not counted as a failed
+# transfer, for this long after its first race; each race after that counts as one.
+RACE_PAUSE = (0.5, 2.0)
+RACE_GRACE_SECONDS = 120.0
 
 
 @dataclass
@@ -89,6 +94,8 @@ class Shipper:
         self.local_manifest = store.Manifest(cfg.samples_dir)
         self.attempts: dict[tuple[str, str], int] = {}  # (key, sha256) -> failed verifications
         self.failed: dict[str, str] = {}        # key -> why it is given up
+        self.raced: dict[tuple[str, str], float] = {}  # (key, sha256) -> its first race (monotonic)
+        self.not_before: dict[str, float] = {}  # key -> when a raced sample is sent again (monotonic)
         self.missing_local: list[str] = []      # listed, not shipped, and no file
         self.pending: list[Pending] = []
         self.inflight: InFlight | None = None
@@ -151,16 +158,23 @@ class Shipper:
         self.shipped_log.append(rec)
         self.shipped[p.key] = rec
         self.failed.pop(p.key, None)
+        self.not_before.pop(p.key, None)
         self.drop_local(p.key, p.path, p.inode)
 
     # ------------------------------------------------------------------ batches
 
+    def ready(self) -> list[Pending]:
+        """The pending samples that may be sent now (not those pausing after a race)."""
+        now = time.monotonic()
+        return [p for p in self.pending if self.not_before.get(p.key, 0.0) <= now]
+
     def next_batch(self) -> tuple[list[Pending], bool]:
         """Up to batch_files / batch_bytes samples (at least one). Files that failed a
         verification go first, in a batch of their own that resends whatever is there."""
-        retry = [p for p in self.pending if self.attempts.get((p.key, p.entry["sha256"]))]
+        ready = self.ready()
+        retry = [p for p in ready if self.attempts.get((p.key, p.entry["sha256"]))]
         batch, size = [], 0
-        for p in retry or self.pending:
+        for p in retry or ready:
             if batch and (len(batch) >= self.cfg.batch_files or size + p.entry["bytes"] > self.cfg.batch_bytes):
                 break
             batch.append(p)
@@ -190,6 +204,8 @@ class Shipper:
                 self.run_bytes += p.entry["bytes"]
                 continue
             version = (p.key, p.entry["sha256"])
+            if res["status"] == "raced" and self.pause_raced(p, version, res.get("why") or ""):
+                continue
             self.attempts[version] = n = self.attempts.get(version, 0) + 1
             detail = res.get("why") or f"rsync exit {done.rsync_rc}{': ' + done.rsync_err if done.rsync_err else ''}"
             why = (f"{p.entry['file']}: {res['status']} at the destination after transfer {n} of "
@@ -199,11 +215,21 @@ class Shipper:
                 self.failed[p.key] = why + "; local copy kept"
             print(f"hs-ship: {why}", file=sys.stderr)
 
+    def pause_raced(self, p: Pending, version: tuple[str, str], why: str) -> bool:
+        """Whether a sample another shipper wrote meanwhile waits to be decided again (True), uncounted; after
+        RACE_GRACE_SECONDS of races each counts as a failed transfer (False)."""
+        now = time.monotonic()
+        if now - self.raced.setdefault(version, now) >= RACE_GRACE_SECONDS:
+            return False
+        self.not_before[p.key] = now + random.uniform(*RACE_PAUSE)
+        print(f"hs-ship: {p.entry['file']}: {why}; decided again shortly", file=sys.stderr)
+        return True
+
     def step(self, link: Link) -> bool:
         """Send the next batch (unless stopping) while the previous one is verified, then
         record the previous one. Whether the destination answered a verification (an S3 batch's
         failures show only then: its whole round runs in the background)."""
-        started = self.send_batch(link) if self.pending and not self.stop_requested else None
+        started = self.send_batch(link) if self.ready() and not self.stop_requested else None
         previous, self.inflight = self.inflight, started
         if previous is not None:
             self.finish_batch(previous)
@@ -320,11 +346,12 @@ class Shipper:
             while True:
                 finished = not self.cfg.follow or self.cfg.done_marker.exists()  # before the scan
                 self.scan()
-                if self.inflight is None and not self.pending:
-                    if self.stop_requested or finished:
+                if self.inflight is None and not self.ready():
+                    if self.stop_requested or (finished and not self.pending):
                         break
                     self.write_status("waiting")
-                    self.pause(self.cfg.poll_seconds)
+                    self.pause(min([self.cfg.poll_seconds] + [t - time.monotonic() for p in self.pending
+                                                              if (t := self.not_before.get(p.key))]))
                     continue
                 if self.inflight is None and self.stop_requested:
                     break

@@ -8,7 +8,9 @@ listed in its manifest: ``kept``, as at an rsync destination); then the uploads,
 object of the batch in flight on ``--s3-concurrency`` threads, each carrying its SHA256
 (:mod:`hs_patch.host.shipping.bucket`); then a HEAD of each (size and checksum against the
 manifest line), and the manifest rewritten with the verified ones (``etag`` recorded: the next
-start's cheap check compares it).
+start's cheap check compares it). A sample another shipper of the prefix wrote meanwhile is ``raced``:
+its object is left to that shipper for ``YIELD_SECONDS`` (kept once listed), and the batch loop decides
+it again after a pause (:data:`hs_patch.host.shipping.batches.RACE_PAUSE`).
 
 A multipart upload started is recorded in ``STATE/s3_uploads.jsonl`` until completed or aborted;
 an upload cut by an outage is aborted (and its sample sent again whole), and the uploads a killed
@@ -27,28 +29,15 @@ from typing import Any, Callable
 
 from hs_patch.host.shipping.bucket import (SAMPLES, SINGLE_PUT_MAX, Bucket, BucketDest, DigestRefused, Raced,
                                            S3Options, b64, checksum_matches, error_code)
+from hs_patch.host.shipping.bucket_commit import BucketCommit, finish_all
 from hs_patch.host.shipping.link import LinkError
 from hs_patch.samples.files import RANGE, RANGED, JsonLog, file_sha256, ranged, read_jsonl, write_text_atomic
 
 UPLOADS = "s3_uploads.jsonl"
-
-
-class Cancelled(Exception):
-    """The shipper is stopping: the batch's remaining work is dropped (a later start does it)."""
-
-
-def finish_all(results: list[dict[str, Any]], uploads: list[Callable[[], dict[str, Any]]]) -> None:
-    """Each upload's end into its result; every upload ends (and closes its file) even when an earlier one failed,
-    then the first failure is raised (one upload cut by an outage left the others' files open: a batch's RAM in
-    /dev/shm held by deleted samples, and file descriptors, for each cut)."""
-    failure: BaseException | None = None
-    for res, finish in zip(results, uploads, strict=True):
-        try:
-            res.update(finish())
-        except BaseException as e:  # noqa: BLE001 - raised once all have ended
-            failure = failure or e
-    if failure is not None:
-        raise failure
+# After losing a race for a sample (another shipper of the prefix wrote it), its object is left to that shipper
+# this long: replaced only if still not listed in the manifest by then (that shipper gone). Two shippers that
+# replaced each other's copies in turn each gave up after --retries rounds (seen in CI under load).
+YIELD_SECONDS = 30.0
 
 
 class BucketLink:
@@ -58,6 +47,7 @@ class BucketLink:
         self.pool = ThreadPoolExecutor(opts.concurrency, thread_name_prefix="hs-ship-s3")
         self.manifest_lock = threading.Lock()
         self.journal_path = Path(state_dir) / UPLOADS
+        self.raced_at: dict[str, float] = {}  # object key -> when this shipper first lost a race for it (monotonic)
         self.journal = JsonLog(self.journal_path)
         self.src_dir = Path(".")
 
@@ -146,17 +136,32 @@ class BucketLink:
         finish_all([res for res, _ in todo], uploads)
         # 3. a HEAD of each sent: size and checksum as the manifest line says
         sent = [(res, f) for res, f in zip(results, files) if res["status"] == "sent"]
-        for (res, f), h in zip(sent, self.pool.map(lambda rf: b.verified(self.object(rf[1]), rf[1]["bytes"],
-                                                                             rf[1]["sha256"]), sent)):
-            res.update({"status": "ok", "etag": h["ETag"]} if h else
-                       {"status": "mismatch", "why": "the store's HEAD after the upload gave another size or "
-                        "checksum (does it keep SHA256 checksums?)"})
+        for (res, f), h in zip(sent, self.pool.map(lambda rf: b.head(self.object(rf[1])), sent)):
+            res.update(self.after_upload(h, f, res.get("etag")))
         # 4. the manifest, written last, with the verified ones
         self.list_verified(b, [(res, f) for res, f in zip(results, files) if res["status"] == "ok"])
+        now = time.monotonic()
+        for res, f in zip(results, files):
+            if res["status"] == "raced":
+                self.raced_at.setdefault(self.object(f), now)
+            elif res["status"] in ("ok", "kept"):
+                self.raced_at.pop(self.object(f), None)
         for res in results:
             res.pop("etag", None)
             res.pop("cond", None)
         return results
+
+    @staticmethod
+    def after_upload(h: dict[str, Any] | None, f: dict[str, Any], etag: str | None) -> dict[str, Any]:
+        """What the HEAD after an upload says: the object verified (``ok``), replaced by another shipper since
+        (``raced``: another ETag than the upload's, decided again later), or not what was sent."""
+        if h is not None and h.get("ContentLength") == f["bytes"] \
+                and checksum_matches(h.get("ChecksumSHA256"), f["bytes"], f["sha256"]):
+            return {"status": "ok", "etag": h["ETag"]}
+        if h is not None and etag and h.get("ETag") != etag:
+            return {"status": "raced", "why": "another shipper replaced it at the store right after the upload"}
+        return {"status": "mismatch", "why": "the store's HEAD after the upload gave another size or checksum "
+                "(does it keep SHA256 checksums?)"}
 
     def list_verified(self, b: Bucket, done: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
         """Add the verified samples to the manifest. Each write first checks, with a HEAD, that the object is
@@ -203,6 +208,10 @@ class BucketLink:
                 and isinstance(old.get("sha256"), str) and checksum_matches(checksum, size, old["sha256"]):
             return {"status": "kept", "bytes": old["bytes"], "sha256": old["sha256"], "run": old.get("run"),
                     "host": old.get("host")}
+        since = self.raced_at.get(self.object(f))
+        if since is not None and time.monotonic() - since < YIELD_SECONDS:
+            return {"status": "raced", "why": "another shipper wrote it and has not listed it yet: its manifest "
+                    "line awaited"}
         return {"status": "", "cond": {"IfMatch": h["ETag"]}}
 
     def upload(self, b: Bucket, f: dict[str, Any], commit: BucketCommit,
@@ -251,8 +260,8 @@ class BucketLink:
             if got != (size, sha):
                 return {"status": "mismatch", "why": f"the file here no longer matches its manifest line "
                         f"({got[1][:20]}...): damaged here, not sent"}
-            b.call(f"PUT {key}", b.s3.put_object, Bucket=b.dest.bucket, Key=key, Body=body,
-                   ChecksumSHA256=b64(digest), ContentLength=size, **cond)
+            r = b.call(f"PUT {key}", b.s3.put_object, Bucket=b.dest.bucket, Key=key, Body=body,
+                       ChecksumSHA256=b64(digest), ContentLength=size, **cond)
         except DigestRefused as e:
             return {"status": "mismatch", "why": f"{e}: the bytes that arrived were not those hashed here"}
         except Raced as e:
@@ -260,7 +269,7 @@ class BucketLink:
         finally:
             if hasattr(body, "close"):
                 body.close()
-        return {"status": "sent"}
+        return {"status": "sent", "etag": r.get("ETag")}
 
     def multipart(self, b: Bucket, fd: int, key: str, size: int, sha: str, commit: BucketCommit,
                   cond: dict[str, str]) -> Callable[[], dict[str, Any]]:
@@ -290,12 +299,12 @@ class BucketLink:
                     self.abort(b, key, upload_id)
                     return {"status": "mismatch", "why": "the file here no longer matches its manifest line: damaged "
                             "here, not sent"}
-                b.call(f"completing the upload of {key}", b.s3.complete_multipart_upload, Bucket=b.dest.bucket,
-                       Key=key, UploadId=upload_id, MultipartUpload={"Parts": [
-                           {"PartNumber": n, "ETag": etag, "ChecksumSHA256": b64(d)}
-                           for n, (d, etag) in enumerate(parts, 1)]}, **cond)
+                r = b.call(f"completing the upload of {key}", b.s3.complete_multipart_upload, Bucket=b.dest.bucket,
+                           Key=key, UploadId=upload_id, MultipartUpload={"Parts": [
+                               {"PartNumber": n, "ETag": etag, "ChecksumSHA256": b64(d)}
+                               for n, (d, etag) in enumerate(parts, 1)]}, **cond)
                 self.journal.append({"op": "end", "upload_id": upload_id, "t": round(time.time(), 3)})
-                return {"status": "sent"}
+                return {"status": "sent", "etag": r.get("ETag")}
             except DigestRefused as e:
                 self.abort(b, key, upload_id)
                 return {"status": "mismatch", "why": f"{e}: the bytes that arrived were not those hashed here"}
@@ -360,40 +369,3 @@ def read_range(fd: int, start: int, length: int) -> bytes:
         parts.append(data)
         start, length = start + len(data), length - len(data)
     return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
-class BucketCommit:
-    """One batch's round (see the module doc) in a thread of its own; ``wait`` gives the per-file results
-    or raises what ended it (an outage, a refusal)."""
-
-    def __init__(self, work: Callable[[BucketCommit], list[dict[str, Any]]]):
-        self._cancelled = threading.Event()
-        self._done = threading.Event()
-        self._result: list[dict[str, Any]] = []
-        self._error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                self._result = work(self)
-            except BaseException as e:  # handed to wait()
-                self._error = e
-            finally:
-                self._done.set()
-        self._thread = threading.Thread(target=run, name="hs-ship-s3-batch", daemon=True)
-        self._thread.start()
-
-    def check(self) -> None:
-        if self._cancelled.is_set():
-            raise Cancelled("the shipper is stopping")
-
-    def wait(self, answer: str | None = "results") -> list[dict[str, Any]]:
-        self._done.wait()
-        if self._error is not None:
-            if isinstance(self._error, Cancelled):
-                raise LinkError("the batch was cancelled")
-            raise self._error
-        return self._result
-
-    def kill(self) -> None:
-        self._cancelled.set()
-        self._done.wait()
