@@ -111,3 +111,33 @@ def test_a_file_sent_again_for_a_line_the_manifest_already_has_is_made_durable(t
     monkeypatch.setattr(at_destination, "fsync_dir", lambda path: (synced.append(path), real(path)))
     assert at_destination.commit(str(root), [req])["results"][0]["status"] == "ok"
     assert str(root / at_destination.SAMPLES) in synced
+
+
+def test_a_copy_another_shipper_landed_at_rsyncs_name_is_left_to_it_not_deleted_as_a_mismatch(tmp_path):
+    """Two shippers of one ROOT with one sample (a reassigned shard and its host back): the other's rsync landed
+    its copy over this one's before this one's step ran. That step deleted it as a mismatch and the other's then
+    found nothing: both counted failed transfers, and could give up after --retries rounds. Told apart by the
+    mtime rsync --times gives the copy: the sender's (or truncated to the second by the filesystem) or not."""
+    root = tmp_path / "dest"
+    (root / at_destination.INCOMING).mkdir(parents=True)
+    (root / at_destination.SAMPLES).mkdir()
+    name = "k.safetensors"
+    ours, theirs = b"A" * 4096, b"B" * 4096
+    staged = root / at_destination.INCOMING / name
+    staged.write_bytes(theirs)
+    os.utime(staged, ns=(1, 1_700_000_000_123_456_789))
+    mine = dict(_request(name, ours), mtime_ns=1_700_000_005_000_000_001)
+    answer = at_destination.commit(str(root), [mine])
+    assert answer["results"][0]["status"] == "raced" and staged.read_bytes() == theirs
+    theirs_req = dict(_request(name, theirs), mtime_ns=1_700_000_000_123_456_789)
+    assert at_destination.commit(str(root), [theirs_req])["results"][0]["status"] == "ok"
+    # this shipper's copy with its own mtime, kept to the second by the filesystem: its own
+    staged.write_bytes(ours)
+    os.utime(staged, ns=(1, 1_700_000_005_000_000_000))
+    assert at_destination.commit(str(root), [mine])["results"][0]["status"] == "kept"
+    # a damaged copy of its own (its mtime) is still a mismatch, deleted to be sent again
+    staged.write_bytes(b"C" * 4096)
+    os.utime(staged, ns=(1, 1_700_000_005_000_000_001))
+    (root / at_destination.SAMPLES / name).unlink()
+    (root / at_destination.MANIFEST).unlink()
+    assert at_destination.commit(str(root), [mine])["results"][0]["status"] == "mismatch" and not staged.exists()

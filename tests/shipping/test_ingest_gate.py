@@ -28,6 +28,8 @@ RECORDER = "#!{py}\nimport json, sys\nprint(json.dumps(sys.argv))\n"
 ALLOWED = [
     f"rsync --server -tRe.LsfxCIvu --timeout=120 --partial-dir .rsync-partial --compare-dest ../samples . "
     f"{ROOT}/run1/.incoming/",
+    f"rsync --server -tRe.LsfxCIvu --timeout=60 -@-1 --partial-dir .rsync-partial --compare-dest ../samples . "
+    f"{ROOT}/run1/.incoming/",  # what rsync 3.2-3.5 send for the shipper's options today
     f"rsync --server -tIRe.LsfxCIvu --timeout=120 --bwlimit=1000 --partial-dir .rsync-partial . "
     f"{ROOT}/run1/.incoming/",
     f"rsync --server -tRe.LsfxCIvu --partial-dir=.rsync-partial . {ROOT}/a/b/.incoming",
@@ -49,6 +51,7 @@ REFUSED = [
     f"rsync --server -tRe.LsfxCIvu --rsync-path=/bin/sh . {ROOT}/run1/.incoming/",
     f"rsync --server -tRe.LsfxCIvu . {ROOT}/run1/.incoming/ ; touch /tmp/x",
     f"rsync --server -tRe.LsfxCIvu . . {ROOT}/run1/.incoming/",
+    f"rsync --server -tRe.LsfxCIvu -@1 . {ROOT}/run1/.incoming/", f"rsync --server -t@-1 . {ROOT}/run1/.incoming/",
     "python3 -c " + shlex.quote("import os; os.system('id')"),
     "df -Pk /etc", f"df -Pk {ROOT}/../etc", "df -h /",
 ]

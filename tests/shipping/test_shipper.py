@@ -229,6 +229,38 @@ def test_a_file_damaged_in_transit_is_sent_again(tmp_path, monkeypatch):
     assert "mismatch" in status(state)["last_error"] and damaged[0] in status(state)["last_error"]
 
 
+def test_a_copy_another_shipper_lands_over_ours_is_a_race_sent_again_not_a_failed_transfer(tmp_path, monkeypatch,
+                                                                                              capsys):
+    """The other shipper of this destination (a reassigned shard's host, or the dead host back) lands its copy of
+    a sample at rsync's name after ours, and dies before its own step: ours is not called a mismatch (its copy
+    deleted, a transfer counted: two such shippers gave up after --retries rounds), it is sent again."""
+    from hs_patch.host.shipping import batches
+
+    monkeypatch.setattr(batches, "RACE_PAUSE", (0.05, 0.1))
+    samples, state, dest = dirs(tmp_path)
+    written = make_samples(samples, 2)
+    theirs = make_samples(tmp_path / "other", 2, seed_offset=7)
+    landed: list[str] = []
+    real_send = ship_link.Link.send
+
+    def send_then_theirs_lands(self, src_dir, names, *, recheck=False):
+        result = real_send(self, src_dir, names, recheck=recheck)
+        if not landed:
+            staged = dest / ".incoming" / names[0]
+            shutil.copyfile(tmp_path / "other" / names[0], staged)  # its own mtime: now
+            landed.append(names[0])
+        return result
+    monkeypatch.setattr(ship_link.Link, "send", send_then_theirs_lands)
+    cfg = shipper.ShipConfig(samples, state, ship_link.parse_dest(str(dest)))
+    assert theirs[0].path.name == written[0].path.name
+    assert shipper.ship(cfg) == shipper.EXIT_OK
+    err = capsys.readouterr().err
+    assert landed and f"{landed[0]}: " in err and "decided again shortly" in err
+    assert "after transfer" not in err, err
+    assert_destination_has(dest, written)
+    assert_shipped_locally(samples, state, written)
+
+
 def test_a_file_that_never_verifies_is_kept_and_reported(tmp_path, capsys):
     samples, state, dest = dirs(tmp_path)
     written = make_samples(samples, 7)

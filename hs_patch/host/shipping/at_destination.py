@@ -4,7 +4,8 @@ The shipper sends this file's source as ``python3 -c SOURCE`` over SSH (nothing 
 is installed on training storage) with a JSON request on stdin, and reads a JSON answer
 on stdout. Standard library only, Python >= 3.6.
 
-Request: ``{"root": PATH, "files": [{"file": NAME, "bytes": N, "sha256": HEX, "entry": {...}}]}``
+Request: ``{"root": PATH, "files": [{"file": NAME, "bytes": N, "sha256": HEX, "mtime_ns": T, "entry": {...}}]}``
+(``mtime_ns``: the file's mtime on the GPU host, which rsync ``--times`` gives the copy it lands).
 
 For each file, rsync has left it in ``ROOT/.incoming/`` (or an interrupted run already
 moved it to ``ROOT/samples/``). Its sha256 is computed here, on the destination, and its
@@ -18,7 +19,9 @@ status is ``ok`` (in samples/, durable, in the manifest), ``kept`` (the destinat
 holds this sample, verified, with other bytes: a redo after the GPU host lost its local
 state, or the copy of a host whose shard was reassigned while it was cut off; the destination's
 copy stays, its ``sha256``/``bytes`` and the ``run``/``host`` that shipped it are answered, the
-arrival is deleted), ``mismatch`` (the copy that arrived was wrong and is deleted) or ``missing``
+arrival is deleted), ``mismatch`` (the copy that arrived was wrong and is deleted), ``raced`` (the
+file at rsync's name has another mtime: another shipper of this ROOT landed its own copy of the sample
+there since; it is left for that shipper's step, and this one sends again later) or ``missing``
 (nothing arrived).
 
 With ``"list": true`` the answer also has ``"entries"``: key, file, bytes, sha256 and
@@ -140,6 +143,14 @@ def remove_leftovers(root):
             os.unlink(os.path.join(root, INCOMING, name))
 
 
+def landed_by_sender(path, f):
+    """Whether the file at rsync's name has the sender's mtime (``mtime_ns`` of the request; rsync
+    ``--times``), or that mtime truncated by a filesystem that keeps coarser times (less than 1 s
+    older). A request without it (an older shipper) is taken as the sender's."""
+    sent = f.get("mtime_ns")
+    return not isinstance(sent, int) or 0 <= sent - os.stat(path).st_mtime_ns < 10 ** 9
+
+
 def verify(root, f, entries):
     """Check one file where rsync or an interrupted run left it; move it into samples/ unless
     the destination already holds a verified other version of the same sample."""
@@ -156,6 +167,11 @@ def verify(root, f, entries):
             os.unlink(staged)
         return "kept"
     status = "missing"
+    if os.path.isfile(staged) and not landed_by_sender(staged, f):
+        # another shipper's rsync (a reassigned shard's host, or the dead host back) landed its copy of this
+        # sample at rsync's name since this shipper's: hashing it here would delete that shipper's arrival
+        # as a mismatch, and its own step would then find nothing (both counting failed transfers)
+        return "raced"
     if os.path.isfile(staged):
         # hashed and moved under a name of its own: another shipper's rsync (a reassigned shard's
         # host) may land its own NAME at rsync's name meanwhile, and that is not the file hashed

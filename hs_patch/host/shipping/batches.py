@@ -39,8 +39,8 @@ from hs_patch.host.driver.runstate import read_shipped  # noqa: E402
 STATUS_FILE = "shipper_status.json"
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNVERIFIED = 0, 1, 2, 3
 WAITING = "waiting_for_destination"
-# A sample another shipper of the same S3 prefix wrote meanwhile (``raced``: a reassigned shard and its host
-# back) is decided again after a pause (jittered, so two shippers stop meeting), not counted as a failed
+# A sample another shipper of the same destination wrote meanwhile (``raced``: a reassigned shard and its host
+# back, at an S3 prefix or an rsync destination) is decided again after a pause (jittered, so two shippers stop meeting), not counted as a failed
 # transfer, for this long after its first race; each race after that counts as one.
 RACE_PAUSE = (0.5, 2.0)
 RACE_GRACE_SECONDS = 120.0
@@ -74,6 +74,7 @@ class Pending:
     entry: dict[str, Any]  # the local manifest's op: add record
     path: Path
     inode: int             # to never delete a file replaced since it was queued
+    mtime_ns: int          # told to the destination: a copy landed there with another is another shipper's
 
 
 @dataclass
@@ -130,11 +131,11 @@ class Shipper:
             if key in busy or self.attempts.get((key, entry["sha256"]), 0) >= self.cfg.retries:
                 continue  # being verified, or given up (listed in self.failed)
             try:
-                inode = path.stat().st_ino
+                st = path.stat()
             except FileNotFoundError:
                 self.missing_local.append(key)
                 continue
-            self.pending.append(Pending(key, entry, path, inode))
+            self.pending.append(Pending(key, entry, path, st.st_ino, st.st_mtime_ns))
         return self.pending
 
     def drop_local(self, key: str, path: Path, inode: int | None) -> None:
@@ -188,7 +189,7 @@ class Shipper:
         if rc not in RSYNC_PER_FILE:
             raise LinkError(f"rsync to {self.cfg.dest} failed (exit {rc}): {err}")
         files = [{"file": p.entry["file"], "bytes": p.entry["bytes"], "sha256": p.entry["sha256"],
-                  "entry": p.entry} for p in batch]
+                  "mtime_ns": p.mtime_ns, "entry": p.entry} for p in batch]
         return InFlight(batch, link.start_commit(files), rc, err)
 
     def finish_batch(self, done: InFlight) -> None:
@@ -222,7 +223,8 @@ class Shipper:
         if now - self.raced.setdefault(version, now) >= RACE_GRACE_SECONDS:
             return False
         self.not_before[p.key] = now + random.uniform(*RACE_PAUSE)
-        print(f"hs-ship: {p.entry['file']}: {why}; decided again shortly", file=sys.stderr)
+        print(f"hs-ship: {p.entry['file']}: {why or 'another shipper landed its copy at the destination meanwhile'}"
+              "; decided again shortly", file=sys.stderr)
         return True
 
     def step(self, link: Link) -> bool:

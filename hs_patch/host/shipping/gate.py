@@ -33,6 +33,7 @@ SAFE_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.@+-]{0,127}$")
 RSYNC_FLAGS = set("tRIv")  # --times, --relative (--files-from), --ignore-times, -v
 RSYNC_VALUE_OPTS = {"--partial-dir": ".rsync-partial", "--compare-dest": "../samples"}
 RSYNC_NUMBER_OPTS = ("--timeout", "--bwlimit")
+RSYNC_EXACT = ("-@-1",)  # --modify-window=-1: mtimes compared to the nanosecond (rsync >= 3.1.3)
 
 
 class Refused(Exception):
@@ -75,6 +76,8 @@ def check_rsync(root, args):
                 pass
             else:
                 raise Refused("rsync option %r is not one the shipper uses" % a)
+        elif a in RSYNC_EXACT:
+            pass
         elif a.startswith("-"):
             flags, _, caps = a[1:].partition("e")  # -tRe.LsfxCIvu: flags, then -e's protocol capabilities
             if not flags or not set(flags) <= RSYNC_FLAGS or not re.match(r"^[.A-Za-z]*$", caps):

@@ -219,7 +219,9 @@ class Link:
         ``recheck`` sends every file whatever the destination holds (after a mismatch).
         Returns rsync's exit code and the end of its error output.
         """
-        argv = ["rsync", "--times", "--partial-dir=.rsync-partial", f"--timeout={IO_TIMEOUT}",
+        # --modify-window=-1: mtimes to the nanosecond (rsync's default, whole seconds, took another shipper's
+        # copy of a sample landed in the same second with the same size for this one's, and never sent it)
+        argv = ["rsync", "--times", "--modify-window=-1", "--partial-dir=.rsync-partial", f"--timeout={IO_TIMEOUT}",
                 "--from0", "--files-from=-"]
         argv += ["--ignore-times"] if recheck else ["--compare-dest=../samples"]
         if self.bwlimit_kbps:
