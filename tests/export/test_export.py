@@ -128,6 +128,44 @@ def test_a_model_of_another_width_is_refused_before_any_sample(tmp_path, tiny_mo
             export(pre, tmp_path / spec.format, spec)
         assert not (tmp_path / spec.format).exists()
 
+def test_a_rerun_with_another_models_norm_weight_derives_again_or_is_refused(tmp_path, tiny_model_dir):
+    """--derive-post-norm's bytes are the model's norm weight's: a re-run naming another model (a corrected
+    --model) kept every file derived with the first one's and said complete."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    pre = tmp_path / "pre"
+    write_run(pre, 2, final="pre", layers=(1, 2, 3), hidden=64)
+    other = tmp_path / "other-model"
+    shutil.copytree(tiny_model_dir, other)
+    for f in other.glob("*.safetensors"):
+        t = load_file(f)
+        if "model.norm.weight" in t:
+            t["model.norm.weight"] = t["model.norm.weight"] * 2
+            save_file(t, f, metadata={"format": "pt"})
+    dst = tmp_path / "sf"
+    assert export(pre, dst, ExportSpec("specforge", derive_post_norm=True, model=str(tiny_model_dir))).state == \
+        "complete"
+    assert export(pre, dst, ExportSpec("specforge", derive_post_norm=True, model=str(tiny_model_dir))).kept == 2
+    with pytest.raises(ExportRefused, match="holds another export"):
+        export(pre, dst, ExportSpec("specforge", derive_post_norm=True, model=str(other)))
+
+
+def test_samples_of_another_model_or_width_in_one_source_fail_as_those_samples(tmp_path):
+    """export.json records the first sample's model and width; a sample of another (runs of two models merged
+    into one source) was exported beside them, the export complete: wrong states, or a crash in the trainer."""
+    src = tmp_path / "run"
+    write_run(src, 3, shipped=True)
+    other = write_finished(src, [9, 8, 7, 6], shipped=True, meta={"model": "/models/other"}).key
+    wider = write_finished(src, [5, 4, 3], shipped=True, hidden=48).key
+    for fmt in ("specforge", "speculators"):
+        summ = export(src, tmp_path / fmt, ExportSpec(fmt))
+        assert summ.state == "incomplete" and summ.exported == 3 and sorted(summ.failed) == sorted([other, wider])
+        assert "another model" in summ.failed[other] and "'/models/other'" in summ.failed[other]
+        assert "hidden_size '48', not '32'" in summ.failed[wider]
+
+
 # --------------------------------------------------------------------------- speculators
 
 
@@ -167,6 +205,22 @@ def test_speculators_reads_every_row_bit_for_bit(src, tmp_path):
     table = datasets.load_from_disk(str(dst))
     assert table.column_names == ["input_ids", "loss_mask", "seq_len"]
     assert [int(x) for x in table.with_format(None)["seq_len"]] == [len(r["input_ids"]) for r in rows]
+
+
+def test_a_rows_new_loss_mask_reaches_the_table(src, tmp_path):
+    """A sample extracted again with the same tokens and another loss mask (a mask fix): the same key and row,
+    its file rewritten; the table, kept because no row was added or moved, still held the old mask, and the
+    export said complete (speculators reads the mask from the table)."""
+    dst = tmp_path / "sp"
+    assert export(src, dst, ExportSpec("speculators")).state == "complete"
+    sample = next(iter(sources(src).values()))
+    ids = sample.input_ids.tolist()
+    write_finished(src, ids, shipped=True, loss_mask=[1] * len(ids), seed=99)
+    summ = export(src, dst, ExportSpec("speculators"))
+    assert summ.state == "complete" and summ.exported == 1
+    rows = {tuple(r["input_ids"].tolist()): r for r in speculators_rows(dst)}
+    assert rows[tuple(ids)]["loss_mask"].tolist() == [1] * len(ids)
+    assert len(rows) == 7
 
 
 def test_speculators_fp8_is_hs_connectors_quantizer_bit_for_bit(src, tmp_path):

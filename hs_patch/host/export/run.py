@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Optional
 from hs_patch import __version__
 from hs_patch.engine import serving
 from hs_patch.host.export import arrow, layout
-from hs_patch.host.export.spec import ExportRefused, ExportSpec, check_sample, resolve
+from hs_patch.host.export.spec import ExportRefused, ExportSpec, check_sample, like_first, resolve
 from hs_patch.samples import lazy_sample, reader, store
 from hs_patch.samples.files import disk_full
 
@@ -39,6 +39,7 @@ class Task:
     spec: ExportSpec
     quick: bool = False
     fsync: bool = True
+    first: dict[str, str] = field(default_factory=dict)  # spec.like_first of the export's first sample
 
 
 @dataclass
@@ -71,6 +72,17 @@ def _norm(model: str) -> tuple[Any, float]:
     return _NORM[model]
 
 
+def norm_digest(model: str) -> str:
+    """sha256 of the final norm weight (and eps) ``--derive-post-norm`` computes with."""
+    import hashlib
+
+    import torch
+
+    weight, eps = _norm(model)
+    raw = weight.detach().to(torch.float32).contiguous().numpy().tobytes()
+    return hashlib.sha256(raw + repr(float(eps)).encode()).hexdigest()
+
+
 def _init_worker(parent: Optional[int] = None) -> None:
     import torch
 
@@ -100,7 +112,7 @@ def work(t: Task) -> dict[str, Any]:
         from hs_patch.host.export import writers
 
         with lazy_sample.open_sample(Path(t.src) / t.src_entry["file"], entry=t.src_entry) as s:
-            check_sample(t.spec, s.metadata, s.has("loss_mask"))
+            check_sample(t.spec, s.metadata, s.has("loss_mask"), t.first)
             rec: dict[str, Any] = {"op": "add", "key": t.key, "src_sha256": t.src_entry["sha256"],
                                    "tokens": s.num_tokens, "t": round(time.time(), 3)}
             if t.spec.format == "specforge":
@@ -185,6 +197,7 @@ def export(src: str | Path, dst: str | Path, spec: ExportSpec, *, workers: int =
     entries = source_entries(src)
     meta = first_metadata(src, entries)
     spec = resolve(spec, meta)
+    first = like_first(meta)
     if spec.model:
         same_width(spec.model, meta)
     if spec.format == "speculators":
@@ -196,7 +209,10 @@ def export(src: str | Path, dst: str | Path, spec: ExportSpec, *, workers: int =
     lock = layout.ExportLock(dst)
     try:
         prev = layout.read_info(dst)
-        if prev and prev.get("identity") != spec.identity():
+        identity = spec.identity()
+        if spec.derive_post_norm:  # the model's norm weight decides the bytes: another model's makes others
+            identity["norm_weight_sha256"] = norm_digest(str(spec.model))
+        if prev and prev.get("identity") != identity:
             raise ExportRefused(f"{dst} holds another export ({prev.get('identity')}); export into a new directory "
                                 "or remove this one")
         if not prev and any(p.name != layout.LOCK for p in dst.iterdir()):
@@ -206,7 +222,7 @@ def export(src: str | Path, dst: str | Path, spec: ExportSpec, *, workers: int =
             raise ExportRefused(f"{dst} is an export of {prev['source']}, and {src} lacks {len(gone)} of its samples, "
                                 "which this run would delete from it: export into a new directory (runs are merged "
                                 f"at the source, e.g. a fleet run's RUN/HOST/ parts), or remove {dst} first")
-        info = {"identity": spec.identity(), "source": str(src), "hs_patch": __version__, "state": "in-progress",
+        info = {"identity": identity, "source": str(src), "hs_patch": __version__, "state": "in-progress",
                 "sample_format": meta.get("format"), "dtype": meta.get("dtype"), "hidden_size": meta.get("hidden_size"),
                 "sglang_release_captured": meta.get("sglang_release"), "model": meta.get("model"),
                 "final": spec.final_label(), "serving": _serving(spec, meta), "started": time.time()}
@@ -222,8 +238,11 @@ def export(src: str | Path, dst: str | Path, spec: ExportSpec, *, workers: int =
             table_ok = False
         live = layout.live_entries(dst)
         rows_added = any(k not in live for k in keys)
+        if table_ok and any(live[k].get("src_sha256") != entries[k]["sha256"] for k in keys if k in live):
+            arrow.unpublish(dst)  # a row's source changed (its loss mask may have): its table is built again
+            table_ok = False
         tasks = [Task(k, str(src), entries[k], str(dst), layout.rel_path(spec.format, k, pl.rows[k], spec.fp8),
-                      pl.rows[k], live.get(k), spec, quick, fsync) for k in keys]
+                      pl.rows[k], live.get(k), spec, quick, fsync, first) for k in keys]
         summ = Summary("incomplete", removed=len(pl.removed), moved=len(pl.moved), swept=len(pl.swept))
         total = sum(e["bytes"] for e in entries.values())
         done_bytes = 0

@@ -96,8 +96,26 @@ def resolve(spec: ExportSpec, metadata: Mapping[str, str]) -> ExportSpec:
     return ExportSpec(spec.format, list(layers), spec.fp8, spec.derive_post_norm, spec.model)
 
 
-def check_sample(spec: ExportSpec, metadata: Mapping[str, str], has_loss_mask: bool) -> None:
-    """Refuse one sample that does not hold what the resolved ``spec`` exports."""
+# What every sample of one export shares with the first (export.json records the first's): another width
+# fails the trainer later; another model or architecture trains a drafter on another model's states, silently.
+SAME_AS_FIRST = ("hidden_size", "architecture", "model")
+
+
+def like_first(metadata: Mapping[str, str]) -> dict[str, str]:
+    """The fields of the first sample every other sample of the export must share."""
+    return {f: str(metadata.get(f) or "") for f in SAME_AS_FIRST}
+
+
+def check_sample(spec: ExportSpec, metadata: Mapping[str, str], has_loss_mask: bool,
+                 first: Optional[Mapping[str, str]] = None) -> None:
+    """Refuse one sample that does not hold what the resolved ``spec`` exports, or that comes from another
+    model than ``first`` (:func:`like_first` of the export's first sample)."""
+    differ = {f: (want, str(metadata.get(f) or "")) for f, want in (first or {}).items()
+              if want and metadata.get(f) and str(metadata.get(f)) != want}
+    if differ:
+        raise ExportRefused(f"sample {metadata.get('key')} was captured from another model than the export's first "
+                            f"sample ({'; '.join(f'{f} {b!r}, not {a!r}' for f, (a, b) in differ.items())}): the "
+                            "source mixes runs of different models; export each model's samples on their own")
     planes = set(metadata.get("planes", "").split(","))
     need = spec.aux_planes + [spec.final_source()]
     lacking = [p for p in need if p not in planes]
