@@ -223,6 +223,27 @@ def test_a_rows_new_loss_mask_reaches_the_table(src, tmp_path):
     assert len(rows) == 7
 
 
+def test_a_source_mask_damaged_after_its_export_fails_the_table_not_with_a_traceback(src, tmp_path, capsys):
+    """The table reads every row's mask from the source again; one damaged since its export raised inside
+    datasets' generator: a DatasetGenerationError traceback, export.json left in-progress."""
+    import struct
+
+    from hs_patch.host.extract_cli import main
+
+    dst = tmp_path / "sp"
+    assert export(src, dst, ExportSpec("speculators")).state == "complete"
+    path = next((src / "samples").glob("*.safetensors"))
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    start = 8 + n + json.loads(raw[8:8 + n])["loss_mask"]["data_offsets"][0]
+    flip_byte(path, start, 0x01)
+    write_finished(src, [11, 12, 13], shipped=True)  # a new row: the table is built again
+    code = main(["export", "--format", "speculators", str(src), str(dst)])
+    err = capsys.readouterr().err
+    assert code == 3 and "the speculators table" in err and "loss mask changed since it was exported" in err
+    assert layout.read_info(dst)["state"] == "incomplete"
+
+
 def test_speculators_fp8_is_hs_connectors_quantizer_bit_for_bit(src, tmp_path):
     need("hs_connectors")
     from hs_connectors.fp8_utils import dequantize_fp8_tensor, quantize_tensor_to_fp8

@@ -55,8 +55,9 @@ def _rows(src: Path, keys: list[str], src_entries: Mapping[str, Mapping[str, Any
         with lazy_sample.open_sample(src / src_entries[key]["file"]) as s:   # ids checked against the key
             ids, mask = s.tensor("input_ids"), s.tensor("loss_mask").to(torch.int64)
         if mask_sha256(mask) != records[key]["mask_sha256"]:
-            raise store.SampleError(f"sample {key}: its loss mask changed since it was exported; run the export "
-                                    "again (the source file may be damaged: hs-patch inspect it)")
+            raise store.SampleError(f"sample {key}: its loss mask changed since it was exported (the source file "
+                                    f"is damaged, or rewritten without a new manifest line): hs-patch inspect {src} "
+                                    "names it; re-ship or re-extract that sample, then run the export again")
         yield {"input_ids": ids.tolist(), "loss_mask": mask.tolist(), "seq_len": int(ids.shape[0])}
 
 
@@ -72,9 +73,14 @@ def write_table(dst: Path, src: Path, keys_by_row: list[str], src_entries: Mappi
                                   "loss_mask": datasets.Sequence(datasets.Value("int64")),
                                   "seq_len": datasets.Value("int64")})
     try:
-        ds = datasets.Dataset.from_generator(
-            _rows, features=features, cache_dir=str(work / "cache"), writer_batch_size=WRITER_BATCH,
-            gen_kwargs={"src": src, "keys": keys_by_row, "src_entries": src_entries, "records": records})
+        try:
+            ds = datasets.Dataset.from_generator(
+                _rows, features=features, cache_dir=str(work / "cache"), writer_batch_size=WRITER_BATCH,
+                gen_kwargs={"src": src, "keys": keys_by_row, "src_entries": src_entries, "records": records})
+        except datasets.exceptions.DatasetGenerationError as e:  # what _rows raised, wrapped by datasets
+            if isinstance(e.__cause__, (store.SampleError, OSError)):
+                raise e.__cause__ from None
+            raise
         if len(ds) != len(keys_by_row):
             raise RuntimeError(f"the table has {len(ds)} rows, expected {len(keys_by_row)}")
         ds.set_format("torch")

@@ -268,7 +268,10 @@ def export(src: str | Path, dst: str | Path, spec: ExportSpec, *, workers: int =
         live = layout.live_entries(dst)
         if not summ.failed and spec.format == "speculators" and not (table_ok and not rows_added):
             by_row = sorted(keys, key=lambda k: pl.rows[k])
-            info["table_bytes"] = arrow.write_table(dst, src, by_row, entries, live)
+            try:
+                info["table_bytes"] = arrow.write_table(dst, src, by_row, entries, live)
+            except store.SampleError as e:  # a source read again for its row: the export stays incomplete
+                summ.failed["the speculators table"] = f"SampleError: {e}"
         summ.state = "complete" if not summ.failed else "incomplete"
         info.update(state=summ.state, samples=len(live), tokens=summ.tokens, finished=time.time(),
                     bytes=sum(e["bytes"] for e in live.values()), failed=len(summ.failed))
