@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from hs_patch.host.driver.config import DriveConfig
 from lab.demo import EXAMPLE, GPU, Demo, check_destination
 from lab.fake_hub import COMMIT
 from lab.runcheck import write_chats
@@ -172,7 +173,9 @@ def test_faults_lose_nothing(demo, tmp_path):
              timeout=60, every=0.5)
         paused_at = progress()
         time.sleep(5)
-        assert progress() <= paused_at + 24, "only samples already at the server may finish while paused"
+        # in flight at the pause: requests at the server and answered samples still awaited, checked, adopted
+        in_flight = DriveConfig.concurrency + DriveConfig.awaiting
+        assert progress() <= paused_at + in_flight, "only samples already at the server may finish while paused"
         demo.ssh(GPU[0], "rm -f /dev/shm/ballast")
         wait("the driver to resume", lambda: progress() > paused_at + 20, timeout=90)
 

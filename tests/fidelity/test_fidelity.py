@@ -202,6 +202,9 @@ def test_k_consecutive_mismatches_stop_with_a_diagnosis():
     assert "chunked prefill" in reason       # every failing one had parts > 1, every passing one 1
     st = mon.status()
     assert (st["checked"], st["passed"], st["rejected"], st["consecutive_mismatches"]) == (7, 2, 5, 3)
+    # samples checked at once past K: only the one at K asks to stop (the fourth reached the stop first and the
+    # run said "4 samples in a row")
+    assert mon.observe(bad, meta) is None and mon.status()["consecutive_mismatches"] == 4
     fresh = FidelityMonitor(max_consecutive=1)
     msg = fresh.observe(Check("c" * 32, "last", checked=1, mismatches=1),
                         {"sglang_release": "0.5.9", "tp_size": "8"})

@@ -168,9 +168,10 @@ def test_back_pressure_waits_then_fails_loudly(tmp_path):
     loudly after HS_CAPTURE_STALL_SECONDS; nothing is dropped on the way."""
     gate = threading.Event()
     h = hook.CaptureHook(config.CaptureConfig(enabled=True, slot_tokens=64, directory=str(tmp_path), layers=(0,), final="none",
-                                              slots=1, stall_seconds=0.5), hidden_size=H, metadata={})
+                                              slots=1, stall_seconds=5), hidden_size=H, metadata={})
+    # 5 s: pass 2's slot comes back only once its write (an fsync on a disk the other test worker shares) ends
     real_start = h.writer._start
-    h.writer._start = lambda rec: (gate.wait(10), real_start(rec))[1]
+    h.writer._start = lambda rec: (gate.wait(20), real_start(rec))[1]
     for n in (2, 3):
         if n == 3:
             threading.Timer(0.2, gate.set).start()  # the writer catches up while pass 2 waits
@@ -193,13 +194,13 @@ def test_back_pressure_warning_is_rate_limited(tmp_path, caplog):
     h = hook.CaptureHook(config.CaptureConfig(enabled=True, slot_tokens=64, directory=str(tmp_path), layers=(0,), final="none",
                                               slots=1), hidden_size=H, metadata={})
     real_start = h.writer._start
-    h.writer._start = lambda rec: (time.sleep(0.05), real_start(rec))[1]
+    h.writer._start = lambda rec: (time.sleep(0.2), real_start(rec))[1]
     with caplog.at_level("WARNING", logger="hs_patch"):
         for n in range(2, 7):
             play(h, Batch([n]), torch.arange(n), *ones(n))
     h.close()
     busy = [r for r in caplog.records if "staging buffers are busy" in r.getMessage()]
-    assert h.waits == 4 and len(busy) == 1
+    assert h.waits >= 3 and len(busy) == 1  # 4 unless this thread was held up longer than a write
     assert len(store.read_manifest(tmp_path)) == 5
 
 

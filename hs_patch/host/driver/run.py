@@ -77,15 +77,17 @@ class Driver(SampleSteps):
         self.shipped: Optional[runstate.ShippedTail] = None
         self.failures: dict[str, missing.Failure] = {}   # sample id -> how it failed in this run
         self.failing = threading.Lock()  # a failure is counted, or abandoned by a stop, as one step
+        self.stopping = threading.Lock()  # the first stop's reason and exit code, set together
         self.missing: Optional[dict[str, Any]] = None    # the lines not held, once the run has ended
         self.reconciled: Optional[reconcile.Reconciled] = None   # the held samples against the dataset now
         self.data_changes: list[dict[str, Any]] = []             # the data files changed since the last start
 
     # ------------------------------------------------------------------ control
     def request_stop(self, reason: str, code: int = EXIT_INCOMPLETE) -> None:
-        if not self.stop.is_set():
-            self.stop_reason, self.exit_code = reason, code
-            self.stop.set()
+        with self.stopping:
+            if not self.stop.is_set():
+                self.stop_reason, self.exit_code = reason, code
+                self.stop.set()
 
     def _status_extra(self) -> dict[str, Any]:
         out: dict[str, Any] = {"dump": self.bp.status() if self.bp else {}}

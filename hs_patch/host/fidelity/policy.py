@@ -59,8 +59,8 @@ class FidelityMonitor:
                                   "checked": check.checked, "problems": check.problems[:3],
                                   "gap_mismatches": len(check.gap_mismatches)}
             self._recent.append((check, dict(metadata)))
-            if self.consecutive < self.max_consecutive:
-                return None
+            if self.consecutive != self.max_consecutive:  # the one that reaches K stops the run: samples checked
+                return None                                # at once may pass it before that one asks to stop
             return (f"fidelity: {self.consecutive} samples in a row whose dumped states are not what the server "
                     f"computed ({self.rejected} of {self.checked} rejected; last: "
                     f"{'; '.join(check.problems[:2]) or 'other tokens than the server at the checked positions'}); "
