@@ -479,8 +479,9 @@ def test_lab_removes_a_dead_or_orphaned_lab_on_its_gateway_and_waits_for_a_live_
     gw = ipaddress.ip_interface("203.0.113.129/25")  # a gateway no lab of this project uses
     tag = f"{os.getpid() % 0xffff:04x}"
     bridge, netns = f"hsbd{tag}", f"hsd{tag}-gpu"
-    sleeper = subprocess.Popen(["sleep", "60"])
-    orphan_host = subprocess.Popen(["sleep", "60"])
+    # long enough to outlive the other worker's lab holding the labs' lock (its boot: up to minutes); killed below
+    sleeper = subprocess.Popen(["sleep", "600"])
+    orphan_host = subprocess.Popen(["sleep", "600"])
     dead = subprocess.Popen(["true"])
     dead.wait()
     me = {"pid": os.getpid(), "start": proc_start_time(os.getpid())}
@@ -520,12 +521,12 @@ def test_lab_removes_a_dead_or_orphaned_lab_on_its_gateway_and_waits_for_a_live_
         assert not Path("/run/netns", netns).exists() and not gateway.gateway_user(gw)
 
         # dead: its host's pid is gone, so the next up removes it at once and claims the gateway
+        # (GATEWAY_WAIT_S is still 1: a lab waited for raises; the time taken is the other test worker's, which
+        # holds the labs' lock while its own lab boots, so it is not measured)
         gone = lab_holding_gateway(dead.pid, "0")
         assert not Lab(gone).running()
-        started = time.monotonic()
         with gateway.gateway_claimed(gw, reclaim=reclaim_dead_lab):
             assert not gateway.gateway_user(gw)
-        assert time.monotonic() - started < 30
         assert not Path("/run/netns", netns).exists(), "the dead lab's netns was left"
         assert _run(["ip", "link", "show", bridge]).returncode != 0, "the dead lab's bridge was left"
         assert not (gone / "lab.json").exists() and not (gateway.OWNERS_DIR / bridge).exists()
@@ -535,10 +536,8 @@ def test_lab_removes_a_dead_or_orphaned_lab_on_its_gateway_and_waits_for_a_live_
         orphan = lab_holding_gateway(orphan_host.pid, proc_start_time(orphan_host.pid),
                                      owner={"pid": dead.pid, "start": "0"})
         assert Lab(orphan).running() and Lab(orphan).orphaned()
-        started = time.monotonic()
         with gateway.gateway_claimed(gw, reclaim=reclaim_dead_lab):
             assert not gateway.gateway_user(gw)
-        assert time.monotonic() - started < 30
         assert orphan_host.wait(timeout=10) is not None, "the orphaned lab's host was left running"
         assert not Path("/run/netns", netns).exists() and not (orphan / "lab.json").exists()
     finally:
