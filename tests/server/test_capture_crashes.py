@@ -216,9 +216,18 @@ def test_every_file_and_directory_the_server_creates_is_owner_only_under_umask_0
     try:
         play(h, Batch([6]), torch.arange(6), *states(6, 1.0))
         play(h, Batch([40], full=[50]), torch.arange(100, 140), *states(40, 2.0))  # an open chunked prompt
-        time.sleep(0.3)
-        created = [p for p in (tmp_path / "new").rglob("*")] + [tmp_path / "new"]
-        loose = [f"{p} {stat.filemode(p.stat().st_mode)}" for p in created if p.stat().st_mode & 0o077]
+        deadline = time.monotonic() + 30  # the first sample published, the open prompt's file begun
+        while time.monotonic() < deadline and not (any(d.glob("*.safetensors")) and any((d / store.TMPDIR).glob("*"))):
+            time.sleep(0.05)
+        created, loose = [tmp_path / "new"], []
+        for p in (tmp_path / "new").rglob("*"):
+            try:
+                mode = p.stat().st_mode
+            except FileNotFoundError:  # renamed by the writer meanwhile: its new name is listed too
+                continue
+            created.append(p)
+            if mode & 0o077:
+                loose.append(f"{p} {stat.filemode(mode)}")
     finally:
         h.close()
     assert not loose, loose
