@@ -64,7 +64,9 @@ def destination_of(t: Target, run: str) -> str | None:
         return remote.destination(t, run, t.name)
     base, _, dead = run.rpartition(".")
     plan = fleet.load_plan(base) if base else None
-    if plan is not None and plan.reassigned.get(dead) == t.name:
+    if plan is not None and dead in plan.shards:
+        # the shard's part, RUN/DEAD, whoever runs it now: a host it was moved on from (or back from) still holds
+        # samples of RUN.DEAD, and a stray STORAGE/RUN.DEAD/ is a directory no inspect or export of RUN reads
         return remote.destination(t, base, dead)
     return None
 

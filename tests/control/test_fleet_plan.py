@@ -47,7 +47,11 @@ def test_fab_ship_of_a_fleet_host_ships_into_its_part():
     a = Target(host="10.0.0.1", name="a", storage_alias="st", storage_dir="/srv/s")
     assert fleet_run.destination_of(a, "r5") == "st:/srv/s/r5/a"
     assert fleet_run.destination_of(a, "r5.b") == "st:/srv/s/r5/b"
-    assert fleet_run.destination_of(Target(host="x", name="c"), "r5.b") is None
+    # a host the shard moved on from (or back from) ships what it still holds of r5.b into the shard's part too,
+    # never into a stray r5.b/ that no inspect or export of r5 reads
+    c = Target(host="10.0.0.3", name="c", storage_alias="st", storage_dir="/srv/s")
+    assert fleet_run.destination_of(c, "r5.b") == "st:/srv/s/r5/b"
+    assert fleet_run.destination_of(a, "r5.zz") is None  # not a shard of r5: a run of its own
     assert fleet_run.destination_of(a, "single") is None
 
 
