@@ -198,6 +198,14 @@ def reassign(inv: Inventory, dead: str, host: str, run: str, dataset: str, remot
         say(f"the shard of {dead} was given to {was}, whose driver of it is not running ({there}): it moves to "
             f"{t.name}" + (f"; if {was} comes back, stop it there: fab stop --host {was} --run {moved}"
                            if there.startswith(("unreachable", "not in")) else ""))
+    elif not back:  # the first move: DEAD's own driver of RUN must have ended, or DEAD be gone
+        there = holder_state(inv, dead, run)
+        if there in RUNNING:
+            raise ConfigError(f"{dead}'s driver of run {run} is {there}: that host is extracting its shard; stop it "
+                              f"first (fab stop --host {dead} --run {run}) or let it finish, then run this again")
+        if there.startswith(("unreachable", "not in")):
+            say(f"{dead} does not answer ({there}): if it comes back, stop its run there before it extracts and "
+                f"ships more of this shard: fab stop --host {dead} --run {run}")
     own, _ = remote.units(run)
     state = "" if back else driver_state(t, run)
     job = Job(run if back else fleet.reassign_run(run, dead), dataset, remote_dataset,

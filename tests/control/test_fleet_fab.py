@@ -115,7 +115,28 @@ def test_a_reassignment_whose_host_fails_preflight_is_not_recorded(hosts, tmp_pa
                 "--run", "f4")
         assert r.returncode == 1 and f"preflight failed on {other}; nothing was started" in r.stderr, r.stderr
         assert f"{other:12} FAIL patch" in r.stdout and "already runs on" not in r.stderr, r.stdout + r.stderr
+        assert ("gpu-a does not answer (not in the inventory): if it comes back, stop its run there before it "
+                "extracts and ships more of this shard: fab stop --host gpu-a --run f4") in r.stdout, r.stdout
         assert json.loads((tmp_path / "plans" / "f4.json").read_text())["reassigned"] == {}
+
+
+def test_the_first_move_of_a_shard_whose_host_still_extracts_it_is_refused(hosts, tmp_path, monkeypatch):
+    """The first --reassign never asked the host it takes the shard from: one the control node merely could not
+    reach (its link cut) went on extracting and shipping the shard beside its new host (with --regenerate,
+    other tokens: both copies of its lines kept). A driver still running refuses it; a host that does not answer
+    is named, with how to stop it when it is back."""
+    from hs_patch.control import fleet_run
+    from hs_patch.control.inventory import ConfigError, Inventory
+
+    monkeypatch.setenv("HS_FLEET_DIR", str(tmp_path / "plans"))
+    inv = Inventory(str(inventory(tmp_path, hosts, ["gpu-a", "gpu-b"])))
+    start_plan(tmp_path, "f7", {"gpu-a": 0, "gpu-b": 1})
+    asked: list[tuple[str, str]] = []
+    monkeypatch.setattr(fleet_run, "holder_state", lambda i, host, run: asked.append((host, run)) or "active")
+    with pytest.raises(ConfigError, match="gpu-a's driver of run f7 is active: .*fab stop --host gpu-a --run f7"):
+        fleet_run.reassign(inv, "gpu-a", "gpu-b", "f7", "d.jsonl", False, 0, False, 60, 1.0, True, print)
+    assert asked == [("gpu-a", "f7")]
+    assert json.loads((tmp_path / "plans" / "f7.json").read_text())["reassigned"] == {}
 
 
 def test_a_shard_whose_new_host_is_gone_or_idle_can_be_reassigned_again(hosts, tmp_path):
