@@ -257,6 +257,10 @@ def run_entries(directory: Path) -> tuple[Optional[dict[str, dict[str, Any]]], l
     entries: dict[str, dict[str, Any]] = {}
     problems: list[str] = []
     where: dict[str, str] = {}  # sample id -> part
+    for d in sorted(directory.iterdir()):  # a part's manifest is written last (fetch, the shippers)
+        if d.is_dir() and not (d / MANIFEST).is_file() and (d / "samples").is_dir() and any((d / "samples").iterdir()):
+            problems.append(f"{d.name}/ holds samples but no {MANIFEST}: a part whose fetch or shipping never "
+                            "finished; fetch or ship it again (its samples would be left out)")
     for part in parts:
         got, bad = manifest_entries(part)
         problems += [f"{part.name}/{b}" for b in bad]

@@ -87,6 +87,11 @@ def test_three_shards_extract_the_dataset_once_and_a_resume_keeps_its_shard(stan
                                  for p in rep.problems), rep.problems
     with pytest.raises(ExportRefused, match="extracted twice"):
         source_entries(run)
+    # a part whose manifest never came (fetch and the shippers write it last: one cut short) is a problem too, not
+    # a part left out of a complete export
+    (run / "h1" / store.MANIFEST).unlink()
+    with pytest.raises(ExportRefused, match="h1/ holds samples but no manifest.jsonl: a part whose fetch or"):
+        source_entries(run)
     # the shard is part of the run's identity: a resume with another one is refused
     with pytest.raises(runstate.RunError, match="shard: was '0/3', now '1/3'"):
         drive(standin, tiny_model_dir, tmp_path / "h0", [data], shard="1/3")
