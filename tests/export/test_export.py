@@ -453,6 +453,11 @@ def test_raw_capture_without_loss_mask_is_refused(tmp_path):
     store.Manifest(raw).add(w)
     s = export(raw, tmp_path / "x", ExportSpec("specforge"))
     assert s.state == "incomplete" and "no loss_mask" in s.failed[key]
+    # the driver's captures carry their loss mask from the start: the capture dir is told by the server's status
+    # file (its samples not yet checked by the fidelity check, or failed it)
+    (raw / "hook_status.json").write_text("{}")
+    with pytest.raises(ExportRefused, match="is the server's capture directory"):
+        export(raw, tmp_path / "y", ExportSpec("specforge"))
 
 
 def test_cli_export_and_exit_codes(src, tmp_path, capsys):

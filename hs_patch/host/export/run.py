@@ -25,6 +25,7 @@ from hs_patch.host.export import arrow, layout
 from hs_patch.host.export.spec import ExportRefused, ExportSpec, check_sample, like_first, resolve
 from hs_patch.samples import lazy_sample, reader, store
 from hs_patch.samples.files import disk_full
+from hs_patch.server.status import STATUS_FILE
 
 
 @dataclass
@@ -140,6 +141,9 @@ def source_entries(src: Path) -> dict[str, dict[str, Any]]:
         raise ExportRefused(f"{src} {'is not a directory' if src.exists() else 'does not exist'}: give a driver's "
                             "--samples-dir, a shipped run directory (RUN/ with manifest.jsonl and samples/) or a "
                             "fleet run (RUN/HOST/ parts)")
+    if (src / STATUS_FILE).is_file():  # the server's capture dir: its samples are not adopted (checked) yet
+        raise ExportRefused(f"{src} is the server's capture directory (it holds {STATUS_FILE}): its samples have not "
+                            "passed the driver's fidelity check; export the driver's --samples-dir or a shipped run")
     entries, problems = reader.manifest_entries(src)
     if problems:
         raise ExportRefused(f"{src}: {len(problems)} manifest problem(s), e.g. {problems[0]}; hs-patch inspect {src} "
