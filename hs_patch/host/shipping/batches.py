@@ -357,7 +357,7 @@ class Shipper:
                     continue
                 if self.inflight is None and self.stop_requested:
                     break
-                self.write_status("shipping")
+                self.write_status(WAITING if self.outage else "shipping")  # an outage lasts until a batch answers
                 t0 = time.monotonic()
                 try:
                     answered = self.step(link)
