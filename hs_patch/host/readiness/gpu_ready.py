@@ -44,6 +44,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Mapping
 
+READY_ENV = "HS_GPU_READY_MARK"  # a directory each all-reduce rank marks itself started in (its rank's file)
+START_BUDGET_S = 90              # how long the ranks may take to start (at least the check's timeout) before it runs
 HANG_HELP = ("RTX PRO 6000 boards are known to hang multi-GPU NCCL with PCIe peer-to-peer on behind ACS "
              "redirection or an IOMMU in translation mode (NVIDIA/nccl#1999, #2079; vllm#33041). Fix: disable ACS "
              "on the PCIe switches/root ports (BIOS, or hs_pcie_acs_disable: true), boot with iommu=pt "
@@ -290,6 +292,11 @@ def _worker(rank: int, world: int, port: int, backend: str, device: str, mib: in
     dev = torch.device(f"cuda:{rank}") if device == "cuda" else torch.device("cpu")
     if device == "cuda":
         torch.cuda.set_device(dev)
+    if os.environ.get("HS_GPU_READY_SLOW_START_S"):  # fault injection for the tests: a cold host's slow start
+        time.sleep(float(os.environ["HS_GPU_READY_SLOW_START_S"]))
+    mark = os.environ.get(READY_ENV)
+    if mark:  # imported and on its device: the parent's hang deadline starts once every rank is here
+        open(os.path.join(mark, str(rank)), "w").close()
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout))
     x = torch.full((mib << 18,), float(rank + 1), device=dev)
@@ -313,9 +320,17 @@ def _all_reduce(gpus: int, timeout: int, backend: str, device: str, mib: int,
                 env: Mapping[str, str]) -> tuple[str, str]:
     """('ok', seconds) | ('hang', ranks killed) | ('failed', error) of one all-reduce over ``gpus`` processes."""
     port = _free_port()
+    mark = tempfile.mkdtemp(prefix="hs-gpu-ready-")
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "_worker", str(r), str(gpus), str(port),
-                               backend, device, str(mib), str(timeout)], env={**os.environ, **env},
+                               backend, device, str(mib), str(timeout)], env={**os.environ, **env, READY_ENV: mark},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(gpus)]
+    # the ranks' start (import torch, CUDA's init: seconds each, longer with 8 at once on a cold host) is not
+    # the all-reduce's time: the hang deadline starts once every rank is on its device (or one has ended)
+    start_by = time.monotonic() + max(START_BUDGET_S, timeout)
+    while (len(os.listdir(mark)) < gpus and all(p.poll() is None for p in procs)
+           and time.monotonic() < start_by):
+        time.sleep(0.1)
+    shutil.rmtree(mark, ignore_errors=True)
     deadline = time.monotonic() + timeout
     try:
         for p in procs:
