@@ -46,6 +46,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -64,9 +65,12 @@ ARMS = ("ours", "specforge", "fp8", "shuffled", "zeroed", "late", "partial", "sc
 
 class Loop(Steps):
     def save(self) -> None:
-        tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.state, indent=1, default=str))
-        os.replace(tmp, self.state_path)
+        """state.json, whole: the measuring threads save at once (two renamed one temp file, and one failed its
+        job with FileNotFoundError; the state changed while it was dumped)."""
+        with self.lock:
+            tmp = self.state_path.with_suffix(f".{threading.get_ident()}.tmp")
+            tmp.write_text(json.dumps(self.state, indent=1, default=str))
+            os.replace(tmp, self.state_path)
 
     def finish(self) -> None:
         """The few files that come back: everything measured so far, whatever this call did."""

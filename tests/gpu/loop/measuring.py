@@ -147,8 +147,9 @@ class Measuring:
                 bench = {b: [m.get("accept_length") for m in v] for b, v in (r.get("metrics") or {}).items()}
                 res["summary"] = " ".join(filter(None, [res.get("summary"), f"batch {batch}: bench_eagle3.py {bench}, "
                                                         f"hs-extract accept {acc.get('accept_length')};"]))
-                done[job.key] = res
-                self.save()
+                with self.lock:  # a copy: this thread goes on adding to res while others save the state
+                    done[job.key] = dict(res)
+                    self.save()
                 if r["rc"] != 0:   # not measured: the same command runs this job again
                     raise RuntimeError(f"SpecForge's bench_eagle3.py exit {r['rc']} at batch {batch}: "
                                        f"{r.get('tail', '')[-400:]}")

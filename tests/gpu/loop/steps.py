@@ -38,7 +38,7 @@ class Steps(Fp8Arm, Measuring):
         self.carry = Path(a.carry).resolve()
         self.shm = Path(a.shm)
         self.aux = [int(x) for x in a.aux_layers.split(",")]
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # the state, as the measuring threads record into it and save it
 
     # ------------------------------------------------------------------ helpers
     def log(self, *msg: object) -> None:
