@@ -20,19 +20,31 @@ def _request(name: str, data: bytes) -> dict:
     return {"file": name, "bytes": len(data), "sha256": digest, "entry": entry}
 
 
+def destination(tmp_path: Path) -> Path:
+    """An empty destination ROOT, as the shipper's first check leaves it."""
+    root = tmp_path / "dest"
+    (root / at_destination.INCOMING).mkdir(parents=True)
+    (root / at_destination.SAMPLES).mkdir()
+    return root
+
+
+def two_copies_staged(root: Path, staged_bytes: str) -> tuple[str, bytes, bytes, Path]:
+    """One sample's name, this shipper's bytes and the other's, and rsync's name in .incoming/ holding one."""
+    name = "k.safetensors"
+    ours, theirs = b"A" * 4096, b"B" * 4096
+    staged = root / at_destination.INCOMING / name
+    staged.write_bytes(ours if staged_bytes == "ours" else theirs)
+    return name, ours, theirs, staged
+
+
 def test_a_file_another_rsync_lands_while_one_is_hashed_is_not_committed_under_the_hashed_ones_sha(
         tmp_path, monkeypatch):
     """Two shippers on one destination (a dead host back after its shard was given to another):
     one rsync renames its NAME into .incoming/ while the other's verify step hashes the NAME there.
     Before: the step hashed the path, then moved whatever was at the path by then into samples/,
     listed under the sha256 of the file it had hashed (a torn pair counted as shipped)."""
-    root = tmp_path / "dest"
-    (root / at_destination.INCOMING).mkdir(parents=True)
-    (root / at_destination.SAMPLES).mkdir()
-    name = "k.safetensors"
-    ours, theirs = b"A" * 4096, b"B" * 4096
-    staged = root / at_destination.INCOMING / name
-    staged.write_bytes(ours)
+    root = destination(tmp_path)
+    name, ours, theirs, staged = two_copies_staged(root, "ours")
     real = at_destination.sha256_and_sync
 
     def hashed_then_another_rsync_lands(path: str, like: str = ""):
@@ -53,9 +65,7 @@ def test_a_file_another_rsync_lands_while_one_is_hashed_is_not_committed_under_t
 
 
 def test_a_file_taken_by_a_killed_verify_step_is_removed_and_sent_again(tmp_path):
-    root = tmp_path / "dest"
-    (root / at_destination.INCOMING).mkdir(parents=True)
-    (root / at_destination.SAMPLES).mkdir()
+    root = destination(tmp_path)
     data = b"C" * 100
     taken = root / at_destination.INCOMING / (at_destination.VERIFYING + "k.safetensors")
     taken.write_bytes(data)
@@ -97,9 +107,7 @@ def test_a_file_sent_again_for_a_line_the_manifest_already_has_is_made_durable(t
     """The destination's copy lost, the manifest line intact: the copy sent again is renamed into
     samples/ and the shipper then deletes its own. Before: samples/ was fsynced only when the
     manifest changed, so that rename could be lost with power while the manifest listed it."""
-    root = tmp_path / "dest"
-    (root / at_destination.INCOMING).mkdir(parents=True)
-    (root / at_destination.SAMPLES).mkdir()
+    root = destination(tmp_path)
     data = b"E" * 100
     req = _request("k.safetensors", data)
     (root / at_destination.INCOMING / "k.safetensors").write_bytes(data)
@@ -118,13 +126,8 @@ def test_a_copy_another_shipper_landed_at_rsyncs_name_is_left_to_it_not_deleted_
     its copy over this one's before this one's step ran. That step deleted it as a mismatch and the other's then
     found nothing: both counted failed transfers, and could give up after --retries rounds. Told apart by the
     mtime rsync --times gives the copy: the sender's (or truncated to the second by the filesystem) or not."""
-    root = tmp_path / "dest"
-    (root / at_destination.INCOMING).mkdir(parents=True)
-    (root / at_destination.SAMPLES).mkdir()
-    name = "k.safetensors"
-    ours, theirs = b"A" * 4096, b"B" * 4096
-    staged = root / at_destination.INCOMING / name
-    staged.write_bytes(theirs)
+    root = destination(tmp_path)
+    name, ours, theirs, staged = two_copies_staged(root, "theirs")
     os.utime(staged, ns=(1, 1_700_000_000_123_456_789))
     mine = dict(_request(name, ours), mtime_ns=1_700_000_005_000_000_001)
     answer = at_destination.commit(str(root), [mine])

@@ -207,21 +207,31 @@ def test_a_local_copy_is_not_deleted_on_the_word_of_the_destinations_manifest_al
     assert_shipped_locally(samples, state, written)
 
 
+def after_first_send(monkeypatch, then) -> None:
+    """``then(names)`` once, right after the shipper's first rsync of a batch, before its verification."""
+    real_send = ship_link.Link.send
+    done: list[bool] = []
+
+    def send(self, src_dir, names, *, recheck=False):
+        result = real_send(self, src_dir, names, recheck=recheck)
+        if not done:
+            done.append(True)
+            then(names)
+        return result
+    monkeypatch.setattr(ship_link.Link, "send", send)
+
+
 def test_a_file_damaged_in_transit_is_sent_again(tmp_path, monkeypatch):
     samples, state, dest = dirs(tmp_path)
     written = make_samples(samples, 3)
     damaged: list[str] = []
-    real_send = ship_link.Link.send
 
-    def send_and_damage(self, src_dir, names, *, recheck=False):
-        result = real_send(self, src_dir, names, recheck=recheck)
-        if not damaged:
-            staged = dest / ".incoming" / names[1]
-            flip_byte(staged, 100)
-            os.utime(staged, ns=(os.stat(staged).st_atime_ns, (samples / names[1]).stat().st_mtime_ns))
-            damaged.append(names[1])
-        return result
-    monkeypatch.setattr(ship_link.Link, "send", send_and_damage)
+    def damage(names: list[str]) -> None:  # in transit: the sender's mtime, other bytes
+        staged = dest / ".incoming" / names[1]
+        flip_byte(staged, 100)
+        os.utime(staged, ns=(os.stat(staged).st_atime_ns, (samples / names[1]).stat().st_mtime_ns))
+        damaged.append(names[1])
+    after_first_send(monkeypatch, damage)
     cfg = shipper.ShipConfig(samples, state, ship_link.parse_dest(str(dest)))
     assert shipper.ship(cfg) == shipper.EXIT_OK
     assert_destination_has(dest, written)
@@ -241,16 +251,11 @@ def test_a_copy_another_shipper_lands_over_ours_is_a_race_sent_again_not_a_faile
     written = make_samples(samples, 2)
     theirs = make_samples(tmp_path / "other", 2, seed_offset=7)
     landed: list[str] = []
-    real_send = ship_link.Link.send
 
-    def send_then_theirs_lands(self, src_dir, names, *, recheck=False):
-        result = real_send(self, src_dir, names, recheck=recheck)
-        if not landed:
-            staged = dest / ".incoming" / names[0]
-            shutil.copyfile(tmp_path / "other" / names[0], staged)  # its own mtime: now
-            landed.append(names[0])
-        return result
-    monkeypatch.setattr(ship_link.Link, "send", send_then_theirs_lands)
+    def theirs_lands(names: list[str]) -> None:
+        shutil.copyfile(tmp_path / "other" / names[0], dest / ".incoming" / names[0])  # its own mtime: now
+        landed.append(names[0])
+    after_first_send(monkeypatch, theirs_lands)
     cfg = shipper.ShipConfig(samples, state, ship_link.parse_dest(str(dest)))
     assert theirs[0].path.name == written[0].path.name
     assert shipper.ship(cfg) == shipper.EXIT_OK
