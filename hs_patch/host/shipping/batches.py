@@ -40,8 +40,8 @@ STATUS_FILE = "shipper_status.json"
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNVERIFIED = 0, 1, 2, 3
 WAITING = "waiting_for_destination"
 # A sample another shipper of the same destination wrote meanwhile (``raced``: a reassigned shard and its host
-# back, at an S3 prefix or an rsync destination) is decided again after a pause (jittered, so two shippers stop meeting), not counted as a failed
-# transfer, for this long after its first race; each race after that counts as one.
+# back, at an S3 prefix or an rsync destination) is decided again after a pause (jittered, so two shippers stop
+# meeting), not counted as a failed transfer, for this long after its first race; each race after that counts as one.
 RACE_PAUSE = (0.5, 2.0)
 RACE_GRACE_SECONDS = 120.0
 
