@@ -1,36 +1,33 @@
 """Is this host ready to start the SGLang server? Writable caches, PCIe/IOMMU state, a JIT compile, an NCCL all-reduce.
 
-One self-contained script (standard library at import; torch and tvm-ffi only inside the
-checks that need them), run with the venv's Python, as the service user, with the server
-unit's environment: by the services role before it starts the server, by the unit itself
-(ExecStartPre), and by ``fab extract``'s preflight, so all three run the same check.
+One self-contained script (standard library at import; torch and tvm-ffi only inside the checks that need them), run
+with the venv's Python, as the service user, with the server unit's environment: by the services role before it starts
+the server, by the unit itself (ExecStartPre), and by ``fab extract``'s preflight, so all three run the same check.
 
     python gpu_ready.py [caches] [pcie] [jit] [nccl] [--gpus N] [--timeout S] [--no-gpu] [--json]
 
-- ``caches``: each cache directory the environment names and the ones the libraries derive
-  (:func:`cache_dirs`) takes a written, synced, removed file: in the unit's sandbox an unwritable
-  one fails the server before any weight loads (Kimi's tokenizer is remote code, the INT4 Marlin
-  repack builds under ``TVM_FFI_CACHE_DIR``).
-- ``pcie``: ``nvidia-smi topo -m`` (how each GPU pair is connected), ``nvidia-smi topo -p2p r``
-  (what the driver allows), IOMMU state (``/sys/class/iommu``, the kernel command line) and
-  ACS redirection on PCIe bridges (``lspci -vvv``: ``ACSCtl: ... ReqRedir+``), with what to
-  change. Findings are warnings: the NCCL check decides.
-- ``jit``: finds nvcc the way tvm-ffi and FlashInfer do (``CUDA_HOME``/``CUDA_PATH``, ``nvcc``
-  on PATH, ``/usr/local/cuda``), ``ninja`` on PATH, checks nvcc's CUDA major equals torch's,
-  then compiles a tiny CUDA kernel with ``tvm_ffi.cpp.load_inline`` for GPU 0's architecture
-  (SGLang's own JIT path: Kimi-K2.5's INT4 Marlin repack goes through it) and runs it.
-- ``nccl``: one process per GPU over exactly ``--gpus`` GPUs (the tensor-parallel size; fewer
-  visible is a failure), an all-reduce of 64 MiB through NCCL, the sum checked, under a
-  timeout. A hang is reported as a hang, with the likely cause (P2P behind ACS or an IOMMU:
-  NVIDIA/nccl#1999, #2079; vllm#33041) and the NCCL_* settings in effect; with P2P on, the
-  all-reduce is tried once more with ``NCCL_P2P_DISABLE=1`` and the report says which setting
-  works and what to set (the check still fails: the server would hang with the settings it has).
+- ``caches``: each cache directory the environment names and the ones the libraries derive (:func:`cache_dirs`) takes
+  a written, synced, removed file: in the unit's sandbox an unwritable one fails the server before any weight loads
+  (Kimi's tokenizer is remote code, the INT4 Marlin repack builds under ``TVM_FFI_CACHE_DIR``).
+- ``pcie``: ``nvidia-smi topo -m`` (how each GPU pair is connected), ``nvidia-smi topo -p2p r`` (what the driver
+  allows), IOMMU state (``/sys/class/iommu``, the kernel command line) and ACS redirection on PCIe bridges (``lspci
+  -vvv``: ``ACSCtl: ... ReqRedir+``), with what to change. Findings are warnings: the NCCL check decides.
+- ``jit``: finds nvcc the way tvm-ffi and FlashInfer do (``CUDA_HOME``/``CUDA_PATH``, ``nvcc`` on PATH,
+  ``/usr/local/cuda``), ``ninja`` on PATH, checks nvcc's CUDA major equals torch's, then compiles a tiny CUDA kernel
+  with ``tvm_ffi.cpp.load_inline`` for GPU 0's architecture (SGLang's own JIT path: Kimi-K2.5's INT4 Marlin repack
+  goes through it) and runs it.
+- ``nccl``: one process per GPU over exactly ``--gpus`` GPUs (the tensor-parallel size; fewer visible is a failure),
+  an all-reduce of 64 MiB through NCCL, the sum checked, under a timeout. A hang is reported as a hang, with the
+  likely cause (P2P behind ACS or an IOMMU: NVIDIA/nccl#1999, #2079; vllm#33041) and the NCCL_* settings in effect;
+  with P2P on, the all-reduce is tried once more with ``NCCL_P2P_DISABLE=1`` and the report says which setting works
+  and what to set (the check still fails: the server would hang with the settings it has).
 ``--no-gpu`` (the test hosts): ``pcie``, ``jit`` and ``nccl`` are reported as not checked.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import re
@@ -44,8 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Mapping
 
-READY_ENV = "HS_GPU_READY_MARK"  # a directory each all-reduce rank marks itself started in (its rank's file)
-START_BUDGET_S = 90              # how long the ranks may take to start (at least the check's timeout) before it runs
+READY_ENV = "HS_GPU_READY_MARK"  # the directory each all-reduce rank marks itself started in (a file: its rank)
 HANG_HELP = ("RTX PRO 6000 boards are known to hang multi-GPU NCCL with PCIe peer-to-peer on behind ACS "
              "redirection or an IOMMU in translation mode (NVIDIA/nccl#1999, #2079; vllm#33041). Fix: disable ACS "
              "on the PCIe switches/root ports (BIOS, or hs_pcie_acs_disable: true), boot with iommu=pt "
@@ -53,8 +49,8 @@ HANG_HELP = ("RTX PRO 6000 boards are known to hang multi-GPU NCCL with PCIe pee
              "hs_nccl_env: {NCCL_P2P_DISABLE: \"1\"} (traffic through host memory, slower), then run the check again")
 
 
-# Copied to the host alone and run without this package, so this script carries its own Check (the
-# other readiness script and the control node's preflight, hs_patch.control.remote, have theirs).
+# Copied to the host alone and run without this package, so this script carries its own Check (the other readiness
+# script and the control node's preflight, hs_patch.control.remote, have theirs).
 @dataclass
 class Check:
     name: str
@@ -76,9 +72,9 @@ def _run(cmd: list[str], timeout: int = 60) -> tuple[int, str]:
 
 # --------------------------------------------------------------------------- caches
 
-# Variables that move where the server's libraries write at run time (read in the wheels of
-# SGLang 0.5.9/0.5.16/0.5.23, transformers, tvm-ffi 0.1.11, FlashInfer 0.6.3/0.7.2, torch,
-# Triton, CUDA); the services role sets each under sglang_service_cache_dir.
+# Variables that move where the server's libraries write at run time (read in the wheels of SGLang
+# 0.5.9/0.5.16/0.5.23, transformers, tvm-ffi 0.1.11, FlashInfer 0.6.3/0.7.2, torch, Triton, CUDA); the services role
+# sets each under sglang_service_cache_dir.
 CACHE_VARS = ("XDG_CACHE_HOME", "HF_HOME", "HF_MODULES_CACHE", "TVM_FFI_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE",
               "TORCH_EXTENSIONS_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "SGLANG_CACHE_DIR",
               "SGLANG_JIT_CACHE_DIR", "SGLANG_DG_CACHE_DIR", "CUDA_CACHE_PATH")
@@ -88,9 +84,9 @@ CACHE_FIX = ("the server writes there and its sandbox (ProtectSystem=strict) doe
 
 
 def cache_dirs(env: Mapping[str, str]) -> dict[str, str]:
-    """{what: directory} the server will write: each cache variable set to a path, transformers'
-    module cache as it derives it (HF_MODULES_CACHE, HF_HOME/modules, XDG_CACHE_HOME/huggingface/
-    modules, ~/.cache/...) and FlashInfer's (FLASHINFER_WORKSPACE_BASE/.cache/flashinfer)."""
+    """{what: directory} the server will write: each cache variable set to a path, transformers' module cache as it
+    derives it (HF_MODULES_CACHE, HF_HOME/modules, XDG_CACHE_HOME/huggingface/modules, ~/.cache/...) and FlashInfer's
+    (FLASHINFER_WORKSPACE_BASE/.cache/flashinfer)."""
     dirs = {name: value for name, value in env.items()
             if value.startswith("/") and (name in CACHE_VARS or "CACHE" in name)}
     hf_home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
@@ -102,8 +98,8 @@ def cache_dirs(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def write_probe(directory: str, keep_as: str = "") -> str:
-    """Create ``directory`` if need be, write and sync a file in it, then remove it (or rename it
-    to ``keep_as`` there); OSError says why not. Returns the file's last path."""
+    """Create ``directory`` if need be, write and sync a file in it, then remove it (or rename it to ``keep_as``
+    there); OSError says why not. Returns the file's last path."""
     os.makedirs(directory, exist_ok=True)
     fd, path = tempfile.mkstemp(dir=directory, prefix=".hs-cache-check-")
     try:
@@ -277,26 +273,15 @@ def jit_checks() -> list[Check]:
 # --------------------------------------------------------------------------- NCCL all-reduce
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, backend: str, device: str, mib: int, timeout: int) -> None:
-    import datetime
-
     import torch
     import torch.distributed as dist
 
     dev = torch.device(f"cuda:{rank}") if device == "cuda" else torch.device("cpu")
     if device == "cuda":
         torch.cuda.set_device(dev)
-    if os.environ.get("HS_GPU_READY_SLOW_START_S"):  # fault injection for the tests: a cold host's slow start
-        time.sleep(float(os.environ["HS_GPU_READY_SLOW_START_S"]))
-    mark = os.environ.get(READY_ENV)
-    if mark:  # imported and on its device: the parent's hang deadline starts once every rank is here
-        open(os.path.join(mark, str(rank)), "w").close()
+    time.sleep(float(os.environ.get("HS_GPU_READY_SLOW_START_S", "0")))  # the tests' fault: a cold host's start
+    open(os.path.join(os.environ[READY_ENV], str(rank)), "w").close()  # on its device: the hang deadline may start
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout))
     x = torch.full((mib << 18,), float(rank + 1), device=dev)
@@ -319,16 +304,16 @@ def _worker(rank: int, world: int, port: int, backend: str, device: str, mib: in
 def _all_reduce(gpus: int, timeout: int, backend: str, device: str, mib: int,
                 env: Mapping[str, str]) -> tuple[str, str]:
     """('ok', seconds) | ('hang', ranks killed) | ('failed', error) of one all-reduce over ``gpus`` processes."""
-    port = _free_port()
+    with socket.socket() as s:  # a free port for the ranks' rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     mark = tempfile.mkdtemp(prefix="hs-gpu-ready-")
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "_worker", str(r), str(gpus), str(port),
                                backend, device, str(mib), str(timeout)], env={**os.environ, **env, READY_ENV: mark},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(gpus)]
-    # the ranks' start (import torch, CUDA's init: seconds each, longer with 8 at once on a cold host) is not
-    # the all-reduce's time: the hang deadline starts once every rank is on its device (or one has ended)
-    start_by = time.monotonic() + max(START_BUDGET_S, timeout)
-    while (len(os.listdir(mark)) < gpus and all(p.poll() is None for p in procs)
-           and time.monotonic() < start_by):
+    # the ranks' start (import torch, CUDA's init: long with 8 at once on a cold host) is not the all-reduce's time
+    start_by = time.monotonic() + max(90, timeout)
+    while len(os.listdir(mark)) < gpus and all(p.poll() is None for p in procs) and time.monotonic() < start_by:
         time.sleep(0.1)
     shutil.rmtree(mark, ignore_errors=True)
     deadline = time.monotonic() + timeout
@@ -342,10 +327,9 @@ def _all_reduce(gpus: int, timeout: int, backend: str, device: str, mib: int,
             p.wait()
         return "hang", str([r for r, p in enumerate(procs) if p.returncode not in (0,)])
     outs = [(p.returncode, p.stdout.read(), p.stderr.read()) for p in procs]
-    bad = [(r, rc, err) for r, (rc, _, err) in enumerate(outs) if rc != 0]
-    if bad:
-        r, rc, err = bad[0]
-        return "failed", f"rank {r} failed (exit {rc}): {err.strip()[-800:]}"
+    for r, (rc, _, err) in enumerate(outs):
+        if rc != 0:
+            return "failed", f"rank {r} failed (exit {rc}): {err.strip()[-800:]}"
     return "ok", f"{max(json.loads(o.strip().splitlines()[-1])['seconds'] for _, o, _ in outs):.3f}"
 
 
