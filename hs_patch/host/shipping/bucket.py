@@ -215,6 +215,11 @@ def store_error(e: BaseException, what: str, dest: BucketDest, endpoint: str) ->
     return e
 
 
+def head_holds(h: dict[str, Any] | None, size: int, sha256: str) -> bool:
+    """Whether a HEAD's answer (None: no such object) is an object of ``size`` bytes with the manifest's digest."""
+    return h is not None and h.get("ContentLength") == size and checksum_matches(h.get("ChecksumSHA256"), size, sha256)
+
+
 def checksum_matches(stored: str | None, size: int, sha256: str) -> bool:
     """Whether the store's checksum of an object of ``size`` bytes (HEAD's ``ChecksumSHA256``: the base64
     sha256 of the body, or of its parts' digests with ``-N`` for a multipart upload) is the manifest's
@@ -271,12 +276,6 @@ class Bucket:
             raise store_error(e, f"HEAD {key}", self.dest, self.endpoint) from None
         except Exception as e:
             raise store_error(e, f"HEAD {key}", self.dest, self.endpoint) from None
-
-    def verified(self, key: str, size: int, sha256: str) -> dict[str, Any] | None:
-        """The HEAD of the object at ``key`` if the store holds it with this size and digest, else None."""
-        h = self.head(key)
-        ok = h is not None and h.get("ContentLength") == size and checksum_matches(h.get("ChecksumSHA256"), size, sha256)
-        return h if ok else None
 
     def list_samples(self) -> dict[str, dict[str, Any]]:
         """Every object under PREFIX/samples/: its key -> Size and ETag (one request per 1000)."""

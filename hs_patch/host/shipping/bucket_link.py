@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hs_patch.host.shipping.bucket import (SAMPLES, SINGLE_PUT_MAX, Bucket, BucketDest, DigestRefused, Raced,
-                                           S3Options, b64, checksum_matches, error_code)
+                                           S3Options, b64, error_code, head_holds)
 from hs_patch.host.shipping.bucket_commit import BucketCommit, finish_all
 from hs_patch.host.shipping.link import LinkError
 from hs_patch.samples.files import RANGE, RANGED, JsonLog, file_sha256, ranged, read_jsonl, write_text_atomic
@@ -155,8 +155,7 @@ class BucketLink:
     def after_upload(h: dict[str, Any] | None, f: dict[str, Any], etag: str | None) -> dict[str, Any]:
         """What the HEAD after an upload says: the object verified (``ok``), replaced by another shipper since
         (``raced``: another ETag than the upload's, decided again later), or not what was sent."""
-        if h is not None and h.get("ContentLength") == f["bytes"] \
-                and checksum_matches(h.get("ChecksumSHA256"), f["bytes"], f["sha256"]):
+        if head_holds(h, f["bytes"], f["sha256"]):
             return {"status": "ok", "etag": h["ETag"]}
         if h is not None and etag and h.get("ETag") != etag:
             return {"status": "raced", "why": "another shipper replaced it at the store right after the upload"}
@@ -201,11 +200,10 @@ class BucketLink:
         if h is None:
             return {"status": "", "cond": {"IfNoneMatch": "*"}}
         old = stored.get(f["entry"]["key"])
-        size, checksum = h.get("ContentLength"), h.get("ChecksumSHA256")
-        if size == f["bytes"] and checksum_matches(checksum, size, f["sha256"]):
+        if head_holds(h, f["bytes"], f["sha256"]):
             return {"status": "ok", "etag": h["ETag"]}
-        if old is not None and old.get("file") == f"{SAMPLES}/{f['file']}" and size == old.get("bytes") \
-                and isinstance(old.get("sha256"), str) and checksum_matches(checksum, size, old["sha256"]):
+        if old is not None and old.get("file") == f"{SAMPLES}/{f['file']}" and isinstance(old.get("bytes"), int) \
+                and isinstance(old.get("sha256"), str) and head_holds(h, old["bytes"], old["sha256"]):
             return {"status": "kept", "bytes": old["bytes"], "sha256": old["sha256"], "run": old.get("run"),
                     "host": old.get("host")}
         since = self.raced_at.get(self.object(f))
