@@ -232,6 +232,7 @@ def test_a_source_mask_damaged_after_its_export_fails_the_table_not_with_a_trace
 
     dst = tmp_path / "sp"
     assert export(src, dst, ExportSpec("speculators")).state == "complete"
+    assert layout.read_info(dst)["dtype"] == layout.read_info(dst)["capture_dtype"] == "bfloat16"
     path = next((src / "samples").glob("*.safetensors"))
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hs_patch.host.export import layout
 from hs_patch.host.export.run import export
 from hs_patch.host.export.spec import ExportSpec
 from lab.sample_files import write_run
@@ -32,6 +33,8 @@ def test_fp8_samples_read_as_fp8_and_dequantize_to_bf16(src):
 def test_specforge_reads_fp8_samples_dequantized_bit_for_bit(src, tmp_path):
     dst = tmp_path / "sf"
     assert export(src, dst, ExportSpec("specforge"), workers=2).state == "complete"
+    info = layout.read_info(dst)   # what the files hold, and what was captured
+    assert (info["dtype"], info["capture_dtype"]) == ("bfloat16", "float8_e4m3fn"), info
     want = sources(src)
     got = specforge_samples(dst)
     assert len(got) == 5
@@ -68,10 +71,9 @@ def test_speculators_fp8_layout_of_fp8_samples_quantizes_the_dequantized_planes(
     from hs_connectors.fp8_utils import dequantize_fp8_tensor, quantize_tensor_to_fp8
     from safetensors.torch import load_file
 
-    from hs_patch.host.export import layout
-
     dst = tmp_path / "sp8"
     assert export(src, dst, ExportSpec("speculators", fp8=True)).state == "complete"
+    assert layout.read_info(dst)["dtype"] == "float8_e4m3fn"
     want = sources(src)
     for key, e in layout.live_entries(dst).items():
         raw = load_file(str(dst / e["file"]))

@@ -227,7 +227,8 @@ def export(src: str | Path, dst: str | Path, spec: ExportSpec, *, workers: int =
                                 "which this run would delete from it: export into a new directory (runs are merged "
                                 f"at the source, e.g. a fleet run's RUN/HOST/ parts), or remove {dst} first")
         info = {"identity": identity, "source": str(src), "hs_patch": __version__, "state": "in-progress",
-                "sample_format": meta.get("format"), "dtype": meta.get("dtype"), "hidden_size": meta.get("hidden_size"),
+                "sample_format": meta.get("format"), "dtype": spec.files_dtype(meta), "capture_dtype": meta.get("dtype"),
+                "hidden_size": meta.get("hidden_size"),
                 "sglang_release_captured": meta.get("sglang_release"), "model": meta.get("model"),
                 "final": spec.final_label(), "serving": _serving(spec, meta), "started": time.time()}
         if spec.format == "speculators":

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional
 
 from hs_patch.samples import store
+from hs_patch.server import fp8
 
 FORMATS = ("specforge", "speculators")
 SPECFORGE_AUX = 3
@@ -50,6 +51,13 @@ class ExportSpec:
 
     def final_label(self) -> str:
         return "pre_norm" if self.format == "speculators" else "post_norm"
+
+    def files_dtype(self, metadata: Mapping[str, str]) -> str:
+        """The dtype of the exported planes (export.json's ``dtype``): fp8 e4m3 with --fp8, else what the engine
+        computed; an fp8 capture's planes are exported dequantized to that (its metadata's ``source_dtype``)."""
+        if self.fp8:
+            return fp8.DTYPE
+        return metadata.get(fp8.SOURCE_META) or metadata.get("dtype", "")
 
 
 def captured_layers(metadata: Mapping[str, str]) -> list[int]:
