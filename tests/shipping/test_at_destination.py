@@ -144,3 +144,30 @@ def test_a_copy_another_shipper_landed_at_rsyncs_name_is_left_to_it_not_deleted_
     (root / at_destination.SAMPLES / name).unlink()
     (root / at_destination.MANIFEST).unlink()
     assert at_destination.commit(str(root), [mine])["results"][0]["status"] == "mismatch" and not staged.exists()
+
+
+def test_a_step_the_shipper_stopped_waiting_for_ends_itself_and_frees_the_lock(tmp_path):
+    """Over SSH the shipper's timeout kills only its ssh: the step went on (here: waiting behind another
+    step's lock, as behind a deep check of a full ROOT) and would hold the lock for the next round's step.
+    It now ends itself ``seconds`` (+ GRACE_SECONDS) after its start, as the shipper's limit says."""
+    import fcntl
+    import subprocess
+    import sys
+    import time
+
+    from hs_patch.host.shipping.link import REMOTE_SOURCE
+
+    root = destination(tmp_path)
+    request = {"root": str(root), "files": [], "list": True, "check": "cheap", "seconds": 1}
+    with open(root / at_destination.LOCK, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)   # another step, still running
+        t = time.monotonic()
+        p = subprocess.run([sys.executable, "-c", REMOTE_SOURCE], input=json.dumps(request).encode(),
+                           capture_output=True, timeout=60)
+        took = time.monotonic() - t
+    assert p.returncode != 0 and not p.stdout, "it gave up without an answer"
+    assert took < 1 + at_destination.GRACE_SECONDS + 20, took
+    del request["seconds"]   # no limit asked (an older shipper): it waits for the lock as before, then answers
+    p = subprocess.run([sys.executable, "-c", REMOTE_SOURCE], input=json.dumps(request).encode(),
+                       capture_output=True, timeout=60)
+    assert p.returncode == 0 and json.loads(p.stdout)["entries"] == []

@@ -4,8 +4,9 @@ The shipper sends this file's source as ``python3 -c SOURCE`` over SSH (nothing 
 is installed on training storage) with a JSON request on stdin, and reads a JSON answer
 on stdout. Standard library only, Python >= 3.6.
 
-Request: ``{"root": PATH, "files": [{"file": NAME, "bytes": N, "sha256": HEX, "mtime_ns": T, "entry": {...}}]}``
-(``mtime_ns``: the file's mtime on the GPU host, which rsync ``--times`` gives the copy it lands).
+Request: ``{"root": PATH, "files": [{"file": NAME, "bytes": N, "sha256": HEX, "mtime_ns": T, "entry": {...}}],
+"seconds": S}`` (``mtime_ns``: the file's mtime on the GPU host, which rsync ``--times`` gives the copy it lands;
+``seconds``: how long the shipper waits for the answer; the step ends itself soon after).
 
 For each file, rsync has left it in ``ROOT/.incoming/`` (or an interrupted run already
 moved it to ``ROOT/samples/``). Its sha256 is computed here, on the destination, and its
@@ -40,6 +41,7 @@ import fcntl
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +50,7 @@ INCOMING = ".incoming"
 SAMPLES = "samples"
 MANIFEST = "manifest.jsonl"
 LOCK = ".manifest.lock"
+GRACE_SECONDS = 2   # beyond the request's "seconds", the shipper's own limit on the step
 DAMAGED = ".damaged"
 VERIFYING = ".hs-verifying."  # in INCOMING: a file this step took from rsync's name before hashing it
 RANGE, RANGED = 64 << 20, "sha256r64m:"  # hs_patch.samples.files' ranged digest
@@ -266,6 +269,10 @@ def check(root, deep):
 def main():
     os.umask(0o077)  # samples and manifest at the destination are readable by the shipping account only
     req = json.load(sys.stdin)
+    if req.get("seconds"):
+        # the shipper stops waiting after this and kills its ssh, which does not end this step: a step nobody
+        # waits for must not go on holding the lock (the next step removes what a killed one left)
+        signal.alarm(int(req["seconds"]) + GRACE_SECONDS)
     root = os.path.expanduser(req["root"])
     try:
         for d in (os.path.join(root, INCOMING), os.path.join(root, SAMPLES)):

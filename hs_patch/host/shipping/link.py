@@ -242,10 +242,10 @@ class Link:
             argv = self._ssh + [self.dest.host, "python3 -c " + shlex.quote(REMOTE_SOURCE)]
         else:
             argv = [sys.executable, "-c", REMOTE_SOURCE]
-        request = {"root": self.dest.path, "files": files, "list": list_entries, "check": check}
-        return Commit(argv, request, str(self.dest),
-                      # bounded: hashing at >= 20 MB/s plus the connection's own limits
-                      timeout=timeout + sum(f["bytes"] for f in files) / 20e6)
+        # bounded: hashing at >= 20 MB/s plus the connection's own limits; the step ends itself after it too
+        seconds = timeout + sum(f["bytes"] for f in files) / 20e6
+        request = {"root": self.dest.path, "files": files, "list": list_entries, "check": check, "seconds": seconds}
+        return Commit(argv, request, str(self.dest), timeout=seconds)
 
     def commit(self, files: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return self.start_commit(files).wait()
