@@ -71,8 +71,15 @@ def _drive(a: argparse.Namespace, server: Server, model_dir: str, dump: Path, pr
            "first_request_s": round(min(sent) - launched, 3) if sent else None, "startup": start.get("startup"),
            "stderr_tail": out.stderr[-2000:] if out.returncode else ""}
     if out.returncode or len(done) != len(prompts):
+        # what the server and the driver said, into the record that comes back (the machine and its
+        # /dev/shm do not): the hook's errors, the ledger's retries and failures
+        errors = dump / store.ERRORS
+        said = {"errors_jsonl_tail": errors.read_text()[-4000:] if errors.exists() else "",
+                "ledger_retries_and_failures": [e for e in ledger if e["event"] in ("retry", "failed")][-20:]}
+        REC.data.setdefault("drive_failures", []).append({"tag": tag, "round": rnd, **res, **said})
+        REC.save()
         raise RuntimeError(f"hs-extract drive: exit {out.returncode}, {len(done)}/{len(prompts)} done:\n"
-                           f"{out.stderr[-3000:]}\n{out.stdout[-1000:]}")
+                           f"{out.stderr[-3000:]}\n{out.stdout[-1000:]}\n{json.dumps(said)[-3000:]}")
     res["samples_clean"] = bool(store.read_manifest(samples)) and len(store.read_manifest(samples)) == len(prompts)
     shutil.rmtree(samples, ignore_errors=True)
     return res
