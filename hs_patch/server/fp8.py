@@ -38,6 +38,7 @@ SAFETENSORS_DTYPE = "F8_E4M3"
 META = "quantization"          # the sample metadata naming the scheme
 SCHEME = "fp8_e4m3fn/per-token-amax"
 SOURCE_META = "source_dtype"   # what the engine computed (bfloat16): the check rows' dtype, the dequantized one
+SOURCE_DTYPES = ("bfloat16", "float16", "float32")   # what an engine computes in, and so what fp8 planes come from
 SCALE_SUFFIX = ".scale"        # tensor "<plane>.scale", F32 [N]: one scale a token
 FP8_MAX = 448.0
 MIN_SCALE = 2.0 ** -126
@@ -54,10 +55,15 @@ def is_fp8(metadata: Mapping[str, str]) -> bool:
     """Whether a sample's planes are fp8 (its metadata names the scheme); ValueError for a scheme we cannot read."""
     scheme = metadata.get(META)
     if scheme is None:
+        if metadata.get("dtype") == DTYPE:  # read as they are, they would be the e4m3 codes, not the values
+            raise ValueError(f"{DTYPE} planes without a quantization scheme: no scales to read them with")
         return False
     if scheme != SCHEME or metadata.get("dtype") != DTYPE:
         raise ValueError(f"quantization {scheme!r} of {metadata.get('dtype')!r} planes is not one this hs_patch "
                          f"reads ({SCHEME} of {DTYPE}): written by a newer hs_patch?")
+    if metadata.get(SOURCE_META) not in SOURCE_DTYPES:
+        raise ValueError(f"fp8 planes quantized from {metadata.get(SOURCE_META)!r}: not a dtype they can be "
+                         f"dequantized to ({', '.join(SOURCE_DTYPES)})")
     return True
 
 

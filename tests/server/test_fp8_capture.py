@@ -163,9 +163,17 @@ def test_capture_dtype_knob():
 
 def test_a_sample_whose_format_and_planes_disagree_is_refused(tmp_path):
     """An fp8 sample must say format 5 and a format-5 sample must hold fp8 planes (never read as the other)."""
-    meta = {"format": store.FORMAT, "dtype": fp8.DTYPE, fp8.META: fp8.SCHEME}
+    meta = {"format": store.FORMAT, "dtype": fp8.DTYPE, fp8.META: fp8.SCHEME, fp8.SOURCE_META: "bfloat16"}
     with pytest.raises(store.SampleError, match="fp8 planes are format"):
         reader.is_fp8(tmp_path / "x", meta)
+    assert reader.is_fp8(tmp_path / "x", dict(meta, format=store.FORMAT_FP8))
+    # fp8 planes whose header names no scheme were read as the e4m3 codes themselves (max 448), unscaled, and
+    # exported so; and planes "dequantized" to what their header names as the source, fp8 itself, saturated
+    for bad, why in (({k: v for k, v in meta.items() if k != fp8.META}, "without a quantization scheme"),
+                     (dict(meta, format=store.FORMAT_FP8, **{fp8.SOURCE_META: ""}), "not a dtype they can be"),
+                     (dict(meta, format=store.FORMAT_FP8, **{fp8.SOURCE_META: fp8.DTYPE}), "not a dtype they can be")):
+        with pytest.raises(store.SampleError, match=why):
+            reader.is_fp8(tmp_path / "x", bad)
     with pytest.raises(store.SampleError, match="fp8 planes are format"):
         reader.is_fp8(tmp_path / "x", {"format": store.FORMAT_FP8, "dtype": "bfloat16"})
     with pytest.raises(store.SampleError, match="not one this hs_patch reads"):
