@@ -15,8 +15,9 @@ from __future__ import annotations
 import re
 import secrets
 import shlex
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from hs_patch.control.inventory import Target
 
@@ -61,20 +62,39 @@ class Shell:
             kw["watchers"] = [FailingResponder(pattern=re.escape(self._prompt),
                                                response=self.target.become_password + "\n",
                                                sentinel="Sorry, try again.")]
-        from invoke.exceptions import CommandTimedOut
+        from invoke.exceptions import CommandTimedOut, Failure
 
         try:
-            r = self.conn.run(self.wrap(line) if as_root else line, hide=True, warn=True, in_stream=False,
-                              timeout=timeout, **kw)
+            with self.connection_errors():
+                r = self.conn.run(self.wrap(line) if as_root else line, hide=True, warn=True, in_stream=False,
+                                  timeout=timeout, **kw)
         except CommandTimedOut:  # raised whatever warn says: a traceback to the operator without this
             raise RemoteError(f"on {self.host}: `{line}` did not finish within {timeout} s (the host or the "
                               "connection is slow or stuck); check the host, then run the same command again") from None
+        except Failure as e:  # the sudo watcher's: sudo asked for the password again, having refused it
+            raise RemoteError(f"on {self.host}: sudo refused ansible_become_password for {self.target.user} "
+                              f"({type(e.reason).__name__}); correct it in the inventory (or its vault), or allow "
+                              "NOPASSWD sudo") from None
         if as_root and self.target.become and r.failed and "a password is required" in (r.stderr or ""):
             raise RemoteError(f"on {self.host}: sudo asks {self.target.user} for a password: set "
                               "ansible_become_password in the inventory (vault it), or allow NOPASSWD sudo")
         if check and r.failed:
             raise RemoteError(f"on {self.host}: `{line}` failed ({r.exited}): {(r.stderr or r.stdout).strip()[-800:]}")
         return r
+
+    @contextmanager
+    def connection_errors(self) -> Iterator[None]:
+        """A host that dies, reboots or drops the connection mid-command (Fabric opens it again for the next
+        command, and that fails): a RemoteError saying so, not paramiko's traceback."""
+        from paramiko.ssh_exception import SSHException
+
+        try:
+            yield
+        except (SSHException, OSError, EOFError) as e:
+            raise RemoteError(f"lost the connection to {self.host} ({type(e).__name__}: {e}): the host is down, "
+                              "rebooting or unreachable; a job already started there goes on by itself: once it "
+                              f"answers, `fab status --host {self.host}` shows it, and the same command can be run "
+                              "again") from None
 
     def put(self, local: Path, remote: str, *, owner: str, mode: str = "0640") -> None:
         """Copy a local file to ``remote`` owned by ``owner`` (SFTP runs as the SSH user, so
@@ -83,7 +103,8 @@ class Shell:
         if not tmp.startswith("/"):
             raise RemoteError(f"on {self.host}: mktemp gave {tmp!r}")
         try:
-            self.conn.put(str(local), tmp)
+            with self.connection_errors():
+                self.conn.put(str(local), tmp)
             self.run(["install", "-o", owner, "-g", owner, "-m", mode, tmp, remote], check=True)
         finally:
             self.run(["rm", "-f", tmp], as_root=False)

@@ -323,3 +323,41 @@ def test_a_driver_is_started_only_after_an_earlier_drivers_end_marker_is_gone():
     running = Host("active")
     remote.start_jobs(Shell(running, t), t, "r1", [])
     assert not any(DONE in line for line in running.lines), running.lines
+
+
+def test_a_host_lost_mid_command_or_a_refused_sudo_password_is_a_remote_error_not_a_traceback(tmp_path):
+    """Fabric opens a dropped connection again for the next command; on a dead host that raised paramiko's
+    NoValidConnectionsError, and a wrong ansible_become_password invoke's Failure (its sudo watcher's): both
+    reached the operator as tracebacks (fab turns only RemoteError and ConfigError into a message)."""
+    from invoke.exceptions import Failure
+    from invoke.exceptions import WatcherError
+    from paramiko.ssh_exception import NoValidConnectionsError
+
+    class Lost:
+        host = "stub"
+
+        def run(self, command, **kw):
+            raise NoValidConnectionsError({("127.0.0.1", 22): ConnectionRefusedError(111, "Connection refused")})
+
+        def put(self, local, remote):
+            raise EOFError()
+
+    with pytest.raises(RemoteError, match=r"lost the connection to stub \(NoValidConnectionsError.*fab status --host"):
+        Shell(Lost(), server_target()).run(["systemctl", "stop", "x.service"])
+
+    class PutLost(Lost):
+        def run(self, command, **kw):
+            return SimpleNamespace(ok=True, failed=False, exited=0, stdout="/tmp/tmp.x\n", stderr="")
+
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(RemoteError, match=r"lost the connection to stub \(EOFError"):
+        Shell(PutLost(), server_target()).put(tmp_path / "f", "/etc/x", owner="root")
+
+    class Refused(Lost):
+        def run(self, command, **kw):
+            assert kw["watchers"], "the password goes to sudo through its watcher"
+            raise Failure(SimpleNamespace(command=command, stdout="", stderr=""), reason=WatcherError("Auto-response"))
+
+    target = Target(host="stub", user="ops", become=True, become_password="wrong", venv="/opt/v", service="sglang")
+    with pytest.raises(RemoteError, match=r"sudo refused ansible_become_password for ops"):
+        Shell(Refused(), target).run(["systemctl", "stop", "x.service"])
