@@ -260,6 +260,8 @@ def stop(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_
     states = remote.stop(conn, t, run, server=bool(server))
     _say(f"{remote.in_words(states)}; resume with the same fab extract --run {run}, drain with fab ship --host "
          f"{host} --run {run}")
+    if not remote.all_stopped(states):
+        sys.exit(1)
 
 
 @task(klass=FabTask, iterable=ITERABLE, optional=["host", "hosts"], help={**COMMON, **FLEET})

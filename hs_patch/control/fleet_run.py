@@ -267,7 +267,8 @@ def stop_all(inv: Inventory, plan: Plan, group: str, server: bool, say: Callable
             continue
         for label, states in got.items():
             say(f"{label}: {remote.in_words(states)}")
-    bad = sorted(h for h, got in res.items() if isinstance(got, BaseException))
+    bad = sorted(h for h, got in res.items() if isinstance(got, BaseException)
+                 or not all(remote.all_stopped(states) for states in got.values()))
     say(f"resume with the same fab extract --hosts {group} --run {plan.run}; drain with fab ship --hosts {group} "
         f"--run {plan.run}" + (f"; not stopped: {', '.join(bad)}" if bad else ""))
     return 1 if bad else 0

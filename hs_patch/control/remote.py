@@ -388,6 +388,11 @@ def stop(c: Shell, t: Target, run: str, *, server: bool = False) -> dict[str, st
     return states
 
 
+def all_stopped(states: dict[str, str]) -> bool:
+    """Whether every unit of a stop's ``states`` is down (inactive, or failed before or by the stop)."""
+    return all(s in ("inactive", "failed") for s in states.values())
+
+
 def in_words(states: dict[str, str]) -> str:
     """Units' states after a stop, as the operator reads them: 'hs-drive-r1 stopped, hs-ship-r1 stopped'."""
     words = {"inactive": "stopped", "failed": "stopped (it had failed: journalctl -u {u} says why)",

@@ -400,6 +400,27 @@ def test_stop_says_in_words_what_it_stopped(monkeypatch, capsys):
                            "says why), sglang stopped; resume with the same fab extract --run r1, drain with fab ship "
                            "--host gpu1 --run r1"), out
     assert remote.in_words({"u": "active"}) == "u STILL RUNNING (systemctl status u)"
+    # a unit the stop left running: said, and the exit says so too (it was 0)
+    monkeypatch.setattr(remote, "stop", lambda c, t, run, server=False: {"hs-drive-r1": "active",
+                                                                         "hs-ship-r1": "inactive"})
+    with pytest.raises(SystemExit) as e:
+        fabfile.stop(Context(), host="gpu1")
+    assert e.value.code == 1 and "hs-drive-r1 STILL RUNNING" in capsys.readouterr().out
+
+
+def test_a_fleet_stop_that_leaves_a_unit_running_names_its_host_and_fails(monkeypatch):
+    """fab stop --hosts exited 0 when a host's units were still active after the stop (only a host that did
+    not answer counted)."""
+    from hs_patch.control import fleet_run, remote
+
+    monkeypatch.setattr(fleet_run, "on_each_host", lambda inv, plan, group, step, after=None: {
+        "gpu-a": {"gpu-a": {"hs-drive-f1": "inactive", "hs-ship-f1": "inactive"}},
+        "gpu-b": {"gpu-b": {"hs-drive-f1": "active", "hs-ship-f1": "inactive"}}})
+    said: list[str] = []
+    plan = type("Plan", (), {"run": "f1"})()
+    assert fleet_run.stop_all(None, plan, "gpus", False, said.append) == 1
+    assert said[-1].endswith("not stopped: gpu-b") and any("hs-drive-f1 STILL RUNNING" in s for s in said), said
+    assert remote.all_stopped({"a": "inactive", "b": "failed"}) and not remote.all_stopped({"a": "deactivating"})
 
 
 def test_each_option_has_the_same_short_flag_in_every_task():
