@@ -230,7 +230,7 @@ def status(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vaul
     if hosts:
         inv, plan = _fleet(hosts, run, "status", inventory, extra_vars, vault_password_file, ask_vault_pass,
                            known_hosts)
-        rows = fleet_run.rows_for(plan, inv.group(_group(hosts)))
+        rows = fleet_run.group_rows(inv, plan, _group(hosts))
         sys.exit(fleet_run.watch(inv, plan, rows, f"fab status --hosts {_group(hosts)} --run {run}",
                                  interval=float(interval), once=bool(once), dead_after=float(dead_after)))
     t = _target(host, inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)

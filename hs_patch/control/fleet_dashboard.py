@@ -175,16 +175,18 @@ def watch(poller: Poller, rows: list[Row], run: str, reattach: str, *, interval:
           dead_after: float = DEAD_AFTER_S, console: Console | None = None) -> int:
     """Show the fleet until every host's jobs ended: 0 when they hold every line, 1 naming those they do not
     (``dashboard.conclusion``), 3 when some hosts stayed silent ``dead_after`` seconds (naming them); detach
-    on Ctrl-C or when no host answers (2)."""
+    on Ctrl-C or when no host answers (2). ``once``: one snapshot, 0, or 2 / 3 when none / some hosts answered."""
     console = console or Console()
     rates = Rates()
     title = f"hs-patch fleet extraction {run}"
     seen: dict[str, tuple[float, dict[str, Any]]] = {}
-    if once:
+    if once:  # 0, or as a single host's --once: 2 when no host answered, 3 when some did not (named in the table)
         answers = poller.first()
         poller.close()
-        console.print(render(rows, views(rows, answers, time.monotonic(), poller.started, seen), title, rates))
-        return 0
+        snaps = views(rows, answers, time.monotonic(), poller.started, seen)
+        console.print(render(rows, snaps, title, rates))
+        dead = [r for r in rows if isinstance(snaps.get(r.label), Unreachable)]
+        return 0 if not dead else 2 if len(dead) == len(rows) else 3
     return follow(poller, lambda a, now: render(rows, views(rows, a, now, poller.started, seen), title, rates),
                   lambda a, now: ending(rows, views(rows, a, now, poller.started, seen), run, reattach, dead_after),
                   console=console, interval=interval, detached=f"detached; the jobs go on. Reattach with: {reattach}")

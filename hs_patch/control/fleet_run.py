@@ -83,6 +83,16 @@ def rows_for(plan: Plan, targets: list[Target], *, every: bool = False) -> list[
     return rows
 
 
+def group_rows(inv: Inventory, plan: Plan, group: str, *, every: bool = False) -> list[Row]:
+    """:func:`rows_for` the hosts of ``group``; ConfigError when none of them has a job in the run (a dashboard of
+    no rows read 'complete: every line is held (0 samples)')."""
+    rows = rows_for(plan, inv.group(group), every=every)
+    if not rows:
+        raise ConfigError(f"no host of {group} has a job in run {plan.run} (fleet plan {fleet.plan_path(plan.run)}): "
+                          f"give the group the run was started on (the plan's hosts: {', '.join(sorted(plan.shards))})")
+    return rows
+
+
 def watch(inv: Inventory, plan: Plan, rows: list[Row], reattach: str, *, interval: float, once: bool = False,
           dead_after: float = DEAD_AFTER_S) -> int:
     """The fleet dashboard over ``rows``: each host read in its own thread (:mod:`hs_patch.control.poll`)."""
@@ -238,9 +248,7 @@ def on_each_host(inv: Inventory, plan: Plan, group: str, step: Callable[[Shell, 
     """``step`` for every job of the run on the hosts of ``group`` (a host's own shard, and a shard
     reassigned to it), every host at once; host -> {row label: result}, or the exception that
     host gave (a dead host fails alone: the others' results stand)."""
-    rows = rows_for(plan, inv.group(group), every=True)
-    if not rows:
-        raise ConfigError(f"no host of {group} has a job in run {plan.run} (fleet plan {fleet.plan_path(plan.run)})")
+    rows = group_rows(inv, plan, group, every=True)
     fg = FleetGroup.of([inv.target(h) for h in sorted({r.host for r in rows})])
 
     def each(c: Shell, t: Target) -> dict[str, Any]:

@@ -495,6 +495,11 @@ def test_both_dashboards_follow_until_done_and_end_on_a_silent_host_or_ctrl_c():
                        dead_after=0.3, console=console) == 2
     assert re.fullmatch(r"no host answers \(for \d s or more\): is this machine's network up\? The jobs go on "
                         r"there; reattach with: fab status --hosts gpu --run r1", last_line(out)), out.getvalue()[-300:]
+    # --once exits as a single host's does: it said 0 whatever the hosts answered
+    for fetches, code in (({"gpu1": lambda: SNAP, "gpu2": lambda: SNAP}, 0), ({"gpu1": lambda: SNAP, "gpu2": down}, 3),
+                          ({"gpu1": down, "gpu2": down}, 2)):
+        assert fleet_watch(poller(**fetches), rows, "r1", "fab status --hosts gpu --run r1", once=True,
+                           console=console) == code, fetches
 
 
 def last_line(out: io.StringIO) -> str:

@@ -101,3 +101,14 @@ def test_the_fleet_dashboard_shows_each_host_and_the_total():
     assert "c (shard of x): no answer for 25 s (gone)" in out
     assert "0:00:20" in out  # a: 10 samples in 10 s, 20 to go
     assert not verdict.ended(snaps["a"]) and verdict.ended(progress("r", 40, 40, "finished"))
+
+
+def test_a_group_without_a_job_in_the_run_is_refused_not_reported_complete():
+    """fab status --hosts G for a group none of whose hosts is in the run's plan printed 'complete: every line is
+    held (0 samples ...)' and exited 0."""
+    plan = fleet.Plan("f6", {"gpu-a": 0, "gpu-b": 1})
+    inv = type("Inv", (), {"group": lambda self, g: [Target(host="10.0.0.9", name="gpu-z")]})()
+    with pytest.raises(ConfigError, match=r"no host of staging has a job in run f6 .*the plan's hosts: gpu-a, gpu-b"):
+        fleet_run.group_rows(inv, plan, "staging")
+    inv_ab = type("Inv", (), {"group": lambda self, g: [Target(host="10.0.0.1", name="gpu-a")]})()
+    assert [r.label for r in fleet_run.group_rows(inv_ab, plan, "gpus")] == ["gpu-a"]
