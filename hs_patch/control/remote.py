@@ -26,9 +26,8 @@ from hs_patch.control.inventory import Target
 from hs_patch.control.shell import RemoteError, Shell, cmd
 from hs_patch.control.storage import destination
 
-__all__ = ["RemoteError", "Check", "preflight", "prepare", "upload", "start_server",
-           "check_kv_cache", "destination", "start_jobs", "unit_hardening", "snapshot", "runs", "stop", "ship_now",
-           "units"]
+__all__ = ["RemoteError", "Check", "preflight", "prepare", "upload", "start_server", "check_kv_cache", "destination",
+           "start_jobs", "unit_hardening", "snapshot", "runs", "stop", "all_stopped", "ship_now", "units"]
 from hs_patch.engine import kv_cache
 from hs_patch.engine.flags import args_violations
 from hs_patch.samples.files import file_sha256
