@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -120,6 +121,14 @@ def _check_numbers(task_name: str, **values: Any) -> None:
             sys.exit(f"fab {task_name}: --{name.replace('_', '-')} {value!r} must be {what}")
 
 
+def default_run_name(stem: str) -> str:
+    """A run name from the dataset's file name and the time (no --run): what a run name cannot hold made '-', cut
+    to fit the name's 64 characters."""
+    when = time.strftime("%Y%m%d-%H%M%S")
+    base = re.sub(r"[^A-Za-z0-9._-]+", "-", stem).replace("..", "-").strip(".-_")[:64 - len(when) - 1]
+    return f"{base or 'run'}-{when}"
+
+
 def _connect(t: Target) -> Shell:
     c = fleet.connection(t, Connection)
     fleet.open_connection(c, t)  # a failure is a RemoteError saying what to check
@@ -167,10 +176,16 @@ def extract(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vau
             server_timeout=3600, interval=2, detach=False, hosts=None, reassign=None,
             dead_after=dashboard.DEAD_AFTER_S, max_tokens=remote.MAX_SAMPLE_TOKENS, accept_changed_data=False):
     """Preflight, start the server, run the driver and the shipper as systemd units, watch them live."""
-    _check_numbers("extract", interval=interval, dead_after=dead_after, limit=limit, max_tokens=max_tokens)
+    _check_numbers("extract", interval=interval, dead_after=dead_after, limit=limit, max_tokens=max_tokens,
+                   server_timeout=server_timeout)
     if not dataset:
         sys.exit("fab extract: give --dataset FILE (a JSONL file here, or on the host with --remote-dataset)")
     local = Path(dataset)
+    # the driver's unit gets the path on its command line, where systemd expands $NAME: refused there, after the
+    # upload and the server's start; here, before anything
+    if "$" in (dataset if remote_dataset else local.name):
+        sys.exit(f"fab extract: dataset {dataset!r}: a '$' in its {'path' if remote_dataset else 'name'} would be "
+                 "expanded by systemd in the driver's command line: rename it")
     if remote_dataset:
         if not dataset.startswith("/"):
             sys.exit(f"fab extract: --remote-dataset {dataset!r} must be an absolute path on the host")
@@ -179,7 +194,7 @@ def extract(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vau
         sys.exit(f"fab extract: dataset {dataset} {why} (give a JSONL file; --remote-dataset for a path on the host)")
     if (hosts or reassign) and not run:
         sys.exit("fab extract: a fleet run needs --run NAME (every host, a later resume and --reassign use it)")
-    run = check_run_name(run or f"{local.stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run = check_run_name(run or default_run_name(local.stem))
     opts = dict(run=run, dataset=dataset, remote_dataset=bool(remote_dataset), limit=int(limit),
                 regenerate=bool(regenerate), server_timeout=int(server_timeout), interval=float(interval),
                 detach=bool(detach), say=_say, dead_after=float(dead_after), max_tokens=int(max_tokens),

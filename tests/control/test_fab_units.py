@@ -68,9 +68,20 @@ def test_bad_numbers_and_run_names_are_refused_before_connecting(tmp_path, monke
     for kw, said in (({"interval": -1}, "--interval -1 must be a number of seconds > 0"),
                      ({"interval": 0}, "--interval 0 must be"), ({"dead_after": float("nan")}, "--dead-after nan"),
                      ({"limit": -5}, "--limit -5 must be a whole number >= 0"),
-                     ({"max_tokens": 0}, "--max-tokens 0 must be a whole number >= 1")):
+                     ({"max_tokens": 0}, "--max-tokens 0 must be a whole number >= 1"),
+                     ({"server_timeout": -5}, "--server-timeout -5 must be a number of seconds > 0")):
         with pytest.raises(SystemExit, match=said):
             fabfile.extract(Context(), host="gpu1", dataset=str(data), **kw)
+    # a '$' systemd would expand in the driver's command line: refused after the upload and the server's start
+    dollar = tmp_path / "chat$2026.jsonl"
+    dollar.write_text("{}\n")
+    for kw in ({"dataset": str(dollar)}, {"dataset": "/data/$HOME/x.jsonl", "remote_dataset": True}):
+        with pytest.raises(SystemExit, match=r"a '\$' in its (name|path) would be expanded by systemd"):
+            fabfile.extract(Context(), host="gpu1", **kw)
+    # no --run: a name made from the file's, whatever the file is called (it was refused as a name never given)
+    assert re.fullmatch(r"my-data-\d{8}-\d{6}", fabfile.default_run_name("my data"))
+    long = fabfile.default_run_name("x" * 100 + ".v2")
+    assert len(long) <= 64 and fabfile.check_run_name(long) and fabfile.default_run_name("..").startswith("run-")
     with pytest.raises(SystemExit, match="--interval -1"):
         fabfile.status(Context(), host="gpu1", interval=-1)
     for task in (fabfile.status, fabfile.stop, fabfile.ship):
