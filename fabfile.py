@@ -85,6 +85,11 @@ def _errors(body: Callable[..., Any]) -> Callable[..., Any]:
             return body(c, *args, **kwargs)
         except (RemoteError, ConfigError) as e:
             sys.exit(f"fab: {e}")
+        except KeyboardInterrupt:  # a dashboard detaches on Ctrl-C itself; this is any other step (invoke said nothing)
+            print(f"fab {body.__name__}: interrupted; what was already started on the host goes on (fab status "
+                  "shows it); a driver not yet started was not: the same command again goes on from where it is",
+                  file=sys.stderr)
+            sys.exit(130)
 
     return wrapper
 

@@ -532,3 +532,24 @@ def test_fab_waits_for_the_server_as_long_as_the_services_role_does():
     assert default == wait, (default, wait)
     out = _fab("--help", "extract")
     assert f"(default {wait}," in " ".join(out.stdout.split()), out.stdout
+
+
+def test_ctrl_c_before_the_dashboard_says_what_goes_on_and_exits_130(monkeypatch, tmp_path, capsys):
+    """Ctrl-C in the server's health wait (up to an hour) ended fab with exit 1 and not a word: the server goes
+    on loading, the driver was never started."""
+    import fabfile
+    from invoke import Context
+
+    from hs_patch.control.inventory import Target
+
+    def wait_interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fabfile, "_target", lambda *a: Target(host="gpu1", name="gpu1"))
+    monkeypatch.setattr(fabfile, "_connect", wait_interrupted)
+    data = tmp_path / "d.jsonl"
+    data.write_text("{}\n")
+    with pytest.raises(SystemExit) as e:
+        fabfile.extract(Context(), host="gpu1", dataset=str(data), run="r1")
+    assert e.value.code == 130
+    assert "interrupted; what was already started on the host goes on" in capsys.readouterr().err
