@@ -39,20 +39,29 @@ def run_jobs(targets: list[Target], jobs: dict[str, Job], server_timeout: int, s
     failed preflight left as it was."""
     group = FleetGroup.of(targets)
     say(f"preflight on {len(targets)} host(s): {', '.join(t.name for t in targets)}")
-    checks = group.each(lambda c, t: extraction.preflight(c, t, jobs[t.name]))
+    # every host's report, one that cannot be reached among them (it hid the others' findings)
+    checks = group.try_each(lambda c, t: extraction.preflight(c, t, jobs[t.name]))
     for name in sorted(checks):
-        print(f"{name} ({jobs[name].describe()}):\n{extraction.report(name, checks[name])}", flush=True)
-    bad = sorted(name for name, cs in checks.items() if not all(ch.ok for ch in cs))
+        got = checks[name]
+        print(f"{name} ({jobs[name].describe()}):\n" + (f"{name}: no preflight: {fleet.reason(got)}"
+              if isinstance(got, BaseException) else extraction.report(name, got)), flush=True)
+    bad = sorted(n for n, cs in checks.items() if isinstance(cs, BaseException) or not all(ch.ok for ch in cs))
     if bad:
         sys.exit(f"fab: preflight failed on {', '.join(bad)}; nothing was started on any host{refused}. Fix what "
                  "is listed above, then run the same fab extract again")
     if passed is not None:
         passed()
     say("starting the server units (each waits for /health_generate), then the driver and shipper units")
-    started = group.each(lambda c, t: extraction.start(c, t, jobs[t.name], server_timeout,
-                                                        lambda msg: say(f"{t.name}: {msg}")))
-    for name in sorted(started):
-        say(f"{name}: started {', '.join(started[name]) or 'nothing new (already running)'}")
+    started = group.try_each(lambda c, t: extraction.start(c, t, jobs[t.name], server_timeout,
+                                                            lambda msg: say(f"{t.name}: {msg}")))
+    for name, got in sorted(started.items()):
+        say(f"{name}: NOT started: {fleet.reason(got)}" if isinstance(got, BaseException) else
+            f"{name}: started {', '.join(got) or 'nothing new (already running)'}")
+    failed = sorted(n for n, got in started.items() if isinstance(got, BaseException))
+    if failed:  # the others' jobs run: said above, and how to see them (one failure hid that they had started)
+        raise RemoteError(f"the start failed on {', '.join(failed)}; the jobs started on the other hosts go on (fab "
+                          f"status shows them). Fix {', '.join(failed)}, then run the same fab extract again: it "
+                          "starts what is not running and leaves running jobs alone")
     return group
 
 

@@ -112,3 +112,51 @@ def test_a_group_without_a_job_in_the_run_is_refused_not_reported_complete():
         fleet_run.group_rows(inv, plan, "staging")
     inv_ab = type("Inv", (), {"group": lambda self, g: [Target(host="10.0.0.1", name="gpu-a")]})()
     assert [r.label for r in fleet_run.group_rows(inv_ab, plan, "gpus")] == ["gpu-a"]
+
+
+def test_one_host_failing_its_preflight_or_start_hides_neither_the_others_findings_nor_their_started_jobs(
+        monkeypatch, capsys):
+    """run_jobs raised at the first host that failed: an unreachable host's preflight hid another's failed check,
+    and a failed start hid that the other hosts' units had started (no 'started' line, no way to watch them)."""
+    from hs_patch.control import extraction
+    from hs_patch.control.extraction import Job
+    from hs_patch.control.remote import Check
+
+    targets = [Target(host="10.0.0.1", name="gpu-a"), Target(host="10.0.0.2", name="gpu-b")]
+    jobs = {t.name: Job("f1", "d.jsonl", False, []) for t in targets}
+    outcome: dict = {}
+
+    class Group:
+        def try_each(self, fn):
+            out = {}
+            for t in targets:
+                try:
+                    out[t.name] = fn(None, t)
+                except Exception as e:  # noqa: BLE001 - as Fabric's GroupResult holds it
+                    out[t.name] = e
+            return out
+
+    def preflight(c, t, job):
+        if outcome[t.name] == "unreachable":
+            raise RemoteError(f"cannot reach {t.host}:22: timed out")
+        return [Check("patch", outcome[t.name] != "bad patch", "not applied", "run the playbook")]
+
+    def start(c, t, job, timeout, say):
+        if outcome[t.name] == "start fails":
+            raise RemoteError("the server was not healthy after 3600s")
+        return ["hs-drive-f1", "hs-ship-f1"]
+
+    monkeypatch.setattr(fleet_run.FleetGroup, "of", classmethod(lambda cls, ts: Group()))
+    monkeypatch.setattr(extraction, "preflight", preflight)
+    monkeypatch.setattr(extraction, "start", start)
+    said: list[str] = []
+    outcome.update({"gpu-a": "bad patch", "gpu-b": "unreachable"})
+    with pytest.raises(SystemExit, match="preflight failed on gpu-a, gpu-b; nothing was started"):
+        fleet_run.run_jobs(targets, jobs, 60, said.append)
+    out = capsys.readouterr().out
+    assert "FAIL patch" in out and "gpu-b: no preflight: cannot reach 10.0.0.2:22" in out, out
+    outcome.update({"gpu-a": "ok", "gpu-b": "start fails"})
+    with pytest.raises(RemoteError, match="the start failed on gpu-b; the jobs started on the other hosts go on"):
+        fleet_run.run_jobs(targets, jobs, 60, said.append)
+    assert "gpu-a: started hs-drive-f1, hs-ship-f1" in said and \
+        "gpu-b: NOT started: the server was not healthy after 3600s" in said, said
