@@ -288,7 +288,8 @@ def stop(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_
 @_errors
 def ship(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_password_file=None,
          ask_vault_pass=False, run=None, hosts=None):
-    """Ship every finished sample of a run now and wait until the destination has verified it.
+    """Ship every finished sample of a run now and wait until the destination has verified it (the follow
+    shipper is stopped meanwhile, and started again if the run's driver is still running).
 
     --hosts GROUP: every job of the fleet run on the group's hosts, each into its part of the run at the
     destination."""
@@ -300,7 +301,7 @@ def ship(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_
     t = _target(host, inventory, extra_vars, vault_password_file, ask_vault_pass, known_hosts)
     conn = _connect(t)
     run = _pick_run(conn, t, run)
-    code, out = remote.ship_now(conn, t, run, dest=fleet_run.destination_of(t, run))  # a fleet's: RUN/HOST
+    code, out = extraction.drain(conn, t, run, dest=fleet_run.destination_of(t, run))  # a fleet's: RUN/HOST
     print(out)
     sys.exit(code)
 

@@ -69,6 +69,17 @@ def start(c: Shell, t: Target, job: Job, server_timeout: int, progress: Callable
     return remote.start_jobs(c, t, job.run, args, dest=job.dest)
 
 
+def drain(c: Shell, t: Target, run: str, *, dest: str | None = None) -> tuple[int, str]:
+    """``fab ship``: :func:`remote.ship_now` (which stops the follow shipper first), then, if the run's driver is
+    still running, its follow shipper started again (without it the samples piled up until the driver paused)."""
+    code, out = remote.ship_now(c, t, run, dest=dest)
+    drive, ship = remote.units(run)
+    if t.ship_enabled and remote.unit_state(c, drive) in ("active", "activating", "reloading"):
+        remote.start_jobs(c, t, run, [], dest=dest, ship_only=True)
+        out += f"\n{ship} started again: {drive} is still running, and the shipper follows it"
+    return code, out
+
+
 def driver_args(limit: int, regenerate: bool, shard: str = "", accept_changed_data: bool = False) -> list[str]:
     args = ["--limit", str(int(limit))] if int(limit) else []
     if regenerate:

@@ -294,7 +294,7 @@ def stop_all(inv: Inventory, plan: Plan, group: str, server: bool, say: Callable
 def ship_all(inv: Inventory, plan: Plan, group: str, say: Callable[[str], None]) -> int:
     """``fab ship --hosts GROUP --run R``: every job's finished samples shipped now into its part of the
     run at the destination, verified there, each host at once. 1 if anything was not shipped."""
-    res = on_each_host(inv, plan, group, lambda c, t, r: remote.ship_now(c, t, r.run, dest=destination_of(t, r.run)))
+    res = on_each_host(inv, plan, group, lambda c, t, r: extraction.drain(c, t, r.run, dest=destination_of(t, r.run)))
     failed = []
     for host, got in sorted(res.items()):
         if isinstance(got, BaseException):

@@ -4,10 +4,9 @@ Every function takes a :class:`~hs_patch.control.shell.Shell` (root on the host,
 sudo when the inventory's SSH user is not root; every argument quoted) and the host's
 :class:`~hs_patch.control.inventory.Target`. The driver and the shipper run as transient
 systemd units (``hs-drive-<run>``, ``hs-ship-<run>``) under the service user, sandboxed
-(:func:`unit_hardening`), so the job goes on when the SSH session drops;
-a killed one is restarted (the driver ``Restart=on-abnormal``; the shipper ``Restart=on-failure``
-except after exit 2, bad configuration: it waits out storage outages itself), and both
-resume where they stopped.
+(:func:`unit_hardening`), so the job goes on when the SSH session drops; a killed one is restarted (the
+driver ``Restart=on-abnormal``; the shipper ``Restart=on-failure`` except after exit 2, bad configuration:
+it waits out storage outages itself), and both resume where they stopped.
 """
 
 from __future__ import annotations
@@ -321,16 +320,17 @@ def unit_hardening(t: Target, run: str, job: str) -> list[str]:
     return [f"--property={p}" for p in props]
 
 
-def start_jobs(c: Shell, t: Target, run: str, driver_args: list[str], *, dest: str | None = None) -> list[str]:
-    """Start the driver and (if shipping) the shipper units; leave running ones alone. ``dest``:
-    where the shipper sends (default :func:`destination` of ``run``)."""
+def start_jobs(c: Shell, t: Target, run: str, driver_args: list[str], *, dest: str | None = None,
+               ship_only: bool = False) -> list[str]:
+    """Start the driver (not with ``ship_only``) and (if shipping) the shipper units; leave running ones alone.
+    ``dest``: where the shipper sends (default :func:`destination` of ``run``)."""
     drive, ship = units(run)
     started = []
     common = [f"--uid={t.service_user}", f"--gid={t.service_user}", "--property=RestartSec=5", "--property=TimeoutStopSec=180", "--property=KillMode=mixed",
               "--setenv=PYTHONUNBUFFERED=1", f"--working-directory={t.state_dir(run)}"]
     # the driver exits 130 when it stops on SIGTERM (fab stop): a clean stop, not a failure;
     # a tokenizer's own code (trust_remote_code) is cached in the run's state dir (the home is read-only)
-    jobs = [(drive, ["--property=Restart=on-abnormal", "--property=SuccessExitStatus=130", f"--setenv=HF_MODULES_CACHE={t.state_dir(run)}/hf_modules",
+    jobs = [] if ship_only else [(drive, ["--property=Restart=on-abnormal", "--property=SuccessExitStatus=130", f"--setenv=HF_MODULES_CACHE={t.state_dir(run)}/hf_modules",
                      *unit_hardening(t, run, "drive"), "--",
                      t.bin("hs-extract"), "drive", "--run", run, "--server", f"http://127.0.0.1:{int(t.server_port)}",
                      "--api-key-file", t.api_key_file, "--capture-dir", t.dump_dir, "--state-dir", t.state_dir(run),

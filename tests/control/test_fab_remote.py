@@ -361,3 +361,31 @@ def test_a_host_lost_mid_command_or_a_refused_sudo_password_is_a_remote_error_no
     target = Target(host="stub", user="ops", become=True, become_password="wrong", venv="/opt/v", service="sglang")
     with pytest.raises(RemoteError, match=r"sudo refused ansible_become_password for ops"):
         Shell(Refused(), target).run(["systemctl", "stop", "x.service"])
+
+
+def test_fab_ship_during_a_run_gives_the_driver_its_follow_shipper_back(monkeypatch):
+    """fab ship stops the follow shipper and drains in the foreground; with the driver still running nothing
+    started the follower again: the samples piled up until the driver paused at its high-water mark."""
+    from hs_patch.control import extraction
+
+    class Host:
+        host = "stub"
+
+        def __init__(self, driver: str):
+            self.driver, self.lines = driver, []
+
+        def run(self, command, **kw):
+            self.lines.append(command)
+            out = self.driver if "hs-drive-r1.service" in command and "ActiveState" in command else "inactive"
+            return SimpleNamespace(ok=True, failed=False, exited=0, stdout=out + "\n", stderr="")
+
+    t = Target(host="stub", user="root", venv="/opt/v", service="sglang")
+    monkeypatch.setattr(remote, "ship_now", lambda c, t, run, dest=None: (0, "shipped 3"))
+    running = Host("active")
+    code, out = extraction.drain(Shell(running, t), t, "r1")
+    started = [line for line in running.lines if line.startswith("systemd-run")]
+    assert code == 0 and len(started) == 1 and "--unit=hs-ship-r1" in started[0] and " --follow" in started[0]
+    assert "hs-ship-r1 started again: hs-drive-r1 is still running" in out
+    ended = Host("inactive")
+    assert extraction.drain(Shell(ended, t), t, "r1") == (0, "shipped 3")
+    assert not [line for line in ended.lines if line.startswith("systemd-run")], "a drained run stays drained"
