@@ -288,8 +288,9 @@ def stop(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_
 @_errors
 def ship(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_password_file=None,
          ask_vault_pass=False, run=None, hosts=None):
-    """Ship every finished sample of a run now and wait until the destination has verified it (the follow
-    shipper is stopped meanwhile, and started again if the run's driver is still running).
+    """Ship every finished sample of a run now and wait until the destination has verified it.
+
+    The follow shipper is stopped meanwhile, and started again if the run's driver is still running.
 
     --hosts GROUP: every job of the fleet run on the group's hosts, each into its part of the run at the
     destination."""
