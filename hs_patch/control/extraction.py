@@ -74,7 +74,7 @@ def drain(c: Shell, t: Target, run: str, *, dest: str | None = None) -> tuple[in
     still running, its follow shipper started again (without it the samples piled up until the driver paused)."""
     code, out = remote.ship_now(c, t, run, dest=dest)
     drive, ship = remote.units(run)
-    if t.ship_enabled and remote.unit_state(c, drive) in ("active", "activating", "reloading"):
+    if t.ship_enabled and remote.unit_state(c, drive) in remote.RUNNING:
         remote.start_jobs(c, t, run, [], dest=dest, ship_only=True)
         out += f"\n{ship} started again: {drive} is still running, and the shipper follows it"
     return code, out

@@ -165,9 +165,6 @@ def take_back(plan: Plan, host: str) -> str:
             f"{plan.run} --dataset DATASET")
 
 
-RUNNING = ("active", "activating", "reloading")  # a driver unit in these states is extracting (or queued to)
-
-
 def driver_state(t: Target, run: str) -> str:
     """The state of ``run``'s driver unit on ``t`` (RemoteError when ``t`` does not answer)."""
     drive, _ = remote.units(run)
@@ -211,7 +208,7 @@ def reassign(inv: Inventory, dead: str, host: str, run: str, dataset: str, remot
     if was != t.name:  # moved before: again only once its driver there has ended (or that host is gone)
         moved = fleet.reassign_run(run, dead)
         there = holder_state(inv, was, moved)
-        if there in RUNNING:
+        if there in remote.RUNNING:
             raise ConfigError(f"the shard of {dead} runs on {was} (run {moved}: {there}); stop it there first "
                               f"(fab stop --host {was} --run {moved}), then run this again")
         say(f"the shard of {dead} was given to {was}, whose driver of it is not running ({there}): it moves to "
@@ -219,7 +216,7 @@ def reassign(inv: Inventory, dead: str, host: str, run: str, dataset: str, remot
                            if there.startswith(("unreachable", "not in")) else ""))
     elif not back:  # the first move: DEAD's own driver of RUN must have ended, or DEAD be gone
         there = holder_state(inv, dead, run)
-        if there in RUNNING:
+        if there in remote.RUNNING:
             raise ConfigError(f"{dead}'s driver of run {run} is {there}: that host is extracting its shard; stop it "
                               f"first (fab stop --host {dead} --run {run}) or let it finish, then run this again")
         if there.startswith(("unreachable", "not in")):
@@ -234,7 +231,7 @@ def reassign(inv: Inventory, dead: str, host: str, run: str, dataset: str, remot
          "shipped there counts as done)" if back else
          f"{t.name} takes the shard {plan.shard(dead)} of {dead} as run {job.run}, shipping into {job.dest}")
         + (f"; queued behind {own} ({state} there: one server, one capture dir, one driver at a time): it starts "
-           "when that one ends" if state in RUNNING else ""))
+           "when that one ends" if state in remote.RUNNING else ""))
 
     def record() -> None:  # after OTHER's preflight passed (a refused one moves nothing), before the start:
         if back:  # a half-started reassignment is still on record

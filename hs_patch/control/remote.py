@@ -1,12 +1,11 @@
 """What ``fab`` does on the GPU host over SSH: preflight, start, watch, stop.
 
-Every function takes a :class:`~hs_patch.control.shell.Shell` (root on the host, through
-sudo when the inventory's SSH user is not root; every argument quoted) and the host's
-:class:`~hs_patch.control.inventory.Target`. The driver and the shipper run as transient
-systemd units (``hs-drive-<run>``, ``hs-ship-<run>``) under the service user, sandboxed
-(:func:`unit_hardening`), so the job goes on when the SSH session drops; a killed one is restarted (the
-driver ``Restart=on-abnormal``; the shipper ``Restart=on-failure`` except after exit 2, bad configuration:
-it waits out storage outages itself), and both resume where they stopped.
+Every function takes a :class:`~hs_patch.control.shell.Shell` (root on the host, through sudo when the
+inventory's SSH user is not root; every argument quoted) and the host's :class:`~hs_patch.control.inventory.Target`.
+The driver and the shipper run as transient systemd units (``hs-drive-<run>``, ``hs-ship-<run>``) under the
+service user, sandboxed (:func:`unit_hardening`), so the job goes on when the SSH session drops; a killed one is
+restarted (the driver ``Restart=on-abnormal``; the shipper ``Restart=on-failure`` except after exit 2, bad
+configuration: it waits out storage outages itself), and both resume where they stopped.
 """
 
 from __future__ import annotations
@@ -144,10 +143,8 @@ def _gpu_ready(c: Shell, t: Target) -> Check:
 
 
 def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
 
@@ -271,6 +268,9 @@ def check_kv_cache(c: Shell, t: Target, max_tokens: int = MAX_SAMPLE_TOKENS) -> 
         raise RemoteError(f"on {t.host}: {short}")
 
 
+RUNNING = ("active", "activating", "reloading")  # a unit in these states runs (or is about to): not started again
+
+
 def unit_state(c: Shell, unit: str) -> str:
     return c.run(["systemctl", "show", "-p", "ActiveState", "--value", f"{unit}.service"]).stdout.strip() or "unknown"
 
@@ -349,7 +349,7 @@ def start_jobs(c: Shell, t: Target, run: str, driver_args: list[str], *, dest: s
         if any("$" in str(a) for a in argv):
             raise RemoteError(f"refusing to start {unit}: an argument holds '$' (systemd would expand it): "
                               f"{[a for a in argv if '$' in str(a)]}")
-        if unit_state(c, unit) in ("active", "activating", "reloading"):
+        if unit_state(c, unit) in RUNNING:
             continue
         c.run(cmd("systemctl", "reset-failed", f"{unit}.service") + " 2>/dev/null; "
               + cmd("systemctl", "stop", f"{unit}.service") + " 2>/dev/null")

@@ -98,13 +98,15 @@ class Shell:
 
     def put(self, local: Path, remote: str, *, owner: str, mode: str = "0640") -> None:
         """Copy a local file to ``remote`` owned by ``owner`` (SFTP runs as the SSH user, so
-        it lands in a private temp file first and root installs it)."""
-        tmp = self.run(["mktemp"], check=True, as_root=False).stdout.strip()
-        if not tmp.startswith("/"):
-            raise RemoteError(f"on {self.host}: mktemp gave {tmp!r}")
-        try:
-            with self.connection_errors():
-                self.conn.put(str(local), tmp)
-            self.run(["install", "-o", owner, "-g", owner, "-m", mode, tmp, remote], check=True)
-        finally:
-            self.run(["rm", "-f", tmp], as_root=False)
+        it lands in a private temp file first and root installs it). Opened here first: a local file that cannot
+        be read is its own OSError, not taken for a lost connection."""
+        with open(local, "rb") as f:
+            tmp = self.run(["mktemp"], check=True, as_root=False).stdout.strip()
+            if not tmp.startswith("/"):
+                raise RemoteError(f"on {self.host}: mktemp gave {tmp!r}")
+            try:
+                with self.connection_errors():
+                    self.conn.put(f, tmp)
+                self.run(["install", "-o", owner, "-g", owner, "-m", mode, tmp, remote], check=True)
+            finally:
+                self.run(["rm", "-f", tmp], as_root=False)

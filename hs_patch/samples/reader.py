@@ -70,7 +70,7 @@ def source_dtype(metadata: Mapping[str, str]) -> "torch.dtype":
     """The dtype the engine computed the planes in: an fp8 sample's ``source_dtype`` (bfloat16), else its ``dtype``."""
     import torch
 
-    name = metadata.get(fp8.SOURCE_META) or metadata.get("dtype", "")
+    name = fp8.source_name(metadata)
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise SampleError(f"the sample's dtype {name!r} is not a torch dtype")
@@ -192,7 +192,7 @@ def record_shapes(path: Path, metadata: Mapping[str, str], n: int) -> dict[str, 
             raise SampleError(f"{path}: check_rows={metadata.get(CHECK_ROWS)!r} is not a row count") from None
         if not 0 < rows <= n:
             raise SampleError(f"{path}: check_rows={rows} does not fit its {n} tokens")
-        source = metadata.get(fp8.SOURCE_META) or metadata.get("dtype", "")  # fp8: kept as the engine computed
+        source = fp8.source_name(metadata)  # fp8: kept as the engine computed
         out[CHECK_TENSOR] = (DTYPE_NAMES.get("torch." + source, "?"), [rows, hidden])
     if is_fp8(path, metadata):  # one scale a token a plane
         out.update({fp8.scale_name(p): ("F32", [n]) for p in metadata.get("planes", "").split(",") if p})

@@ -51,6 +51,12 @@ def scale_name(plane: str) -> str:
     return plane + SCALE_SUFFIX
 
 
+def source_name(metadata: Mapping[str, str]) -> str:
+    """The dtype name the engine computed a sample's planes in: an fp8 sample's ``source_dtype``, else its
+    ``dtype`` ("" when neither is there)."""
+    return metadata.get(SOURCE_META) or metadata.get("dtype", "")
+
+
 def is_fp8(metadata: Mapping[str, str]) -> bool:
     """Whether a sample's planes are fp8 (its metadata names the scheme); ValueError for a scheme we cannot read."""
     scheme = metadata.get(META)

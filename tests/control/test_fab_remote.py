@@ -18,6 +18,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
+from typing import BinaryIO
 
 import pytest
 import yaml
@@ -62,9 +63,10 @@ class LocalShellConnection:
         return SimpleNamespace(ok=p.returncode == 0, failed=p.returncode != 0, exited=p.returncode,
                                stdout=p.stdout, stderr=p.stderr)
 
-    def put(self, local: str, remote_path: str) -> None:
-        self.puts.append((local, remote_path))
-        shutil.copy(local, remote_path)
+    def put(self, local: BinaryIO, remote_path: str) -> None:  # Fabric's Connection.put with a file object
+        self.puts.append((local.name, remote_path))
+        with open(remote_path, "wb") as out:
+            shutil.copyfileobj(local, out)
 
 
 @pytest.fixture
@@ -352,6 +354,9 @@ def test_a_host_lost_mid_command_or_a_refused_sudo_password_is_a_remote_error_no
     (tmp_path / "f").write_text("x")
     with pytest.raises(RemoteError, match=r"lost the connection to stub \(EOFError"):
         Shell(PutLost(), server_target()).put(tmp_path / "f", "/etc/x", owner="root")
+    # a local file that cannot be read is said as that, not as a lost connection (both are OSErrors)
+    with pytest.raises(FileNotFoundError):
+        Shell(PutLost(), server_target()).put(tmp_path / "gone", "/etc/x", owner="root")
 
     class Refused(Lost):
         def run(self, command, **kw):

@@ -57,7 +57,7 @@ class ExportSpec:
         computed; an fp8 capture's planes are exported dequantized to that (its metadata's ``source_dtype``)."""
         if self.fp8:
             return fp8.DTYPE
-        return metadata.get(fp8.SOURCE_META) or metadata.get("dtype", "")
+        return fp8.source_name(metadata)
 
 
 def captured_layers(metadata: Mapping[str, str]) -> list[int]:
