@@ -18,9 +18,14 @@ class RunNameError(ValueError):
     """A run name that cannot be used; the message says what is allowed."""
 
 
+def is_run_name(run: object) -> bool:
+    """Whether ``run`` is a valid run name."""
+    return isinstance(run, str) and bool(RUN_NAME.match(run)) and ".." not in run
+
+
 def check_run_name(run: str) -> str:
     """``run`` if it is a valid run name, else RunNameError."""
-    if not isinstance(run, str) or not RUN_NAME.match(run) or ".." in run:
+    if not is_run_name(run):
         raise RunNameError(f"run name {run!r}: use letters, digits, '.', '_' or '-' (at most 64, starting with a "
                            "letter or digit, no '..'), e.g. kimi-2026-12-02")
     return run

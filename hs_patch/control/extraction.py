@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from hs_patch.control import remote, sizing
+from hs_patch.control import host_checks, remote, sizing
 from hs_patch.control.inventory import Target
-from hs_patch.control.remote import Check
+from hs_patch.control.host_checks import Check
 from hs_patch.control.shell import RemoteError, Shell
 
 
@@ -36,10 +36,10 @@ class Job:
 
 
 def preflight(c: Shell, t: Target, job: Job) -> list[Check]:
-    """remote.preflight for what the job still has to extract and ship (:func:`sizing.still_to_ship`)."""
+    """host_checks.preflight for what the job still has to extract and ship (:func:`sizing.still_to_ship`)."""
     estimated, per_token = sizing.still_to_ship(c, t, dataset=job.dataset, remote_dataset=job.remote_dataset,
                                                 share=job.share, driver_args=job.driver_args, run=job.run)
-    return remote.preflight(c, t, estimated_bytes=estimated, bytes_per_token=per_token, max_tokens=job.max_tokens)
+    return host_checks.preflight(c, t, estimated_bytes=estimated, bytes_per_token=per_token, max_tokens=job.max_tokens)
 
 
 def report(host: str, checks: list[Check]) -> str:

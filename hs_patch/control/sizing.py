@@ -1,4 +1,4 @@
-"""What a run will store, estimated before it starts: fab's space checks (``remote.preflight``) take it.
+"""What a run will store, estimated before it starts: fab's space checks (``host_checks.preflight``) take it.
 
 The estimate is the dataset's bytes at ~4 bytes of JSON a token, times the bytes a token's states
 take (the captured planes x the model's hidden size x 2, + 9 for the id and the loss mask), for what

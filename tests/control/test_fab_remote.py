@@ -23,7 +23,7 @@ from typing import BinaryIO
 import pytest
 import yaml
 
-from hs_patch.control import remote, sizing
+from hs_patch.control import host_checks, remote, sizing
 from hs_patch.control.inventory import Target
 from hs_patch.control.shell import RemoteError, Shell
 
@@ -122,7 +122,7 @@ def test_hostile_names_stay_single_arguments(lab, become):
 
     sizing.remote_size(c, "/data/" + HOSTILE[0])
     sizing.estimate_bytes(c, t, 1000)
-    remote.preflight(c, t, estimated_bytes=1, bytes_per_token=1)
+    host_checks.preflight(c, t, estimated_bytes=1, bytes_per_token=1)
     remote.prepare(c, t, run)
     remote.upload(c, t, run, dataset)
     remote.start_server(c, t, 5, lambda m: None)
@@ -219,6 +219,20 @@ def test_extract_refuses_a_server_whose_kv_cache_cannot_hold_a_sample(kv_server,
         remote.check_kv_cache(c, t)
 
 
+def test_the_runs_on_a_host_are_its_run_directories_newest_first(tmp_path):
+    """fab status/stop/ship without --run take the newest run: that was the newest entry of any kind, so a
+    state root on its own filesystem gave lost+found, and a file left there was taken for a run."""
+    root = tmp_path / "runs"
+    for i, name in enumerate(["kimi-v1", "lost+found", "kimi-v2", "notes.txt", "with space"]):
+        (root / name).mkdir(parents=True) if name != "notes.txt" else (root / name).write_text("x")
+        os.utime(root / name, (1_000 + i, 1_000 + i))
+    c = LocalShellConnection(tmp_path, "/usr/bin:/bin")
+    t = Target(host="stub", state_root=str(root))
+    assert remote.runs(Shell(c, t), t) == ["kimi-v2", "kimi-v1"]
+    empty = replace(t, state_root=str(tmp_path / "none"))
+    assert remote.runs(Shell(c, empty), empty) == []
+
+
 def test_preflight_runs_gpu_ready_from_the_inventorys_check_dir(tmp_path):
     """The services role installs gpu-ready in sglang_service_check_dir: preflight runs it from the host's
     value (it ran /usr/local/lib/hs-patch/gpu-ready whatever the inventory said)."""
@@ -232,7 +246,7 @@ def test_preflight_runs_gpu_ready_from_the_inventorys_check_dir(tmp_path):
     (fake / "systemctl").write_text("#!/bin/sh\nexit 3\n")  # the server is not running: the check runs
     (fake / "systemctl").chmod(0o755)
     t = Target(host="stub", check_dir=str(checks))
-    got = remote._gpu_ready(Shell(LocalShellConnection(tmp_path, f"{fake}:/usr/bin:/bin"), t), t)
+    got = host_checks._gpu_ready(Shell(LocalShellConnection(tmp_path, f"{fake}:/usr/bin:/bin"), t), t)
     assert got.ok and got.detail == "nccl: ran from the check dir: caches jit nccl --json", got
     assert Target(host="h").check_dir == yaml.safe_load(
         (Path(__file__).resolve().parents[2] / "roles/sglang_service/defaults/main.yml").read_text()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hs_patch.control import remote, storage
+from hs_patch.control import host_checks, remote, storage
 from hs_patch.control.inventory import ConfigError, load
 from hs_patch.control.inventory import Target
 from hs_patch.control.shell import Shell
@@ -114,7 +114,7 @@ def test_a_foreground_fab_ship_runs_as_a_unit_with_the_same_sandbox_and_credenti
 def test_preflight_reaches_the_bucket_as_the_shipper_would():
     c = FakeConnection()
     t = replace(s3_target(), venv="/opt/v")
-    found = [x for x in remote.preflight(Shell(c, t), t, estimated_bytes=1, bytes_per_token=1) if x.name == "storage"]
+    found = [x for x in host_checks.preflight(Shell(c, t), t, estimated_bytes=1, bytes_per_token=1) if x.name == "storage"]
     assert len(found) == 1 and found[0].ok and found[0].detail == "s3://b-1/p: reachable, 3 samples listed in its manifest"
     check = next(a for a in c.argv() if a[0] == "systemd-run" and "--check" in a)
     assert "--property=LoadCredential=s3:/etc/hs-patch/s3-credentials" in check

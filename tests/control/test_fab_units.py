@@ -101,7 +101,7 @@ def test_max_tokens_reaches_the_kv_check_the_space_check_and_the_driver(tmp_path
     import fabfile
     from invoke import Context
 
-    from hs_patch.control import extraction, fleet, fleet_run, remote, sizing
+    from hs_patch.control import extraction, fleet, fleet_run, host_checks, remote, sizing
     from hs_patch.control.inventory import Target
     from hs_patch.host.driver.cli import add_arguments, drive_config
 
@@ -112,7 +112,7 @@ def test_max_tokens_reaches_the_kv_check_the_space_check_and_the_driver(tmp_path
     monkeypatch.setattr(sizing, "remote_lines", lambda c, path: 10)
     monkeypatch.setattr(sizing, "run_status", lambda c, t, run: {})
     monkeypatch.setattr(sizing, "estimate_bytes", lambda c, t, size: (size, 100))
-    monkeypatch.setattr(remote, "preflight", lambda c, t, **kw: seen.setdefault("preflight", kw) and [])
+    monkeypatch.setattr(host_checks, "preflight", lambda c, t, **kw: seen.setdefault("preflight", kw) and [])
     for step in ("prepare", "start_server"):
         monkeypatch.setattr(remote, step, lambda *a, **k: None)
     monkeypatch.setattr(remote, "check_kv_cache", lambda c, t, max_tokens: seen.setdefault("kv", max_tokens))
@@ -147,7 +147,7 @@ def test_the_space_check_asks_room_for_what_the_run_still_ships(tmp_path, monkey
     """Storage must hold the run's estimate: for the whole dataset that asked a --limit trial for ~18,000 times the
     dataset's bytes, and a resumed run for all of it again. It asks for the limit's share of the lines, less what an
     earlier start of the same run has shipped (its status.json), on a local and on a remote dataset."""
-    from hs_patch.control import extraction, remote, sizing
+    from hs_patch.control import extraction, host_checks, remote, sizing
     from hs_patch.control.inventory import Target
 
     data = tmp_path / "d.jsonl"
@@ -158,7 +158,7 @@ def test_the_space_check_asks_room_for_what_the_run_still_ships(tmp_path, monkey
     monkeypatch.setattr(sizing, "remote_size", lambda c, path: data.stat().st_size)
     monkeypatch.setattr(sizing, "remote_lines", lambda c, path: 100)
     monkeypatch.setattr(sizing, "run_status", lambda c, t, run: status)
-    monkeypatch.setattr(remote, "preflight", lambda c, t, **kw: seen.append(kw["estimated_bytes"]) or [])
+    monkeypatch.setattr(host_checks, "preflight", lambda c, t, **kw: seen.append(kw["estimated_bytes"]) or [])
     full = data.stat().st_size * 1000
     for remote_dataset in (False, True):
         job = lambda *args: extraction.Job("r", str(data), remote_dataset, list(args))  # noqa: E731
@@ -181,7 +181,7 @@ def test_with_shipping_off_the_samples_space_must_hold_the_whole_run_below_the_h
     pauses for good at its high water. The check asked room for one sample; it asks for the run below the mark."""
     from types import SimpleNamespace
 
-    from hs_patch.control import remote
+    from hs_patch.control import host_checks, remote
     from hs_patch.control.inventory import Target
     from hs_patch.control.shell import Shell
     from hs_patch.host.driver.config import DriveConfig
@@ -196,8 +196,8 @@ def test_with_shipping_off_the_samples_space_must_hold_the_whole_run_below_the_h
 
     def samples_check(ship: bool, estimated: int):
         t = Target(host="gpu", ship_enabled=ship)
-        return next(ch for ch in remote.preflight(Shell(Host(), t), t, estimated_bytes=estimated, bytes_per_token=1,
-                                                   need_gpus=False) if ch.name == "samples space")
+        return next(ch for ch in host_checks.preflight(Shell(Host(), t), t, estimated_bytes=estimated,
+                                                      bytes_per_token=1, need_gpus=False) if ch.name == "samples space")
 
     assert remote.HIGH_WATER_PCT == DriveConfig.high_water, "the driver's default, named once on each side"
     fits, too_big = samples_check(False, 700 << 20), samples_check(False, 900 << 20)

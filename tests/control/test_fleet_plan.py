@@ -120,7 +120,7 @@ def test_one_host_failing_its_preflight_or_start_hides_neither_the_others_findin
     and a failed start hid that the other hosts' units had started (no 'started' line, no way to watch them)."""
     from hs_patch.control import extraction
     from hs_patch.control.extraction import Job
-    from hs_patch.control.remote import Check
+    from hs_patch.control.host_checks import Check
 
     targets = [Target(host="10.0.0.1", name="gpu-a"), Target(host="10.0.0.2", name="gpu-b")]
     jobs = {t.name: Job("f1", "d.jsonl", False, []) for t in targets}

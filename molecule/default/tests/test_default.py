@@ -59,12 +59,12 @@ def test_fab_reads_the_scenario_inventory_through_ansible(inventory):
 
 def test_fab_preflight_passes_as_deploy_with_sudo(inventory):
     import fabfile
-    from hs_patch.control import remote
+    from hs_patch.control import host_checks
     from hs_patch.control.inventory import load
 
     t = load("gpu1", inventory, vault_password_files=[VAULT])
     c = fabfile._connect(t)
-    checks = remote.preflight(c, t, estimated_bytes=1 << 20, bytes_per_token=100)
+    checks = host_checks.preflight(c, t, estimated_bytes=1 << 20, bytes_per_token=100)
     table = "\n".join(f"{'ok' if ch.ok else 'FAIL'} {ch.name}: {ch.detail}" for ch in checks)
     print(table)
     assert [ch.name for ch in checks] == ["ssh", "patch", "gpus", "gpu ready", "server flags", "api key", "model",
