@@ -126,6 +126,7 @@ _NAMES = {"service": re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,100}$"),
           "s3_region": re.compile(r"^[a-z0-9-]{0,40}$"), "s3_addressing": re.compile(r"^(auto|path|virtual)$")}
 _PATHS = ("venv", "dump_dir", "model_path", "storage_dir", "state_root", "samples_root", "api_key_file", "check_dir",
           "s3_credentials_file")
+_UNIT_PATHS = ("dump_dir", "state_root", "samples_root")  # in the job units' ReadWritePaths= (remote.unit_hardening)
 
 
 def default_source() -> str:
@@ -287,6 +288,9 @@ class Inventory:
             value = str(getattr(t, attr))
             if not value.startswith("/") or "\n" in value:
                 raise ConfigError(f"{h.name}: {attr} = {value!r} must be an absolute path")
+            if attr in _UNIT_PATHS and any(ch.isspace() for ch in value):
+                raise ConfigError(f"{h.name}: {attr} = {value!r} holds whitespace: the run's sandbox lists it in "
+                                  "systemd's ReadWritePaths=, which splits there; choose a path without")
         for attr, pattern in _NAMES.items():
             if not pattern.match(str(getattr(t, attr))):
                 raise ConfigError(f"{h.name}: {attr} = {getattr(t, attr)!r} is not a valid name ({pattern.pattern})")

@@ -150,6 +150,8 @@ def test_group_gives_every_host_with_its_variables(inv):
     ("hs_service_user", "'-o'", "not a valid name"),
     ("hs_server_port", "thirty", "hs_server_port"),
     ("sglang_service_check_dir", "usr/lib/checks", "absolute path"),
+    ("hs_runs_samples_root", "'/dev/shm/hs runs'", "holds whitespace: the run's sandbox"),
+    ("hs_dump_dir", "'/dev/shm/hs\tcapture'", "holds whitespace"),
 ])
 def test_unusable_values_are_refused_with_the_variable_named(inv, var, value, message):
     (inv / "host_vars" / "gpu2.yml").write_text(f"{var}: {value}\n")
