@@ -81,6 +81,9 @@ def _errors(body: Callable[..., Any]) -> Callable[..., Any]:
             group = " or --hosts GROUP" if "hosts" in kwargs else ""
             sys.exit(f"fab {body.__name__}: give --host NAME (the GPU host's name or address in the inventory)"
                      f"{group}; fab --help {body.__name__} lists every option")
+        if kwargs.get("host") and kwargs.get("hosts"):  # one of them was silently not used
+            sys.exit(f"fab {body.__name__}: give --host NAME (one host) or --hosts GROUP (a fleet), not both; "
+                     f"fab --help {body.__name__} lists every option")
         try:
             return body(c, *args, **kwargs)
         except (RemoteError, ConfigError) as e:
