@@ -252,15 +252,19 @@ def reassign(inv: Inventory, dead: str, host: str, run: str, dataset: str, remot
 def on_each_host(inv: Inventory, plan: Plan, group: str, step: Callable[[Shell, Target, Row], Any],
                  after: Callable[[Shell, Target], Any] | None = None) -> dict[str, Any]:
     """``step`` for every job of the run on the hosts of ``group`` (a host's own shard, and a shard
-    reassigned to it), every host at once; host -> {row label: result}, or the exception that
-    host gave (a dead host fails alone: the others' results stand)."""
+    reassigned to it), then ``after`` once a host, every host at once; host -> {row label: result, and
+    "<host> (after)": after's result or the RemoteError it raised}, or the exception that host gave
+    (a dead host fails alone: the others' results stand)."""
     rows = group_rows(inv, plan, group, every=True)
     fg = FleetGroup.of([inv.target(h) for h in sorted({r.host for r in rows})])
 
     def each(c: Shell, t: Target) -> dict[str, Any]:
-        out = {r.label: step(c, t, r) for r in rows if r.host == t.name}
+        out: dict[str, Any] = {r.label: step(c, t, r) for r in rows if r.host == t.name}
         if after is not None:
-            after(c, t)
+            try:  # the jobs' results stand when only this fails
+                out[f"{t.name} (after)"] = after(c, t)
+            except RemoteError as e:
+                out[f"{t.name} (after)"] = e
         return out
 
     try:
@@ -273,16 +277,19 @@ def stop_all(inv: Inventory, plan: Plan, group: str, server: bool, say: Callable
     """``fab stop --hosts GROUP --run R``: every job of the run stopped cleanly (each driver, then
     its shipper, finish what is in flight), the servers too with ``server``. 1 if a host failed."""
     res = on_each_host(inv, plan, group, lambda c, t, r: remote.stop(c, t, r.run),
-                       (lambda c, t: remote.stop_server(c, t)) if server else None)
+                       (lambda c, t: {t.service: remote.stop_server(c, t)}) if server else None)
     for host, got in sorted(res.items()):
         if isinstance(got, BaseException):
             say(f"{host}: NOT stopped: {fleet.reason(got)}; when it answers: fab stop --host {host} --run "
-                f"{plan.run}")
+                f"{plan.run}" + (" --server" if server else ""))
             continue
         for label, states in got.items():
-            say(f"{label}: {remote.in_words(states)}")
+            label = label.replace(" (after)", " (server)")
+            say(f"{label}: NOT stopped: {fleet.reason(states)}" if isinstance(states, BaseException)
+                else f"{label}: {remote.in_words(states)}")
     bad = sorted(h for h, got in res.items() if isinstance(got, BaseException)
-                 or not all(remote.all_stopped(states) for states in got.values()))
+                 or not all(not isinstance(states, BaseException) and remote.all_stopped(states)
+                            for states in got.values()))
     say(f"resume with the same fab extract --hosts {group} --run {plan.run}; drain with fab ship --hosts {group} "
         f"--run {plan.run}" + (f"; not stopped: {', '.join(bad)}" if bad else ""))
     return 1 if bad else 0

@@ -437,6 +437,43 @@ def test_a_fleet_stop_that_leaves_a_unit_running_names_its_host_and_fails(monkey
     assert remote.all_stopped({"a": "inactive", "b": "failed"}) and not remote.all_stopped({"a": "deactivating"})
 
 
+def test_a_fleet_stop_with_server_keeps_the_jobs_stopped_when_only_a_server_fails(monkeypatch):
+    """fab stop --hosts --server ran the server's stop after the host's jobs in one step: a failure there made the
+    whole host "NOT stopped" though its jobs were, and the servers' states were never said."""
+    from hs_patch.control import fleet_run, remote
+    from hs_patch.control.fleet_dashboard import Row
+    from hs_patch.control.inventory import Target
+    from hs_patch.control.shell import RemoteError
+
+    class Group:  # every host answers; each step runs as FleetGroup.try_each runs it
+        def __init__(self, targets):
+            self.targets = targets
+
+        def try_each(self, fn):
+            return {t.name: fn(None, t) for t in self.targets}
+
+        def close(self):
+            pass
+
+    def stop_server(c, t):
+        if t.name == "gpu-b":
+            raise RemoteError("on gpu-b: `systemctl stop sglang.service` did not finish within 300 s")
+        return "inactive"
+
+    monkeypatch.setattr(fleet_run, "group_rows", lambda inv, plan, group, every=False: [
+        Row("gpu-a", "gpu-a", "f1"), Row("gpu-b", "gpu-b", "f1")])
+    monkeypatch.setattr(fleet_run.FleetGroup, "of", Group)
+    monkeypatch.setattr(remote, "stop", lambda c, t, run: {f"hs-drive-{run}": "inactive", f"hs-ship-{run}": "inactive"})
+    monkeypatch.setattr(remote, "stop_server", stop_server)
+    inv = type("Inv", (), {"target": staticmethod(lambda h: Target(host=h, name=h, service="sglang"))})()
+    said: list[str] = []
+    assert fleet_run.stop_all(inv, type("Plan", (), {"run": "f1"})(), "gpus", True, said.append) == 1
+    assert "gpu-b: hs-drive-f1 stopped, hs-ship-f1 stopped" in said, said
+    assert "gpu-a (server): sglang stopped" in said, said
+    assert any(s.startswith("gpu-b (server): NOT stopped: on gpu-b: `systemctl stop") for s in said), said
+    assert said[-1].endswith("not stopped: gpu-b"), said
+
+
 def test_each_option_has_the_same_short_flag_in_every_task():
     import fabfile
 
