@@ -181,7 +181,7 @@ def _say(msg: str) -> None:
 @_errors
 def extract(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_password_file=None,
             ask_vault_pass=False, dataset=None, run=None, limit=0, regenerate=False, remote_dataset=False,
-            server_timeout=3600, interval=2, detach=False, hosts=None, reassign=None,
+            server_timeout=3600, interval=2.0, detach=False, hosts=None, reassign=None,
             dead_after=dashboard.DEAD_AFTER_S, max_tokens=remote.MAX_SAMPLE_TOKENS, accept_changed_data=False):
     """Preflight, start the server, run the driver and the shipper as systemd units, watch them live."""
     _check_numbers("extract", interval=interval, dead_after=dead_after, limit=limit, max_tokens=max_tokens,
@@ -245,7 +245,7 @@ def _watch(t: Target, run: str, interval: float, dead_after: float, once: bool =
     **COMMON, **FLEET, **WATCH, "once": "print one snapshot and exit"})
 @_errors
 def status(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vault_password_file=None,
-           ask_vault_pass=False, run=None, once=False, interval=2, hosts=None, dead_after=dashboard.DEAD_AFTER_S):
+           ask_vault_pass=False, run=None, once=False, interval=2.0, hosts=None, dead_after=dashboard.DEAD_AFTER_S):
     """Reattach to a run's live dashboard, or print it once (--hosts GROUP: the fleet's)."""
     _check_numbers("status", interval=interval, dead_after=dead_after)
     if run:

@@ -34,6 +34,8 @@ def test_fab_says_which_option_is_missing():
     assert out.returncode == 1 and "give --dataset FILE" in out.stderr, out.stderr
     out = _fab("status")
     assert "fab status: give --host NAME" in out.stderr
+    out = _fab("status", "--host", "nosuch", "--interval", "0.5", "--once")  # was "--interval takes an int"
+    assert "is not in inventory" in out.stderr and "--interval" not in out.stderr, out.stderr
     out = _fab("stop", "--host", "gpu1", "--hosts", "gpu", "--run", "r1")  # --host was not used, said nothing
     assert out.returncode == 1 and "fab stop: give --host NAME (one host) or --hosts GROUP (a fleet), not both" \
         in out.stderr, out.stderr
