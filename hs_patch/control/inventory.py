@@ -230,11 +230,20 @@ class Inventory:
         return self._target(h, overrides)
 
     def group(self, name: str, **overrides: Any) -> list[Target]:
-        """Every host of an inventory group (children included), in inventory order."""
+        """Every host of an inventory group (children included), in inventory order; ConfigError when two of its
+        names are one machine (one address and port): each would take a shard, and the second's job, under the
+        same unit names, would be taken for the first's and never start."""
         if name not in self._inventory.groups:
             raise ConfigError(f"group {name!r} is not in inventory {self.source} (groups there: "
                               f"{', '.join(self.group_names())})")
-        return [self._target(h, overrides) for h in self._inventory.groups[name].get_hosts()]
+        targets = [self._target(h, overrides) for h in self._inventory.groups[name].get_hosts()]
+        seen: dict[tuple[str, int], str] = {}
+        for t in targets:
+            other = seen.setdefault((t.host, t.port), t.name)
+            if other != t.name:
+                raise ConfigError(f"group {name!r}: {other} and {t.name} are one machine ({t.host}:{t.port}); "
+                                  "keep one of them in the group")
+        return targets
 
     # ------------------------------------------------------------------ variables
     def _host_vars(self, h: Any) -> dict[str, Any]:

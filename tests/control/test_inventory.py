@@ -141,6 +141,16 @@ def test_group_gives_every_host_with_its_variables(inv):
         Inventory(str(inv)).group("nope")
 
 
+
+def test_a_group_naming_one_machine_twice_is_refused(tmp_path):
+    """Two names for one machine both got a shard, and the second's job was taken for the first's (the same
+    unit names): its shard never ran."""
+    inv = write_inventory(tmp_path / "inventory")
+    (inv / "host_vars" / "gpu2.yml").write_text("ansible_host: 198.51.100.10\nansible_port: 2222\n")
+    with pytest.raises(ConfigError, match=r"'gpu_hosts': gpu1 and gpu2 are one machine \(198.51.100.10:2222\)"):
+        load_group("gpu_hosts", str(inv), vault_password_files=[str(inv.parent / "vault-pw")])
+
+
 @pytest.mark.parametrize("var, value, message", [
     ("ansible_become_method", "su\nansible_user: ubuntu", "sudo"),
     ("ansible_become_user", "sglang\nansible_user: ubuntu", "sudo to root"),
