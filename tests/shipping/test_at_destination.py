@@ -171,3 +171,26 @@ def test_a_step_the_shipper_stopped_waiting_for_ends_itself_and_frees_the_lock(t
     p = subprocess.run([sys.executable, "-c", REMOTE_SOURCE], input=json.dumps(request).encode(),
                        capture_output=True, timeout=60)
     assert p.returncode == 0 and json.loads(p.stdout)["entries"] == []
+
+
+def test_a_manifest_line_that_is_not_json_stops_the_shipper_with_the_line_named_and_nothing_dropped(
+        tmp_path, monkeypatch, capsys):
+    """A line edited by hand that is not JSON gave a traceback, which the shipper took for an outage and retried
+    for ever; rewriting the manifest without it would have dropped a sample's line unseen."""
+    from hs_patch.host.shipping.link import LinkError
+
+    root = destination(tmp_path)
+    data = b"D" * 100
+    (root / at_destination.INCOMING / "k.safetensors").write_bytes(data)
+    manifest = root / at_destination.MANIFEST
+    before = b'{"op":"add","key":"a","file":"samples/a.safetensors"}\n{"op":"add","key":"b",\n'
+    manifest.write_bytes(before)
+    monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps({"root": str(root), "files": [_request("k.safetensors", data)]})))
+    with pytest.raises(SystemExit) as e:
+        at_destination.main()
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "Traceback" not in err, err
+    assert err.startswith(f"hs-verify: refused: {manifest}: line 2 is not JSON"), err
+    assert manifest.read_bytes() == before, "the manifest was rewritten"
+    assert LinkError(f"verification on storage failed (exit 1): {err}").permanent, "the shipper would wait for ever"
+    assert at_destination.entries_of([b"", b'{"op":"add","key":"a"}']) == {"a": {"op": "add", "key": "a"}}

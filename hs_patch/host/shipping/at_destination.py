@@ -99,12 +99,20 @@ def read_entries(path):
         return entries_of(f)
 
 
+class ManifestError(ValueError):
+    """A manifest line that is not JSON (edited or damaged by hand: ours are replaced whole, never torn)."""
+
+
 def entries_of(lines):
-    """Live entries by key of a manifest's lines (bytes), in the order they were first added."""
+    """Live entries by key of a manifest's lines (bytes), in the order they were first added; ManifestError
+    for a line that is not JSON (rewriting the manifest without it would drop a sample's line unseen)."""
     entries = {}
-    for raw in lines:
+    for n, raw in enumerate(lines, 1):
         if raw.strip():
-            rec = json.loads(raw)
+            try:
+                rec = json.loads(raw)
+            except ValueError:
+                raise ManifestError("line %d is not JSON (%r)" % (n, bytes(raw[:80]))) from None
             if not isinstance(rec, dict) or not isinstance(rec.get("key"), str):
                 continue  # not a line of ours (hs-patch inspect reports it)
             if rec.get("op") == "add":
@@ -286,6 +294,11 @@ def main():
                 fields = ("key", "file", "bytes", "sha256", "sample_id", "line_sha256")
                 answer["entries"] = [{k: e.get(k) for k in fields}
                                      for e in read_entries(os.path.join(root, MANIFEST)).values()]
+    except ManifestError as e:  # waiting does not cure it (the shipper stops: link.PERMANENT)
+        sys.stderr.write("hs-verify: refused: %s: %s: repair or remove that line there (the trainers and "
+                         "hs-extract fetch read it too); nothing is shipped into it until then\n"
+                         % (os.path.join(root, MANIFEST), e))
+        sys.exit(1)
     except OSError as e:  # one line the shipper shows, not a traceback
         full = " (the destination is full: free space there; the shipper retries by itself)" \
             if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""

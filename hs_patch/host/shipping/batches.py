@@ -9,7 +9,8 @@ Outages: a destination that cannot be reached (refused, timed out, reset, a fail
 command there) is waited for, however long, with capped exponential backoff and jitter
 (``--backoff-max``); the status says ``waiting_for_destination`` with the outage's start,
 failures and last error, and the SSH connection is reopened. Only refusals that waiting
-cannot cure (host key, authentication, unknown host: :attr:`LinkError.permanent`) end
+cannot cure (host key, authentication, unknown host, a manifest line there that is not JSON:
+:attr:`LinkError.permanent`) end
 the shipper (exit 1): they are configuration errors, and nothing unverified is deleted.
 
 At start the shipper reads the destination's manifest and records every sample there

@@ -48,11 +48,13 @@ class LinkError(RuntimeError):
 
 
 # what ssh says when waiting cannot help (its own messages, not those of a command it runs), and the
-# storage host's forced command refusing (gate.py: a --dest outside its ROOT, another hs-patch there)
+# storage host's forced command refusing (gate.py: a --dest outside its ROOT, another hs-patch there), and the
+# verify step finding a manifest line that is not JSON (at_destination.py)
 PERMANENT = re.compile(r"Host key verification failed|REMOTE HOST IDENTIFICATION HAS CHANGED|"
                        r"Permission denied \((publickey|password|keyboard|gssapi|hostbased)|"
                        r"Could not resolve hostname|Bad configuration option|no such identity|"
-                       r"Too many authentication failures|Bad owner or permissions|hs-ingest-gate: refused")
+                       r"Too many authentication failures|Bad owner or permissions|hs-ingest-gate: refused|"
+                       r"hs-verify: refused")
 
 
 @dataclass(frozen=True)
