@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import re
 import sys
 import time
@@ -116,16 +117,23 @@ def _group(hosts: Any) -> str:
     return fleet.DEFAULT_GROUP if hosts is True else str(hosts)
 
 
+MIN_INTERVAL_S = 0.2  # --interval: each host is read this often at most
+
+
 def _check_numbers(task_name: str, **values: Any) -> None:
-    """Refuse a dashboard period or a dead-after that is not a positive finite number of seconds, a negative
-    --limit and a --max-tokens below 1, before anything connects or starts (time.sleep(-1) failed after the
-    units started)."""
+    """Refuse a dashboard period under 0.2 s (it reads every host that often) or a dead-after that is not a
+    positive finite number of seconds, a negative --limit and a --max-tokens below 1, before anything connects or
+    starts (time.sleep(-1) failed after the units started)."""
     wholes = {"limit": (0, "a whole number >= 0 (0: all lines)"), "max_tokens": (1, "a whole number >= 1")}
     for name, value in values.items():
         v = float(value)
-        ok = v >= wholes[name][0] if name in wholes else 0 < v < math.inf
+        if name in wholes:
+            ok, what = v >= wholes[name][0], wholes[name][1]
+        elif name == "interval":
+            ok, what = MIN_INTERVAL_S <= v < math.inf, f"a number of seconds >= {MIN_INTERVAL_S}"
+        else:
+            ok, what = 0 < v < math.inf, "a number of seconds > 0"
         if not ok:
-            what = wholes[name][1] if name in wholes else "a number of seconds > 0"
             sys.exit(f"fab {task_name}: --{name.replace('_', '-')} {value!r} must be {what}")
 
 
@@ -200,6 +208,8 @@ def extract(c, host=None, inventory=None, extra_vars=None, known_hosts=None, vau
     elif not local.is_file():
         why = "is a directory" if local.is_dir() else "not found here"
         sys.exit(f"fab extract: dataset {dataset} {why} (give a JSONL file; --remote-dataset for a path on the host)")
+    elif not os.access(local, os.R_OK):
+        sys.exit(f"fab extract: dataset {dataset} is not readable by this user (its mode, or a parent directory's)")
     if (hosts or reassign) and not run:
         sys.exit("fab extract: a fleet run needs --run NAME (every host, a later resume and --reassign use it)")
     run = check_run_name(run or default_run_name(local.stem))

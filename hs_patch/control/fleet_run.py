@@ -285,7 +285,8 @@ def stop_all(inv: Inventory, plan: Plan, group: str, server: bool, say: Callable
             continue
         for label, states in got.items():
             label = label.replace(" (after)", " (server)")
-            say(f"{label}: NOT stopped: {fleet.reason(states)}" if isinstance(states, BaseException)
+            say(f"{label}: NOT stopped: {fleet.reason(states)}; fab stop --host {host} --run {plan.run} --server "
+                "tries again" if isinstance(states, BaseException)
                 else f"{label}: {remote.in_words(states)}")
     bad = sorted(h for h, got in res.items() if isinstance(got, BaseException)
                  or not all(not isinstance(states, BaseException) and remote.all_stopped(states)

@@ -1,4 +1,4 @@
-"""What ``fab`` does on the GPU host over SSH: preflight, start, watch, stop.
+"""What ``fab`` does on the GPU host over SSH: start, watch, stop (its checks first: :mod:`host_checks`).
 
 Every function takes a :class:`~hs_patch.control.shell.Shell` (root on the host, through sudo when the
 inventory's SSH user is not root; every argument quoted) and the host's :class:`~hs_patch.control.inventory.Target`.
@@ -223,7 +223,7 @@ def snapshot(c: Shell, t: Target, run: str) -> dict[str, Any]:
 def runs(c: Shell, t: Target) -> list[str]:
     """The runs on the host (their state dirs under ``state_root``), newest first: directories with a run's
     name only (not a filesystem's lost+found, not a file left there)."""
-    listed = c.run(cmd("ls", "-t", "-p", "--", t.state_root) + " 2>/dev/null").stdout.splitlines()
+    listed = c.run(cmd("ls", "-t", "-p", "-L", "--", t.state_root) + " 2>/dev/null").stdout.splitlines()
     return [n[:-1] for n in listed if n.endswith("/") and names.is_run_name(n[:-1])]
 
 

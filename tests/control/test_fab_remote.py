@@ -226,9 +226,12 @@ def test_the_runs_on_a_host_are_its_run_directories_newest_first(tmp_path):
     for i, name in enumerate(["kimi-v1", "lost+found", "kimi-v2", "notes.txt", "with space"]):
         (root / name).mkdir(parents=True) if name != "notes.txt" else (root / name).write_text("x")
         os.utime(root / name, (1_000 + i, 1_000 + i))
+    (tmp_path / "elsewhere").mkdir()  # a run directory moved to another disk, linked back
+    (root / "kimi-v0").symlink_to(tmp_path / "elsewhere")
+    os.utime(tmp_path / "elsewhere", (999, 999))
     c = LocalShellConnection(tmp_path, "/usr/bin:/bin")
     t = Target(host="stub", state_root=str(root))
-    assert remote.runs(Shell(c, t), t) == ["kimi-v2", "kimi-v1"]
+    assert remote.runs(Shell(c, t), t) == ["kimi-v2", "kimi-v1", "kimi-v0"]
     empty = replace(t, state_root=str(tmp_path / "none"))
     assert remote.runs(Shell(c, empty), empty) == []
 

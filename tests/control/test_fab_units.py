@@ -53,6 +53,14 @@ def test_a_missing_local_dataset_is_found_before_connecting(tmp_path, monkeypatc
     for dataset, why in ((tmp_path / "missing.jsonl", "not found here"), (tmp_path, "is a directory")):
         with pytest.raises(SystemExit, match=why):
             fabfile.extract(Context(), host="gpu1", dataset=str(dataset))
+    # a file this user cannot read (mode 0 for a non-root operator; root reads anything, so access(2) says no
+    # here for that one path): it was a traceback from the upload's checksum
+    unreadable = tmp_path / "private.jsonl"
+    unreadable.write_text("{}\n")
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == unreadable else access(p, mode))
+    with pytest.raises(SystemExit, match="is not readable by this user"):
+        fabfile.extract(Context(), host="gpu1", dataset=str(unreadable))
     with pytest.raises(SystemExit, match="must be an absolute path on the host"):
         fabfile.extract(Context(), host="gpu1", dataset="data/x.jsonl", remote_dataset=True)
 
@@ -70,7 +78,8 @@ def test_bad_numbers_and_run_names_are_refused_before_connecting(tmp_path, monke
     monkeypatch.setattr(fabfile, "_connect", no)
     data = tmp_path / "d.jsonl"
     data.write_text("{}\n")
-    for kw, said in (({"interval": -1}, "--interval -1 must be a number of seconds > 0"),
+    for kw, said in (({"interval": -1}, "--interval -1 must be a number of seconds >= 0.2"),
+                     ({"interval": 0.001}, "--interval 0.001 must be"),  # every host read 1000 times a second
                      ({"interval": 0}, "--interval 0 must be"), ({"dead_after": float("nan")}, "--dead-after nan"),
                      ({"limit": -5}, "--limit -5 must be a whole number >= 0"),
                      ({"max_tokens": 0}, "--max-tokens 0 must be a whole number >= 1"),

@@ -192,5 +192,17 @@ def test_a_manifest_line_that_is_not_json_stops_the_shipper_with_the_line_named_
     assert e.value.code == 1 and "Traceback" not in err, err
     assert err.startswith(f"hs-verify: refused: {manifest}: line 2 is not JSON"), err
     assert manifest.read_bytes() == before, "the manifest was rewritten"
-    assert LinkError(f"verification on storage failed (exit 1): {err}").permanent, "the shipper would wait for ever"
+    # as the shipper sees it: the step's stderr through Commit.wait, with a long root and a line of bytes, where the
+    # words that make it permanent once fell out of the message's last 600 characters
+    import sys
+
+    from hs_patch.host.shipping.link import Commit
+
+    deep = tmp_path / ("r" * 100) / ("kimi-" + "x" * 59) / "gpu-host-07"
+    deep.mkdir(parents=True)
+    (deep / at_destination.MANIFEST).write_bytes("é".encode() * 200 + b"\n")
+    commit = Commit([sys.executable, at_destination.__file__], {"root": str(deep), "files": []}, "storage", 60)
+    with pytest.raises(LinkError) as e:
+        commit.wait()
+    assert e.value.permanent and "line 1 is not JSON" in str(e.value), str(e.value)
     assert at_destination.entries_of([b"", b'{"op":"add","key":"a"}']) == {"a": {"op": "add", "key": "a"}}

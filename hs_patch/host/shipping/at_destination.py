@@ -112,7 +112,7 @@ def entries_of(lines):
             try:
                 rec = json.loads(raw)
             except ValueError:
-                raise ManifestError("line %d is not JSON (%r)" % (n, bytes(raw[:80]))) from None
+                raise ManifestError("line %d is not JSON (%.60r)" % (n, bytes(raw[:40]))) from None
             if not isinstance(rec, dict) or not isinstance(rec.get("key"), str):
                 continue  # not a line of ours (hs-patch inspect reports it)
             if rec.get("op") == "add":

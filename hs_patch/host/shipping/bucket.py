@@ -329,7 +329,7 @@ class Bucket:
         try:
             return at_destination.entries_of(body.splitlines()), r["ETag"]
         except ValueError as e:
-            raise Refused(f"{self.dest}/{MANIFEST} holds a line that is not JSON ({e}): repair it (hs-extract fetch "
+            raise Refused(f"{self.dest}/{MANIFEST}: {e}: repair it (hs-extract fetch "
                           "reads it too) before shipping more into it") from None
 
     def update_manifest(self, change: Callable[[dict[str, dict[str, Any]]], bool], tries: int = 30) -> int:

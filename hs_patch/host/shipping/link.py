@@ -284,8 +284,9 @@ class Commit:
             self.kill()
             raise LinkError(f"verification on {self.where} took more than {self.timeout:.0f} s") from None
         out, err = self._read(self._out), self._read(self._err)
-        if rc != 0:
-            raise LinkError(f"verification on {self.where} failed (exit {rc}): {_tail(err)}")
+        if rc != 0:  # a refusal's own line first: a long one must not lose the words that make it permanent
+            said = next((x for x in err.decode(errors="replace").splitlines() if PERMANENT.search(x)), "")
+            raise LinkError(f"verification on {self.where} failed (exit {rc}): {said[:1000] or _tail(err)}")
         try:
             doc = json.loads(out)
             return doc if answer is None else doc[answer]
