@@ -27,21 +27,47 @@ def startup(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
                     [], mem_fraction=a.mem_fraction, tp_size=a.tp_size)
     out_json = Path(a.work) / f"startup-{tag}.json"
     out_json.parent.mkdir(parents=True, exist_ok=True)
+    # the bench prints each run as a JSON line as it ends: into a file under --out, so a call cut by its time limit
+    # still brings back (and records) the runs done before the cut
+    lines, errors = Path(a.out) / f"startup-{tag}.stdout", Path(a.out) / f"startup-{tag}.stderr"
+    lines.parent.mkdir(parents=True, exist_ok=True)
     try:
         server.wait_ready()
         cmd = [sys.executable, str(ROOT / "bench" / "driver_startup.py"), "--code", str(Path(a.startup_code).resolve()),
                "--server", server.url, "--capture-dir", str(dump), "--model", model_dir, "--reps",
                str(a.startup_reps), "--prompts", a.startup_prompts, "--dir", a.dump_root, "--json", str(out_json)]
-        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-        res["exit_code"], res["table"] = out.returncode, out.stdout[-3000:]
-        if out.returncode:
-            raise RuntimeError(f"bench/driver_startup.py exited {out.returncode}:\n{out.stderr[-3000:]}")
+        with open(lines, "w") as out, open(errors, "w") as err:
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, text=True)
+            try:
+                res["exit_code"] = proc.wait()
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        res["table"] = lines.read_text()[-3000:]
+        if res["exit_code"]:
+            raise RuntimeError(f"bench/driver_startup.py exited {res['exit_code']}:\n{errors.read_text()[-3000:]}")
         got = json.loads(out_json.read_text())
         res["runs"], res["code"] = got["runs"], got["code"]
     finally:
         server.stop()
+        if "runs" not in res and lines.exists():  # cut: the runs it printed so far
+            res["runs"] = [r for r in _json_lines(lines) if "rep" in r]
+            res["cut"] = True
         REC.save()
     return res
+
+
+def _json_lines(path: Path) -> list[dict]:
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(doc, dict):
+            out.append(doc)
+    return out
 
 
 def summarize_startup(k: str, f: dict) -> None:

@@ -86,9 +86,12 @@ def test_startup_phase_runs_the_bench_against_the_capturing_server(standin_site,
 
     a = argparse.Namespace(site=str(standin_site), work=str(tmp_path / "work"), dump_root=str(tmp_path / "dumps"),
                            chunk=64, port=free_port_block(4) - 1, mem_fraction=0.3, tp_size=1,
-                           startup_code=str(ROOT), startup_reps=1, startup_prompts="1")
+                           startup_code=str(ROOT), startup_reps=1, startup_prompts="1", out=str(tmp_path / "out"))
     res = startup.startup(a, str(tiny_model_dir), "cpu")
     runs = res["runs"]
+    # each run is in --out as it ends: what a call cut by its time limit brings back (the GPU call of 2026-12-07
+    # lost every row when it was cut, the bench's output held in memory)
+    assert [r for r in startup._json_lines(tmp_path / "out" / "startup-cpu.stdout") if "rep" in r] == runs
     assert {(r["code"], r["model"]) for r in runs} == {(c, m) for c in ("before", "after") for m in ("fast", "remote")}
     assert all(r["samples"] == 1 and r["first_request_s"] > 0 and r["process_s"] >= r["first_request_s"]
                for r in runs)
