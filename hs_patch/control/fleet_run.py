@@ -99,6 +99,12 @@ def group_rows(inv: Inventory, plan: Plan, group: str, *, every: bool = False) -
     if not rows:
         raise ConfigError(f"no host of {group} has a job in run {plan.run} (fleet plan {fleet.plan_path(plan.run)}): "
                           f"give the group the run was started on (the plan's hosts: {', '.join(sorted(plan.shards))})")
+    known = set(inv.host_names())
+    for r in rows:
+        if r.host not in known:  # a reassigned shard's host, since dropped from the inventory
+            raise ConfigError(f"{r.owner}'s shard of run {plan.run} runs on {r.host}, which is not in the inventory "
+                              f"now (fleet plan {fleet.plan_path(plan.run)}): put {r.host} back in it, or move the "
+                              f"shard: fab extract --reassign {r.owner} --host OTHER --run {plan.run} --dataset DATASET")
     return rows
 
 

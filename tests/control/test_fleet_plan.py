@@ -110,8 +110,20 @@ def test_a_group_without_a_job_in_the_run_is_refused_not_reported_complete():
     inv = type("Inv", (), {"group": lambda self, g: [Target(host="10.0.0.9", name="gpu-z")]})()
     with pytest.raises(ConfigError, match=r"no host of staging has a job in run f6 .*the plan's hosts: gpu-a, gpu-b"):
         fleet_run.group_rows(inv, plan, "staging")
-    inv_ab = type("Inv", (), {"group": lambda self, g: [Target(host="10.0.0.1", name="gpu-a")]})()
+    inv_ab = type("Inv", (), {"group": lambda self, g: [Target(host="10.0.0.1", name="gpu-a")],
+                              "host_names": lambda self: ["gpu-a", "gpu-b"]})()
     assert [r.label for r in fleet_run.group_rows(inv_ab, plan, "gpus")] == ["gpu-a"]
+
+
+def test_a_shard_reassigned_to_a_host_since_dropped_from_the_inventory_says_where_it_runs():
+    """Its row kept the dropped host, and fab status/stop/ship --hosts failed on 'host gpu-c is not in inventory'
+    without a word of the shard or how to move it."""
+    plan = fleet.Plan("f7", {"gpu-a": 0, "gpu-b": 1}, reassigned={"gpu-b": "gpu-c"})
+    inv = type("Inv", (), {"group": lambda self, g: [Target(host="10.0.0.1", name="gpu-a")],
+                           "host_names": lambda self: ["gpu-a", "gpu-b"]})()
+    with pytest.raises(ConfigError, match=r"gpu-b's shard of run f7 runs on gpu-c, which is not in the inventory now "
+                                          r".*fab extract --reassign gpu-b --host OTHER --run f7"):
+        fleet_run.group_rows(inv, plan, "gpus")
 
 
 def test_one_host_failing_its_preflight_or_start_hides_neither_the_others_findings_nor_their_started_jobs(
