@@ -20,6 +20,7 @@ from rich.text import Text
 
 from hs_patch.control import verdict
 from hs_patch.control.poll import Answer, Poller
+from hs_patch.control.shell import StatusUnreadable, silence
 from hs_patch.control.verdict import FINISHED
 # a host that has not answered this long, with nothing else left to wait for, ends the foreground
 # command (fab extract / fab status --dead-after); shown unreachable after poll.POLL_DEADLINE_S
@@ -179,14 +180,15 @@ def watch(poller: Poller, host: str, run: str, *, interval: float = 2.0, once: b
         down = a.down_for(now, poller.started)
         if down is None:
             return view
-        return Group(view, Text(f"{host}: no answer for {down:.0f} s ({a.value}); the job goes on there", style="red"))
+        return Group(view, Text(f"{host}: {silence(a.value, down)}; the job goes on there", style="red"))
 
     def end(answers: dict[str, Answer], now: float) -> Optional[Ending]:
         a = answers[name]
         down = a.down_for(now, poller.started)
         if down is not None and down >= dead_after:
-            return Ending(2, [f"lost the connection to {host}: no answer for {down:.0f} s ({a.value}). The job goes "
-                              f"on there; reattach with: {reattach}"], "yellow")
+            lost = "" if isinstance(a.value, StatusUnreadable) else "lost the connection to "
+            return Ending(2, [f"{lost}{host}: {silence(a.value, down)}. The job goes on there; reattach with: "
+                              f"{reattach}"], "yellow")
         return conclusion([(host, a.value)]) if a.ok and verdict.ended(a.value) else None
 
     return follow(poller, draw, end, console=console, interval=interval,

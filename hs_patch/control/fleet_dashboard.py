@@ -25,6 +25,7 @@ from rich.table import Table
 from hs_patch.control.dashboard import DEAD_AFTER_S, Ending, _gb, _state, conclusion, follow
 from hs_patch.control.verdict import ended
 from hs_patch.control.poll import Answer, Poller
+from hs_patch.control.shell import StatusUnreadable, silence
 
 
 @dataclass
@@ -44,7 +45,7 @@ class Unreachable:
     last: dict[str, Any] | None = None
 
     def __str__(self) -> str:
-        return f"no answer for {self.seconds:.0f} s ({self.why})"
+        return silence(self.why, self.seconds)
 
     def seen(self, shard: str) -> str:
         """What it last showed of its shard."""
@@ -158,7 +159,7 @@ def ending(rows: list[Row], snaps: dict[str, Any], run: str, reattach: str, dead
     if any(not (isinstance(snaps.get(r.label), dict) and ended(snaps[r.label])) for r in rows if r not in dead) \
             or any(snaps[r.label].seconds < dead_after for r in dead):
         return None
-    if dead and len(dead) == len(rows):
+    if dead and len(dead) == len(rows) and not any(isinstance(snaps[r.label].why, StatusUnreadable) for r in dead):
         return Ending(2, [f"no host answers (for {min(snaps[r.label].seconds for r in dead):.0f} s or more): is this "
                           f"machine's network up? The jobs go on there; reattach with: {reattach}"], "yellow")
     if dead:

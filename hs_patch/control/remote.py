@@ -20,7 +20,7 @@ from typing import Any, Callable
 from hs_patch import names
 from hs_patch.control import storage
 from hs_patch.control.inventory import Target
-from hs_patch.control.shell import RemoteError, Shell, cmd
+from hs_patch.control.shell import RemoteError, Shell, StatusUnreadable, cmd
 from hs_patch.control.storage import destination
 
 __all__ = ["RemoteError", "prepare", "upload", "start_server", "check_kv_cache", "destination",
@@ -215,9 +215,13 @@ def start_jobs(c: Shell, t: Target, run: str, driver_args: list[str], *, dest: s
 def snapshot(c: Shell, t: Target, run: str) -> dict[str, Any]:
     r = c.run([t.bin("hs-extract"), "snapshot", "--run", run, "--state-dir", t.state_dir(run),
                "--samples-dir", t.samples_dir(run), "--capture-dir", t.dump_dir, "--service", t.service], timeout=60)
-    if not r.ok:
-        raise RemoteError(f"cannot read the run's status on {t.host}: {r.stderr.strip()[-300:]}")
-    return json.loads(r.stdout)
+    try:
+        if r.ok:
+            return json.loads(r.stdout)
+    except ValueError:
+        pass
+    raise StatusUnreadable(f"cannot read the run's status on {t.host}: {(r.stderr or r.stdout).strip()[-300:]}; "
+                           f"fab verify --host {t.name or t.host} checks the install there")
 
 
 def runs(c: Shell, t: Target) -> list[str]:

@@ -26,6 +26,17 @@ class RemoteError(RuntimeError):
     """A remote step failed; the message says what to do."""
 
 
+class StatusUnreadable(RemoteError):
+    """The host answered, but a run's status could not be read there (the dashboards say so, not "no answer")."""
+
+
+def silence(why: Any, seconds: float) -> str:
+    """How a dashboard says a host or a row has given no status for ``seconds`` (``why``: the last failure)."""
+    if isinstance(why, StatusUnreadable):
+        return f"answers, but no status read for {seconds:.0f} s ({why})"
+    return f"no answer for {seconds:.0f} s ({why})"
+
+
 def cmd(*argv: Any) -> str:
     """One shell-safe command line: every argument quoted."""
     return shlex.join(str(a) for a in argv)

@@ -219,6 +219,18 @@ def test_extract_refuses_a_server_whose_kv_cache_cannot_hold_a_sample(kv_server,
         remote.check_kv_cache(c, t)
 
 
+def test_a_status_the_host_cannot_give_is_status_unreadable_not_a_lost_connection():
+    """A snapshot that failed or printed no JSON read as "lost the connection" on the dashboards (or a traceback)."""
+    from hs_patch.control.shell import StatusUnreadable
+
+    t = Target(host="stub")
+    for ok, stdout, stderr in ((False, "", "hs-extract: no run r1"), (True, "Traceback (most recent call last):", "")):
+        answer = SimpleNamespace(ok=ok, failed=not ok, exited=0 if ok else 1, stdout=stdout, stderr=stderr)
+        conn = SimpleNamespace(host="stub", run=lambda command, **kw: answer)
+        with pytest.raises(StatusUnreadable, match="cannot read the run's status on stub: .*fab verify --host stub"):
+            remote.snapshot(Shell(conn, t), t, "r1")
+
+
 def test_the_runs_on_a_host_are_its_run_directories_newest_first(tmp_path):
     """fab status/stop/ship without --run take the newest run: that was the newest entry of any kind, so a
     state root on its own filesystem gave lost+found, and a file left there was taken for a run."""

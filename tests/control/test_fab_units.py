@@ -557,6 +557,20 @@ def test_both_dashboards_follow_until_done_and_end_on_a_silent_host_or_ctrl_c():
                        dead_after=0.3, console=console) == 2
     assert re.fullmatch(r"no host answers \(for \d s or more\): is this machine's network up\? The jobs go on "
                         r"there; reattach with: fab status --hosts gpu --run r1", last_line(out)), out.getvalue()[-300:]
+    # a host that answers but whose run's status cannot be read is not a lost connection, nor a network that is down
+    from hs_patch.control.shell import StatusUnreadable
+
+    def unreadable():
+        raise StatusUnreadable("cannot read the run's status on gpu1: no such run")
+
+    assert dashboard.watch(poller(gpu1=unreadable), "gpu1", "r1", interval=0.01, dead_after=0.3, console=console) == 2
+    assert re.fullmatch(r"gpu1: answers, but no status read for \d s \(cannot read the run's status on gpu1: no such "
+                        r"run\)\. The job goes on there; reattach with: fab status --host gpu1 --run r1",
+                        last_line(out)), out.getvalue()[-300:]
+    assert fleet_watch(poller(gpu1=unreadable, gpu2=unreadable), rows, "r1", "fab status --hosts gpu --run r1",
+                       interval=0.01, dead_after=0.3, console=console) == 3
+    assert not any("network up" in x for x in out.getvalue().splitlines()[-3:]) and \
+        "gpu2: answers, but no status read for" in out.getvalue(), out.getvalue()[-600:]
     # --once exits as a single host's does: it said 0 whatever the hosts answered
     for fetches, code in (({"gpu1": lambda: SNAP, "gpu2": lambda: SNAP}, 0), ({"gpu1": lambda: SNAP, "gpu2": down}, 3),
                           ({"gpu1": down, "gpu2": down}, 2)):
