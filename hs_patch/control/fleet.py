@@ -156,8 +156,18 @@ def known_hosts(t: Target) -> Path:
 
 def open_connection(c: Any, t: Target) -> None:
     """Open ``c``; a failure raises RemoteError saying what to check."""
+    key = t.key_file and Path(t.key_file).expanduser()
+    if key and not key.is_file():
+        raise RemoteError(f"the SSH key {t.key_file} for {t.host} is not on this machine (the inventory's "
+                          "ansible_ssh_private_key_file): put it there or correct the inventory")
     try:
         c.open()
+    except paramiko.PasswordRequiredException:
+        raise RemoteError(f"cannot log in to {t.user}@{t.host}:{t.port}: the SSH key {t.key_file or ''} needs its "
+                          "passphrase: load it into ssh-agent (ssh-add KEY), then run the same command again") from None
+    except paramiko.AuthenticationException as e:
+        raise RemoteError(f"cannot log in to {t.user}@{t.host}:{t.port} ({e}): check ansible_user and the key "
+                          "(ansible_ssh_private_key_file, or the keys in ssh-agent) in the inventory") from None
     except paramiko.SSHException as e:
         known = known_hosts(t)
         raise RemoteError(f"cannot connect to {t.user}@{t.host}:{t.port}: {e}. Is the host key in {known}? "

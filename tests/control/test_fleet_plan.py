@@ -85,6 +85,35 @@ def test_group_steps_run_on_every_host_and_name_each_failure():
     assert set(res) == {"h1", "h2"} and all(isinstance(r, RemoteError) for r in res.values())
 
 
+def test_a_login_that_fails_says_why_not_cannot_reach_or_host_key(tmp_path):
+    """A key missing here read as "cannot reach"; a key that needs its passphrase and a refused login read as
+    "Is the host key in known_hosts?": each now says what to fix."""
+    import paramiko
+
+    t = Target(host="10.0.0.1", name="gpu-a", user="ops", key_file=str(tmp_path / "id_gone"))
+    with pytest.raises(RemoteError, match=r"the SSH key .*id_gone for 10\.0\.0\.1 is not on this machine"):
+        fleet.open_connection(None, t)  # refused before any connection is tried
+
+    class Refusing:
+        def __init__(self, e):
+            self.e = e
+
+        def open(self):
+            raise self.e
+
+    key = tmp_path / "id_ed25519"
+    key.write_text("k")
+    t = Target(host="10.0.0.1", name="gpu-a", user="ops", key_file=str(key))
+    for e, said in ((paramiko.PasswordRequiredException("private key file is encrypted"),
+                     r"the SSH key .*id_ed25519 needs its passphrase: load it into ssh-agent"),
+                    (paramiko.AuthenticationException("Authentication failed."),
+                     r"cannot log in to ops@10\.0\.0\.1:22 \(Authentication failed\.\): check ansible_user and the key"),
+                    (paramiko.SSHException("Server '10.0.0.1' not found in known_hosts"), r"Is the host key in"),
+                    (OSError(113, "No route to host"), r"cannot reach 10\.0\.0\.1:22")):
+        with pytest.raises(RemoteError, match=said):
+            fleet.open_connection(Refusing(e), t)
+
+
 def test_the_fleet_dashboard_shows_each_host_and_the_total():
     rows = [fleet_dashboard.Row("a", "a", "r", "0/3"), fleet_dashboard.Row("b", "b", "r", "1/3"),
             fleet_dashboard.Row("c (shard of x)", "c", "r.x", "2/3")]
