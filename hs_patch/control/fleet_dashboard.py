@@ -164,11 +164,17 @@ def ending(rows: list[Row], snaps: dict[str, Any], run: str, reattach: str, dead
                           f"machine's network up? The jobs go on there; reattach with: {reattach}"], "yellow")
     if dead:
         lines = [f"{r.label}: {snaps[r.label]}; {snaps[r.label].seen(r.shard)}" for r in dead]
-        owners = " ".join(sorted({r.owner or r.host for r in dead}))
-        return Ending(3, lines + [f"unreachable: {', '.join(r.label for r in dead)}: their shards are not being "
-                                  f"extracted; when a host is back: {reattach}; to finish a shard on a host that is "
-                                  f"done: fab extract --reassign HOST --host OTHER --run {run} --dataset DATASET "
-                                  f"(HOST: {owners})"])
+        unreadable = [r for r in dead if isinstance(snaps[r.label].why, StatusUnreadable)]
+        silent = [r for r in dead if r not in unreadable]
+        if silent:
+            owners = " ".join(sorted({r.owner or r.host for r in silent}))
+            lines.append(f"unreachable: {', '.join(r.label for r in silent)}: their shards are not being extracted; "
+                         f"when a host is back: {reattach}; to finish a shard on a host that is done: fab extract "
+                         f"--reassign HOST --host OTHER --run {run} --dataset DATASET (HOST: {owners})")
+        if unreadable:
+            lines.append(f"no status from: {', '.join(r.label for r in unreadable)}: their hosts answer, but the run's "
+                         f"status cannot be read there (fab verify --host HOST checks the install); then: {reattach}")
+        return Ending(3, lines)
     return conclusion([(r.label, snaps[r.label]) for r in rows])
 
 

@@ -571,6 +571,8 @@ def test_both_dashboards_follow_until_done_and_end_on_a_silent_host_or_ctrl_c():
                        interval=0.01, dead_after=0.3, console=console) == 3
     assert not any("network up" in x for x in out.getvalue().splitlines()[-3:]) and \
         "gpu2: answers, but no status read for" in out.getvalue(), out.getvalue()[-600:]
+    assert last_line(out).startswith("no status from: gpu1, gpu2: their hosts answer, but the run's status cannot be "
+                                     "read there (fab verify --host HOST checks the install)"), last_line(out)
     # --once exits as a single host's does: it said 0 whatever the hosts answered
     for fetches, code in (({"gpu1": lambda: SNAP, "gpu2": lambda: SNAP}, 0), ({"gpu1": lambda: SNAP, "gpu2": down}, 3),
                           ({"gpu1": down, "gpu2": down}, 2)):
