@@ -115,7 +115,9 @@ def test_the_fleet_command_ends_when_the_rest_is_done_and_a_silent_host_stays_si
     last_answer = max(a.last_ok for a in p.latest().values() if not a.ok)  # gpu2's, before the cut
     lines = out.getvalue().rstrip().splitlines()
     assert code == 3, lines[-5:]
-    assert last_answer <= cut[0] and 6 <= ended - last_answer < 6 + 3, "ends dead_after seconds after its last answer"
+    # (not "last_answer <= cut": an answer is stamped when the poller's thread takes it, which a loaded machine can
+    # delay past the cut by seconds: CI of 2026-12-07 saw 6 s; what is claimed is the end relative to that answer)
+    assert cut and 6 <= ended - last_answer < 6 + 3, "ends dead_after seconds after its last answer"
     assert re.fullmatch(r"gpu2: no answer for \d+ s \(.*\); last seen 7 done of its shard 1/2", lines[-2]), lines[-2]
     assert lines[-1] == ("unreachable: gpu2: their shards are not being extracted; when a host is back: fab status "
                          "--hosts gpu_hosts --run r; to finish a shard on a host that is done: fab extract --reassign "
