@@ -19,6 +19,8 @@ from pathlib import Path
 
 from common import REC, ROOT, Server, start_phase
 
+from hs_patch.host.driver.runstate import read_jsonl
+
 
 def startup(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
     res: dict = {"model": model_dir, "code_before": a.startup_code, "reps": a.startup_reps}
@@ -52,22 +54,10 @@ def startup(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
     finally:
         server.stop()
         if "runs" not in res and lines.exists():  # cut: the runs it printed so far
-            res["runs"] = [r for r in _json_lines(lines) if "rep" in r]
+            res["runs"] = [r for r in read_jsonl(lines) if "rep" in r]
             res["cut"] = True
         REC.save()
     return res
-
-
-def _json_lines(path: Path) -> list[dict]:
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            doc = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(doc, dict):
-            out.append(doc)
-    return out
 
 
 def summarize_startup(k: str, f: dict) -> None:

@@ -91,7 +91,7 @@ def test_startup_phase_runs_the_bench_against_the_capturing_server(standin_site,
     runs = res["runs"]
     # each run is in --out as it ends: what a call cut by its time limit brings back (the GPU call of 2026-12-07
     # lost every row when it was cut, the bench's output held in memory)
-    assert [r for r in startup._json_lines(tmp_path / "out" / "startup-cpu.stdout") if "rep" in r] == runs
+    assert [r for r in startup.read_jsonl(tmp_path / "out" / "startup-cpu.stdout") if "rep" in r] == runs
     assert {(r["code"], r["model"]) for r in runs} == {(c, m) for c in ("before", "after") for m in ("fast", "remote")}
     assert all(r["samples"] == 1 and r["first_request_s"] > 0 and r["process_s"] >= r["first_request_s"]
                for r in runs)
