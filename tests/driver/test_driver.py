@@ -131,12 +131,15 @@ def test_regeneration_replaces_the_answers_with_the_models_own(standin, tiny_mod
     got = assert_complete(tmp_path / "samples", Path(standin.engine.capture.directory), ids)
     question = [r for r in dataset.read([str(data)])][0].messages[0]
     prompt = chat.generation_prompt(tiny_tokenizer, [question])
-    answer = SGLangClient(standin.url).generate(prompt, {"max_new_tokens": 12}, "nocap-expected")["text"]
-    enc = chat.encode_chat(tiny_tokenizer, [question, {"role": "assistant", "content": answer}])
+    answer = SGLangClient(standin.url).generate(prompt, {"max_new_tokens": 12}, "nocap-expected")["output_ids"]
     s = got[ids[0]]
-    assert s.input_ids.tolist() == enc.input_ids and s.tensors["loss_mask"].tolist() == enc.loss_mask
-    assert s.metadata["regenerated"] == "1"
+    # the prompt as sent and the answer as the server generated it, not its text rendered again
+    assert s.input_ids.tolist() == prompt + answer
+    assert s.tensors["loss_mask"].tolist() == [0] * len(prompt) + [1] * len(answer)
+    assert (s.metadata["regenerated"], s.metadata["loss_mask"]) == ("1", "generated")
     assert len([e for e in ledger(tmp_path / "state") if e["event"] == "regen_done"]) == 3
+    built = [e for e in ledger(tmp_path / "state") if e["event"] == "regen_sample"]
+    assert [(e["kept"], e["dropped"]) for e in built] == [(1, 0)] * 3
 
 
 def test_regeneration_prompts_captured_by_0_5_9_are_removed(tiny_model_dir, tmp_path):

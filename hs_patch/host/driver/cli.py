@@ -110,8 +110,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "--max-tokens, at least 1Mi) (default: %(default)s)")
     g = p.add_argument_group("regeneration (the target model writes the assistant turns first)")
     g.add_argument("--regenerate", action="store_true", help="generate each assistant turn with the served model "
-                   "(normal decoding, rid nocap-..., not captured), then capture the whole conversation; "
-                   "pre-tokenized lines are used as they are")
+                   "(normal decoding, rid nocap-..., not captured), then capture the conversation as the server's own "
+                   "token ids (prompts as sent, answers as generated, </think> included; a turn whose prompt renders "
+                   "an earlier answer otherwise leaves that answer out: docs/driver.md); pre-tokenized lines are "
+                   "used as they are")
     g.add_argument("--regen-max-new-tokens", type=int, default=D["regen_max_new_tokens"], metavar="N", help="longest generated turn "
                    "(default: %(default)s)")
     g.add_argument("--regen-temperature", type=float, default=D["regen_temperature"], metavar="T", help="sampling temperature of the "

@@ -15,7 +15,7 @@ import uuid
 from typing import Optional
 
 from hs_patch import __version__
-from hs_patch.host.driver import chat, dataset, limits, runstate
+from hs_patch.host.driver import chat, dataset, limits, regenerate, runstate
 from hs_patch.host.fidelity import check as fidelity
 from hs_patch.host.driver.adopt import AdoptError, adopt
 from hs_patch.host.driver.capture_dir import RawTimeout
@@ -207,14 +207,13 @@ class SampleSteps:
             bad = next((t for t in ids if t >= self.vocab), None)
             if bad is not None:
                 raise dataset.Invalid("bad_field", f"token id {bad} is outside the vocabulary (< {self.vocab})")
+        elif cfg.regenerate:
+            ids, mask = self._regenerate(rec)
+            prov["regenerated"], prov["loss_mask"] = "1", "generated"
         else:
-            messages = rec.messages
-            if cfg.regenerate:
-                messages = self._regenerate(rec)
-                prov["regenerated"] = "1"
             if cfg.on_too_long == "skip":
-                limits.check_chars(messages, self.limit, self.longest_token)
-            enc = chat.encode_chat(self.tokenizer, messages, cfg.chat_template_kwargs)
+                limits.check_chars(rec.messages, self.limit, self.longest_token)
+            enc = chat.encode_chat(self.tokenizer, rec.messages, cfg.chat_template_kwargs)
             ids, mask = enc.input_ids, enc.loss_mask
             prov["loss_mask"] = "assistant"
         limit = self.limit.tokens
@@ -232,16 +231,14 @@ class SampleSteps:
         tag = hashlib.sha256(rec.sample_id.encode()).hexdigest()[:8]
         return f"{prefix}{self.cfg.run}-{tag}-{next(self.counter)}-{uuid.uuid4().hex[:8]}"
 
-    def _regenerate(self, rec: dataset.Record) -> list[dict[str, str]]:
-        """Replace each assistant turn by the target model's own answer (not captured)."""
-        cfg, out = self.cfg, []
+    def _regenerate(self, rec: dataset.Record) -> tuple[list[int], list[int]]:
+        """Each assistant turn generated anew by the target model (not captured); the sample's ids and loss mask
+        as the server had them (:mod:`hs_patch.host.driver.regenerate`)."""
+        cfg = self.cfg
         params = {"max_new_tokens": cfg.regen_max_new_tokens, "temperature": cfg.regen_temperature,
                   "top_p": cfg.regen_top_p}
-        for turn, m in enumerate(rec.messages or []):
-            if m["role"] != "assistant":
-                out.append(m)
-                continue
-            prompt = chat.generation_prompt(self.tokenizer, out, cfg.chat_template_kwargs)
+
+        def generate(prompt: list[int], turn: int) -> dict:
             key, rid = store.sample_key(prompt), self._rid("nocap-", rec)
             with self.keys_lock:
                 self.regen_keys.add(key)
@@ -251,8 +248,12 @@ class SampleSteps:
             meta = res["meta_info"]
             self.ledger.write("regen_done", sample_id=rec.sample_id, turn=turn, rid=rid,
                               completion_tokens=meta.get("completion_tokens"), finish_reason=meta.get("finish_reason"))
-            out.append({"role": "assistant", "content": res["text"]})
-        return out
+            return res
+
+        built = regenerate.regenerate(self.tokenizer, rec.messages or [], generate, cfg.chat_template_kwargs)
+        self.ledger.write("regen_sample", sample_id=rec.sample_id, kept=built.kept, dropped=built.dropped,
+                          tokens=len(built.input_ids))
+        return built.input_ids, built.loss_mask
 
     def _capture(self, rec: dataset.Record, key: str, ids: list[int], mask: list[int], prov: dict[str, str],
                  turn: Turn) -> None:
