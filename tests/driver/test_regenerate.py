@@ -113,6 +113,14 @@ def test_the_answer_ids_come_from_output_ids_or_the_logprobs(tok):
     with pytest.raises(ClientError, match="without the generated token ids"):
         regenerate.answer_ids({"text": "x", "meta_info": {"completion_tokens": 3}})
     assert regenerate.answer_ids({"text": "", "meta_info": {"completion_tokens": 0}}) == []
+    # the end-of-turn token the server stopped at is in the answer whether or not its ids carry it
+    eos = {"type": "stop", "matched": 2}
+    assert regenerate.answer_ids({"output_ids": [5, 6], "meta_info": {"finish_reason": eos}}) == [5, 6, 2]
+    assert regenerate.answer_ids({"output_ids": [5, 2], "meta_info": {"finish_reason": eos}}) == [5, 2]
+    by_text = {"type": "stop", "matched": "</answer>"}
+    assert regenerate.answer_ids({"output_ids": [5], "meta_info": {"finish_reason": by_text}}) == [5]
+    length = {"type": "length", "length": 2}
+    assert regenerate.answer_ids({"output_ids": [5, 6], "meta_info": {"finish_reason": length}}) == [5, 6]
 
 
 def test_no_answer_at_all_is_a_reject(tok):

@@ -59,16 +59,23 @@ class Rebuilt:
 
 def answer_ids(out: dict[str, Any]) -> list[int]:
     """The ids the server generated (``output_ids``; else ``meta_info.output_token_logprobs``, as miles reads
-    them); ClientError when it says it generated tokens and gives neither."""
+    them), through the stop token it matched (``finish_reason`` ``{"type": "stop", "matched": id}``), put back
+    where the ids end before it; ClientError when it says it generated tokens and gives neither."""
+    meta = out.get("meta_info") or {}
     ids = out.get("output_ids")
     if ids is None:
-        lp = (out.get("meta_info") or {}).get("output_token_logprobs")
+        lp = meta.get("output_token_logprobs")
         ids = [item[1] for item in lp] if lp else None
     if ids is None:
-        if (out.get("meta_info") or {}).get("completion_tokens"):
+        if meta.get("completion_tokens"):
             raise ClientError(f"/generate answered without the generated token ids: {str(out)[:200]}")
         ids = []
-    return [int(t) for t in ids]
+    ids = [int(t) for t in ids]
+    finish = meta.get("finish_reason")
+    stop = finish.get("matched") if isinstance(finish, dict) and finish.get("type") == "stop" else None
+    if isinstance(stop, int) and not isinstance(stop, bool) and (not ids or ids[-1] != stop):
+        ids.append(stop)
+    return ids
 
 
 def history_message(tokenizer: Any, answer: list[int]) -> dict[str, str]:
