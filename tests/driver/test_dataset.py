@@ -44,6 +44,13 @@ def test_formats_are_normalized():
     toks = dataset.parse_line(b'{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}', "f.jsonl", 1)
     assert (toks.input_ids, toks.loss_mask) == ([1, 2, 3], [0, 1, 1])
     assert dataset.parse_line(b'{"input_ids": [4]}', "f.jsonl", 1).loss_mask is None
+    thinking = dataset.parse_line(json.dumps({"messages": [
+        {"role": "user", "content": "q", "reasoning_content": "not an answer's: dropped"},
+        {"role": "assistant", "content": "a", "reasoning_content": [{"type": "text", "text": "r"}]},
+        {"role": "assistant", "content": "b", "reasoning_content": None}]}).encode(), "f.jsonl", 1)
+    assert thinking.messages == [{"role": "user", "content": "q"},
+                                 {"role": "assistant", "content": "a", "reasoning_content": "r"},
+                                 {"role": "assistant", "content": "b"}]
 
 
 @pytest.mark.parametrize("line,reason", [
@@ -55,6 +62,8 @@ def test_formats_are_normalized():
     (b'{"input_ids": [1, 2], "loss_mask": [0, 0]}', "no_assistant_turn"),
     (b'{"input_ids": []}', "empty"),
     (b'{"conversations": [{"from": "human", "value": 3}, {"from": "gpt", "value": "a"}]}', "bad_field"),
+    (b'{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", '
+     b'"reasoning_content": 5}]}', "bad_field"),
 ])
 def test_bad_lines(line, reason):
     with pytest.raises(dataset.Invalid) as e:

@@ -6,6 +6,8 @@ the stand-in server."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from hs_patch.host.driver import chat, dataset, regenerate
@@ -130,3 +132,15 @@ def test_no_answer_at_all_is_a_reject(tok):
     assert e.value.reason == "no_assistant_turn"
     with pytest.raises(dataset.Invalid):
         regenerate.regenerate(tok, CHAT[:1], generate)
+
+
+def test_a_datasets_reasoning_content_is_rendered_where_the_template_puts_it(tok):
+    """Without --regenerate, a line's reasoning_content reaches the template: the K2.5-like one renders it in the
+    last answer (the loss on <think>R</think>A<|im_end|> as the model generated it) and drops it from the earlier."""
+    line = {"messages": [CHAT[0], {"role": "assistant", "content": "Paris.", "reasoning_content": "Capital: Paris."},
+                         CHAT[2], {"role": "assistant", "content": "Eight.", "reasoning_content": "Spiders: eight."}]}
+    rec = dataset.parse_line(json.dumps(line).encode(), "f.jsonl", 1)
+    enc = chat.encode_chat(tok, rec.messages, {"chat_template": K25_LIKE})
+    assert "<think></think>Paris.<|im_end|>" in enc.text and "Capital: Paris." not in enc.text
+    trained = tok.decode([t for t, m in zip(enc.input_ids, enc.loss_mask) if m])
+    assert trained.endswith("<think>Spiders: eight.</think>Eight.<|im_end|>")

@@ -4,7 +4,9 @@ Three formats, detected per line (a file may mix them):
 
 - OpenAI ``messages``: ``{"messages": [{"role": "user", "content": "..."}, ...]}``; roles
   ``system``, ``user``, ``assistant``, ``tool``; ``content`` a string or a list of
-  ``{"type": "text", "text": ...}`` parts.
+  ``{"type": "text", "text": ...}`` parts; an assistant turn's ``reasoning_content`` (a thinking
+  model's reasoning, as SGLang's reasoning parser returns it) goes to the chat template, which
+  decides what it renders of it (Kimi-K2.5's: only in the turns after the last user turn).
 - ShareGPT ``conversations``: ``{"conversations": [{"from": "human", "value": "..."}, ...]}``;
   ``from`` ``human``/``user``, ``gpt``/``assistant``/``chatgpt``, ``system``, ``tool``/``function``.
 - pre-tokenized ``input_ids``: ``{"input_ids": [int, ...], "loss_mask": [0|1, ...]}`` (the
@@ -273,6 +275,9 @@ def _conversation(turns: Any, fmt: str, need_assistant: bool = True) -> list[dic
         if not isinstance(raw_role, str) or raw_role.lower() not in allowed:
             raise Invalid("bad_role", f"{where}: role {raw_role!r} is not one of {', '.join(allowed)}")
         out.append({"role": ROLE_MAP[raw_role.lower()], "content": _content(turn[text_key], where)})
+        reasoning = turn.get("reasoning_content")
+        if reasoning is not None and out[-1]["role"] == "assistant":  # the chat template decides what it renders
+            out[-1]["reasoning_content"] = _content(reasoning, f"{where}.reasoning_content")
     if need_assistant and not any(t["role"] == "assistant" for t in out):
         raise Invalid("no_assistant_turn", f"'{fmt}' has no assistant turn: nothing to train on")
     return out
