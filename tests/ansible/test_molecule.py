@@ -230,6 +230,9 @@ def test_preflight_accepts_the_defaults(local_inventory, tmp_path):
     ({"hs_nccl_env": {"P2P_DISABLE": "1"}}, "hs_nccl_env must map NCCL_* names to values"),
     ({"hs_nccl_env": "NCCL_P2P_DISABLE=1"}, "hs_nccl_env must map NCCL_* names to values"),
     ({"hs_venv_releases_dir": "venvs"}, "hs_venv_releases_dir an absolute path"),
+    ({"hs_runs_samples_root": "/dev/shm/hs runs"}, "hs_runs_samples_root must be an absolute path without spaces"),
+    ({"hs_runs_state_root": "/var/lib/hs\truns"}, "hs_runs_state_root must be an absolute path without spaces"),
+    ({"hs_dump_dir": "relative/capture"}, "hs_dump_dir must be an absolute path"),
     ({"hs_storage_host": ""}, "set hs_storage_host"),
     ({"hs_storage_managed": False}, "hs_storage_host_key to its SSH host key"),
     # not in the inventory, and a name that never resolves (RFC 6761): nothing is contacted
