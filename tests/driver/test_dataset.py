@@ -48,6 +48,9 @@ def test_formats_are_normalized():
         {"role": "user", "content": "q", "reasoning_content": "not an answer's: dropped"},
         {"role": "assistant", "content": "a", "reasoning_content": [{"type": "text", "text": "r"}]},
         {"role": "assistant", "content": "b", "reasoning_content": None}]}).encode(), "f.jsonl", 1)
+    sharegpt_reasoning = dataset.parse_line(json.dumps({"conversations": [
+        {"from": "human", "value": "q"}, {"from": "gpt", "value": "a", "reasoning_content": "r"}]}).encode(), "f", 1)
+    assert sharegpt_reasoning.messages[1] == {"role": "assistant", "content": "a"}   # OpenAI messages only
     assert thinking.messages == [{"role": "user", "content": "q"},
                                  {"role": "assistant", "content": "a", "reasoning_content": "r"},
                                  {"role": "assistant", "content": "b"}]

@@ -142,6 +142,18 @@ def test_regeneration_replaces_the_answers_with_the_models_own(standin, tiny_mod
     assert [(e["kept"], e["dropped"]) for e in built] == [(1, 0)] * 3
 
 
+def test_regeneration_does_not_generate_a_turn_whose_prompt_reaches_the_limit(standin, tiny_model_dir, tmp_path):
+    data = tmp_path / "chats.jsonl"
+    write_chats(data, 2)   # questions of ~30 words: their prompts alone pass 16 tokens
+    summary = drive(standin, tiny_model_dir, tmp_path, [data], regenerate=True, regen_max_new_tokens=4,
+                    max_tokens=16)
+    events = ledger(tmp_path / "state")
+    assert not [e for e in events if e["event"] in ("regen_turn", "done")], "a turn over the limit was generated"
+    rejects = [json.loads(x) for x in (tmp_path / "state" / "rejects.jsonl").read_text().splitlines()]
+    assert [r["reason"] for r in rejects] == ["too_long"] * 2 and "assistant turn 1" in rejects[0]["detail"]
+    assert summary.status["samples"]["rejected"] == 2
+
+
 def test_regeneration_prompts_captured_by_0_5_9_are_removed(tiny_model_dir, tmp_path):
     """SGLang 0.5.9 has no request ids in the forward batch: the nocap- prompts are captured too."""
     srv = start_standin(tiny_model_dir, tmp_path / "capture", "0.5.9")

@@ -142,5 +142,55 @@ def test_a_datasets_reasoning_content_is_rendered_where_the_template_puts_it(tok
     rec = dataset.parse_line(json.dumps(line).encode(), "f.jsonl", 1)
     enc = chat.encode_chat(tok, rec.messages, {"chat_template": K25_LIKE})
     assert "<think></think>Paris.<|im_end|>" in enc.text and "Capital: Paris." not in enc.text
-    trained = tok.decode([t for t, m in zip(enc.input_ids, enc.loss_mask) if m])
-    assert trained.endswith("<think>Spiders: eight.</think>Eight.<|im_end|>")
+    runs, run = [], []
+    for t, m in zip(enc.input_ids, enc.loss_mask):
+        if m:
+            run.append(t)
+        elif run:
+            runs, run = runs + [run], []
+    runs += [run] if run else []
+    # the earlier answer as the template renders it (without its reasoning), end-of-turn token and all
+    assert [tok.decode(r) for r in runs] == ["<think></think>Paris.<|im_end|>",
+                                             "<think>Spiders: eight.</think>Eight.<|im_end|>"]
+
+
+def test_a_prompt_that_reaches_the_limit_ends_the_line_there(tok):
+    """K2.5-like: turn 2's prompt holds turn 1 rewritten, so it is longer than turn 1's sample; with a limit between
+    the two, turn 2 is not generated and the sample keeps turn 1 (a restart would have left nothing to train on)."""
+    out = ["<think>France, capital: Paris.</think>Paris.<|im_end|>", "<think>Spiders have eight.</think>Eight.<|im_end|>"]
+    generate, prompts = server(tok, out)
+    full = regenerate.regenerate(tok, CHAT, generate, {"chat_template": K25_LIKE})
+    first = len(prompts[0]) + len(chat.encode_text(tok, out[0]))
+    assert first < len(prompts[1])
+    generate, asked = server(tok, out)
+    built = regenerate.regenerate(tok, CHAT, generate, {"chat_template": K25_LIKE}, limit=len(prompts[1]))
+    assert len(asked) == 1 and (built.kept, built.dropped, built.cut) == (1, 0, 3)
+    assert built.input_ids == prompts[0] + chat.encode_text(tok, out[0]) and len(built.input_ids) == first
+    assert full.cut == -1
+    with pytest.raises(dataset.Invalid) as e:
+        regenerate.regenerate(tok, CHAT, server(tok, out)[0], limit=len(prompts[0]))
+    assert e.value.reason == "too_long" and "assistant turn 1" in str(e.value)
+
+
+def test_answers_kept_within_a_truncation_are_counted(tok):
+    generate, prompts = server(tok, ["Paris.<|im_end|>", "Eight.<|im_end|>"])
+    built = regenerate.regenerate(tok, CHAT, generate)
+    second = len(prompts[1])
+    assert built.starts == [len(prompts[0]), second]
+    assert (built.kept_within(len(built.input_ids)), built.kept_within(second), built.kept_within(second + 1)) == \
+        (2, 1, 2)
+
+
+def test_an_answer_cut_inside_its_reasoning_goes_back_as_reasoning(tok):
+    cut = chat.encode_text(tok, "<think>France, capital")
+    assert regenerate.history_message(tok, cut) == {"role": "assistant", "content": "",
+                                                    "reasoning_content": "France, capital"}
+    twice = chat.encode_text(tok, "<think>a</think>b</think>c")   # split at the first, as SGLang's parsers do
+    assert regenerate.history_message(tok, twice) == {"role": "assistant", "content": "bc",
+                                                      "reasoning_content": "a"}
+
+
+def test_an_empty_answer_is_not_counted_as_kept(tok):
+    generate, _ = server(tok, [[], "Eight.<|im_end|>"])
+    built = regenerate.regenerate(tok, CHAT, generate)
+    assert built.kept == 1

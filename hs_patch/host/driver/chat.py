@@ -11,7 +11,7 @@ rendering starts with those (templates that render a prefix of the conversation 
 prefix of the text, most do) the span is everything in between: the answer and the
 end-of-turn token(s). Otherwise (templates that rewrite earlier turns, e.g. drop their
 reasoning) the span is that turn as rendered (what follows the generation-prompt
-header in the rendering through it), or failing that the turn's bare content
+header in the rendering through it; with its reasoning_content, then without), or failing that the turn's bare content
 (without the end-of-turn token), found in the rendered text after the previous span; a
 turn found neither way is a reject (``mask_alignment``). Characters map to tokens through the tokenizer's offsets (fast
 tokenizers) or, for slow ones (Kimi's tiktoken tokenizer), by encoding the text up to
@@ -89,7 +89,12 @@ def assistant_spans(tokenizer: Any, messages: list[dict[str, str]], full: str,
             span = (len(before), len(through))
         else:  # the turn as rendered (answer + end of turn), else its bare content, found in the text
             span = None
-            for piece in (_rendered_turn(tokenizer, messages[:i], before, through, template_kwargs), m["content"]):
+            pieces = [_rendered_turn(tokenizer, messages[:i], before, through, template_kwargs)]
+            if "reasoning_content" in m:  # a template that drops an earlier turn's reasoning (Kimi-K2.5)
+                plain = render(tokenizer, messages[:i] + [{"role": m["role"], "content": m["content"]}],
+                               template_kwargs=template_kwargs)
+                pieces.append(_rendered_turn(tokenizer, messages[:i], before, plain, template_kwargs))
+            for piece in (*pieces, m["content"]):
                 start = full.find(piece, cursor) if piece else -1
                 if start >= 0:
                     span = (start, start + len(piece))

@@ -50,7 +50,7 @@ class Record:
     source: str                     # file name
     line: int                       # 1-based
     format: str                     # messages | conversations | input_ids
-    messages: Optional[list[dict[str, str]]] = None   # normalized {"role", "content"}
+    messages: Optional[list[dict[str, str]]] = None   # normalized {"role", "content"[, "reasoning_content"]}
     input_ids: Optional[list[int]] = None
     loss_mask: Optional[list[int]] = None
     source_id: str = ""
@@ -275,7 +275,7 @@ def _conversation(turns: Any, fmt: str, need_assistant: bool = True) -> list[dic
         if not isinstance(raw_role, str) or raw_role.lower() not in allowed:
             raise Invalid("bad_role", f"{where}: role {raw_role!r} is not one of {', '.join(allowed)}")
         out.append({"role": ROLE_MAP[raw_role.lower()], "content": _content(turn[text_key], where)})
-        reasoning = turn.get("reasoning_content")
+        reasoning = turn.get("reasoning_content") if fmt == "messages" else None
         if reasoning is not None and out[-1]["role"] == "assistant":  # the chat template decides what it renders
             out[-1]["reasoning_content"] = _content(reasoning, f"{where}.reasoning_content")
     if need_assistant and not any(t["role"] == "assistant" for t in out):

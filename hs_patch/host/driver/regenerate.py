@@ -9,18 +9,21 @@ answer's text rendered again through the chat template:
   renders an earlier turn as ``<think></think>`` + its content, the reasoning dropped);
 - a model may generate a tokenization of its text that encoding the text does not give back.
 
-So the sample is, token for token, the prompt as sent and the answer as generated (its end-of-turn
-token included), with the loss on the answer: what the target computed when it served that turn.
+So the sample is, token for token, the prompt as sent and the answer as generated (through the
+end-of-turn token it stopped on), with the loss on the answer: what the target computed when it
+served that turn.
 miles builds its rollouts the same way (``update_sample_from_response``).
 
 One sample per line. Turn k+1 extends the sample when its prompt starts with the sample so far (the
 template renders turn k as generated); otherwise the sample restarts at turn k+1's prompt and the
 answers before it are left out (the ledger's ``regen_sample`` counts those kept and left out). With a
 template that rewrites completed turns, only the answers after the last rewrite are trained on.
+A turn whose prompt reaches the token limit ends the line there (``regenerate``'s ``limit``).
 
 For the next turn's prompt, a generated answer goes into the history as a client would send it back:
-the text after the last reasoning-end token (``</think>``, when the tokenizer has it as one token) as
-``content``, the text before it as ``reasoning_content``; the template decides what it renders of each.
+the text after the first reasoning-end token (``</think>``, when the tokenizer has it as one token) as
+``content``, the text before it as ``reasoning_content`` (all of it when the answer was cut inside its
+reasoning); the template decides what it renders of each.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import Any, Callable, Optional
 from hs_patch.host.driver import chat, dataset
 from hs_patch.host.driver.client import ClientError
 
-REASONING_END = "</think>"   # the reasoning parsers of SGLang's thinking models (deepseek-r1, qwen3, kimi_k2) end here
+REASONING_START, REASONING_END = "<think>", "</think>"   # as SGLang's reasoning parsers (deepseek-r1, qwen3, kimi_k2)
 
 
 @dataclass
@@ -40,8 +43,17 @@ class Rebuilt:
 
     input_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
-    kept: int = 0        # answers in the sample
+    starts: list[int] = field(default_factory=list)   # where each answer in the sample begins
     dropped: int = 0     # answers left out: a later prompt did not start with them
+    cut: int = -1        # the assistant turn not generated because its prompt reached the limit (-1: none)
+
+    @property
+    def kept(self) -> int:
+        return len(self.starts)
+
+    def kept_within(self, tokens: int) -> int:
+        """Answers with a token in the first ``tokens`` of the sample (what a truncation keeps)."""
+        return sum(1 for at in self.starts if at < tokens)
 
     def add(self, prompt: list[int], answer: list[int]) -> None:
         """Append one turn: its prompt as sent, its answer as generated."""
@@ -50,11 +62,12 @@ class Rebuilt:
             self.input_ids = list(prompt)
         else:  # the first turn, or a prompt that renders an earlier turn otherwise than it was generated
             self.dropped += self.kept
-            self.kept = 0
+            self.starts = []
             self.input_ids, self.loss_mask = list(prompt), [0] * len(prompt)
+        if answer:
+            self.starts.append(len(self.input_ids))
         self.input_ids += answer
         self.loss_mask += [1] * len(answer)
-        self.kept += 1
 
 
 def answer_ids(out: dict[str, Any]) -> list[int]:
@@ -79,39 +92,57 @@ def answer_ids(out: dict[str, Any]) -> list[int]:
 
 
 def history_message(tokenizer: Any, answer: list[int]) -> dict[str, str]:
-    """The generated answer as a client sends it back in the next request: content, and reasoning_content when
-    the answer has a reasoning-end token."""
-    end = tokenizer.convert_tokens_to_ids(REASONING_END)
-    unk = getattr(tokenizer, "unk_token_id", None)
-    at = max((i for i, t in enumerate(answer) if t == end), default=-1) if end is not None and end != unk else -1
-    content = tokenizer.decode(answer[at + 1:], skip_special_tokens=True)
-    if at < 0:
-        return {"role": "assistant", "content": content}
-    reasoning = tokenizer.decode(answer[:at], skip_special_tokens=True)
-    if reasoning.lstrip().startswith("<think>"):   # when <think> is not a special token
-        reasoning = reasoning.lstrip()[len("<think>"):]
-    return {"role": "assistant", "content": content.strip(), "reasoning_content": reasoning.strip()}
+    """The generated answer as a client sends it back in the next request, split as SGLang's reasoning parsers
+    split it: the text after the first reasoning-end token as ``content``, the text before it as
+    ``reasoning_content``; an answer that opened its reasoning and was cut before closing it (max_new_tokens)
+    is all reasoning. No split where the tokenizer has no such token."""
+    def token(text: str) -> Optional[int]:
+        t = tokenizer.convert_tokens_to_ids(text)
+        return None if t is None or t == getattr(tokenizer, "unk_token_id", None) else t
+
+    end, begin = token(REASONING_END), token(REASONING_START)
+    if end is not None and end in answer:
+        at = answer.index(end)
+        thought, said = answer[:at], answer[at + 1:]
+    elif end is not None and begin is not None and answer[:1] == [begin]:
+        thought, said = answer, []
+    else:
+        return {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)}
+    reasoning = tokenizer.decode(thought, skip_special_tokens=True).strip()
+    if reasoning.startswith(REASONING_START):   # when <think> is not a special token
+        reasoning = reasoning[len(REASONING_START):]
+    return {"role": "assistant", "content": tokenizer.decode(said, skip_special_tokens=True).strip(),
+            "reasoning_content": reasoning.strip()}
 
 
 Generate = Callable[[list[int], int], dict[str, Any]]   # (prompt ids, turn index) -> /generate's answer
 
 
 def regenerate(tokenizer: Any, messages: list[dict[str, str]], generate: Generate,
-               template_kwargs: Optional[dict[str, Any]] = None) -> Rebuilt:
+               template_kwargs: Optional[dict[str, Any]] = None, *, limit: int = 0) -> Rebuilt:
     """Generate every assistant turn of ``messages`` anew and build the sample from the server's ids.
 
-    The turns after the last assistant turn are not in the sample (no answer follows them). Invalid
-    ``no_assistant_turn`` when no answer is kept."""
+    The turns after the last assistant turn are not in the sample (no answer follows them). ``limit``
+    (tokens, 0: none): a turn whose prompt reaches it is not generated, nor any after it (``cut``): none of
+    its answer would fit, and a restart there would leave the sample nothing to train on. Invalid
+    ``too_long`` when that leaves no answer, ``no_assistant_turn`` when there is none to generate or every
+    one came back empty."""
     rebuilt, history = Rebuilt(), []
     for turn, m in enumerate(messages):
         if m["role"] != "assistant":
             history.append(m)
             continue
         prompt = chat.generation_prompt(tokenizer, history, template_kwargs)
+        if limit and len(prompt) >= limit:
+            rebuilt.cut = turn
+            break
         answer = answer_ids(generate(prompt, turn))
         rebuilt.add(prompt, answer)
         history.append(history_message(tokenizer, answer))
-    if not any(rebuilt.loss_mask):
+    if not rebuilt.kept:
+        if rebuilt.cut >= 0:
+            raise dataset.Invalid("too_long", f"the prompt of assistant turn {rebuilt.cut} reaches the limit of "
+                                              f"{limit} tokens: no answer to train on")
         raise dataset.Invalid("no_assistant_turn", "no assistant turn to regenerate, or the model answered "
                                                    "every one with no token")
     return rebuilt

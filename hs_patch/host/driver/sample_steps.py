@@ -195,6 +195,7 @@ class SampleSteps:
 
     def _tokens(self, rec: dataset.Record) -> tuple[list[int], list[int], dict[str, str]]:
         cfg = self.cfg
+        built: Optional[regenerate.Rebuilt] = None
         prov = {"sample_id": rec.sample_id, "source": rec.source, "line": str(rec.line), "run": cfg.run,
                 runstate.LINE_SHA256: rec.line_sha256,
                 "source_id": rec.source_id, "input_format": rec.format, "regenerated": "0", "truncated_from": "",
@@ -208,7 +209,11 @@ class SampleSteps:
             if bad is not None:
                 raise dataset.Invalid("bad_field", f"token id {bad} is outside the vocabulary (< {self.vocab})")
         elif cfg.regenerate:
-            ids, mask = self._regenerate(rec)
+            built = self._regenerate(rec)
+            if built.cut >= 0 and cfg.on_too_long == "skip":
+                raise dataset.Invalid("too_long", f"the prompt of assistant turn {built.cut} reaches "
+                                                  f"{self.limit.why}")
+            ids, mask = built.input_ids, built.loss_mask
             prov["regenerated"], prov["loss_mask"] = "1", "generated"
         else:
             if cfg.on_too_long == "skip":
@@ -225,13 +230,17 @@ class SampleSteps:
             if not any(mask):
                 raise dataset.Invalid("too_long", f"{prov['truncated_from']} tokens truncated to {limit} "
                                                   "leave no assistant token")
+        if built is not None:  # what the sample keeps of the answers, after any truncation
+            self.ledger.write("regen_sample", sample_id=rec.sample_id, kept=built.kept_within(len(ids)),
+                              dropped=built.dropped + built.kept - built.kept_within(len(ids)),
+                              not_generated_from=built.cut if built.cut >= 0 else None, tokens=len(ids))
         return ids, mask, prov
 
     def _rid(self, prefix: str, rec: dataset.Record) -> str:
         tag = hashlib.sha256(rec.sample_id.encode()).hexdigest()[:8]
         return f"{prefix}{self.cfg.run}-{tag}-{next(self.counter)}-{uuid.uuid4().hex[:8]}"
 
-    def _regenerate(self, rec: dataset.Record) -> tuple[list[int], list[int]]:
+    def _regenerate(self, rec: dataset.Record) -> regenerate.Rebuilt:
         """Each assistant turn generated anew by the target model (not captured); the sample's ids and loss mask
         as the server had them (:mod:`hs_patch.host.driver.regenerate`)."""
         cfg = self.cfg
@@ -250,10 +259,8 @@ class SampleSteps:
                               completion_tokens=meta.get("completion_tokens"), finish_reason=meta.get("finish_reason"))
             return res
 
-        built = regenerate.regenerate(self.tokenizer, rec.messages or [], generate, cfg.chat_template_kwargs)
-        self.ledger.write("regen_sample", sample_id=rec.sample_id, kept=built.kept, dropped=built.dropped,
-                          tokens=len(built.input_ids))
-        return built.input_ids, built.loss_mask
+        return regenerate.regenerate(self.tokenizer, rec.messages or [], generate, cfg.chat_template_kwargs,
+                                     limit=self.limit.tokens)
 
     def _capture(self, rec: dataset.Record, key: str, ids: list[int], mask: list[int], prov: dict[str, str],
                  turn: Turn) -> None:
