@@ -59,7 +59,9 @@ def render(snap: dict[str, Any], host: str, progress: Progress, task: Any) -> Gr
     stats.add_column(style="bold")
     stats.add_column()
     dump, samples = snap.get("dump") or {}, snap.get("samples") or {}
-    ship_state = "STORAGE UNREACHABLE, waiting" if ship.get("outage") else ship.get("state", "-")
+    outage = ship.get("outage") or {}
+    ship_state = ("STORAGE REFUSES, fix it" if outage.get("refused") else "STORAGE UNREACHABLE, waiting") if outage \
+        else ship.get("state", "-")
     stats.add_row("driver", f"{d.get('state', '-')} [{_state(snap, f'hs-drive-{run}')}]",
                   "shipper", f"{ship_state} [{_state(snap, f'hs-ship-{run}')}]")
     stats.add_row("rejected", str(s.get("rejected", 0)), "duplicates", str(s.get("duplicates", 0)))
@@ -87,8 +89,11 @@ def render(snap: dict[str, Any], host: str, progress: Progress, task: Any) -> Gr
         gpus.add_row(g["index"], g["name"], f"{g['util'] or 0:.0f}%", mem)
 
     problems = []
-    outage = ship.get("outage") or {}
-    if outage:
+    if outage.get("refused"):
+        problems.append(f"shipper: storage refuses ({outage.get('failures', 0)} tries; next in "
+                        f"{outage.get('retry_in_s', 0):.0f}s): {outage.get('last_error', '')}: waiting cannot cure "
+                        "this; fix it and shipping resumes by itself"[:300])
+    elif outage:
         problems.append(f"shipper: storage unreachable for {outage.get('seconds', 0):.0f}s ({outage.get('failures', 0)} "
                         f"tries; next in {outage.get('retry_in_s', 0):.0f}s): nothing is lost, shipping resumes by "
                         "itself"[:200])

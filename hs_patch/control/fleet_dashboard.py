@@ -106,7 +106,7 @@ def _numbers(snap: dict[str, Any]) -> dict[str, Any]:
             "pending": (ship.get("pending") or {}).get("bytes") or 0,
             "errors": (d.get("errors") or {}).get("count", 0) + s.get("failed", 0),
             "paused": bool((d.get("dump") or {}).get("paused")), "used": (snap.get("dump") or {}).get("used_pct"),
-            "outage": bool(ship.get("outage"))}
+            "outage": bool(ship.get("outage")), "refused": bool((ship.get("outage") or {}).get("refused"))}
 
 
 def render(rows: list[Row], snaps: dict[str, Any], title: str, rates: Rates, now: float | None = None) -> Group:
@@ -135,7 +135,8 @@ def render(rows: list[Row], snaps: dict[str, Any], title: str, rates: Rates, now
         eta = rates.eta(row.label, n["finished"], n["remaining"], now)
         etas.append(eta)
         dump = f"{n['used'] if n['used'] is not None else '-'}%" + (" [yellow]PAUSED[/]" if n["paused"] else "")
-        ship = "[red]STORAGE DOWN[/]" if n["outage"] else _state(snap, f"hs-ship-{row.run}")
+        ship = "[red]STORAGE REFUSES[/]" if n["refused"] else "[red]STORAGE DOWN[/]" if n["outage"] else \
+            _state(snap, f"hs-ship-{row.run}")
         table.add_row(row.label, row.shard, f"{(snap.get('driver') or {}).get('state', '-')}",
                       ship, f"{n['done']}/{n['total']}", f"{n['per_s']:,.0f}", _gb(n["written"]),
                       f"{n['shipped_n']} ({_gb(n['shipped'])})", _gb(n["pending"]), dump,

@@ -213,3 +213,63 @@ def test_the_dashboard_says_storage_is_unreachable_and_nothing_is_lost():
     text = out.getvalue()
     assert "STORAGE UNREACHABLE" in text and "unreachable for 420s (17 tries; next in 60s)" in text
     assert "nothing is lost" in text and "Connection refused" in text
+
+
+def test_a_refusal_under_follow_is_tried_again_until_fixed_and_a_one_off_shipper_exits(tmp_path, capsys):
+    """A refusal that waiting cannot cure (here the destination's verify step: a manifest line that is not JSON) used
+    to end the --follow shipper with exit 1, and its unit (Restart=on-failure) started it again every few seconds:
+    the storage host tried without a pause (an SSH refusal: its sshd may ban the address). Now the follow shipper
+    says refused_by_destination and tries again every --refused-retry seconds, and goes on by itself once fixed."""
+    from hs_patch.host.shipping import batches
+
+    samples, state, dest = dirs(tmp_path)
+    written = make_samples(samples, 2)
+    dest.mkdir()
+    bad = dest / store.MANIFEST
+    bad.write_text('{"op":"add","key":"a",\n')
+    assert shipper.main(ship_cmd(samples, state, str(dest))) == shipper.EXIT_ERROR   # one-off: exits, as before
+    assert "hs-verify: refused" in capsys.readouterr().err
+
+    (state / shipper.DONE_MARKER).write_text("")   # the driver is done: the follow shipper ends once all is shipped
+    argv = [sys.executable, "-m", "hs_patch.host.shipping.shipper",
+            *ship_cmd(samples, state, str(dest), "--follow", "--poll", "0.1", "--refused-retry", "0.3")]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait(lambda: (_status(state).get("outage") or {}).get("failures", 0) >= 2, 30, "two refused tries")
+        s = _status(state)
+        assert proc.poll() is None, "the follow shipper ended on a refusal"
+        assert s["state"] == batches.REFUSED and s["outage"]["refused"] and s["outage"]["retry_in_s"] == 0.3, s
+        assert "line 1 is not JSON" in s["last_error"]
+        bad.write_text("")   # fixed at the destination
+        assert proc.wait(30) == shipper.EXIT_OK
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert_destination_has(dest, written)
+    assert "refused by the destination (try 1)" in err and "waiting cannot cure this" in err
+
+
+def test_the_dashboards_say_storage_refuses():
+    import io
+
+    from rich.console import Console
+
+    from hs_patch.control import dashboard, fleet_dashboard
+    from hs_patch.control.fleet_dashboard import Rates, Row
+    from lab.snapshots import SNAP, poller
+
+    snap = dict(SNAP, shipper=dict(SNAP["shipper"], state="refused_by_destination",
+                                   last_error="hs-ingest-gate: refused: another hs-patch",
+                                   outage={"since": 0, "seconds": 900.0, "failures": 4, "retry_in_s": 300.0,
+                                           "refused": True, "last_error": "hs-ingest-gate: refused: another hs-patch"}))
+    out = io.StringIO()
+    dashboard.watch(poller(gpu1=lambda: snap), "gpu1", "r1", once=True, console=Console(file=out, width=200, force_terminal=False))
+    text = " ".join(out.getvalue().split())
+    assert "STORAGE REFUSES, fix it" in text and "storage refuses (4 tries; next in 300s)" in text
+    assert "waiting cannot cure this; fix it and shipping resumes by itself" in text
+    out = io.StringIO()
+    Console(file=out, width=200, force_terminal=False).print(
+        fleet_dashboard.render([Row("gpu1", "gpu1", "r1", "0/1")], {"gpu1": snap}, "r1", Rates()))
+    assert "STORAGE REFUSES" in out.getvalue()

@@ -9,9 +9,11 @@ Outages: a destination that cannot be reached (refused, timed out, reset, a fail
 command there) is waited for, however long, with capped exponential backoff and jitter
 (``--backoff-max``); the status says ``waiting_for_destination`` with the outage's start,
 failures and last error, and the SSH connection is reopened. Only refusals that waiting
-cannot cure (host key, authentication, unknown host, a manifest line there that is not JSON:
-:attr:`LinkError.permanent`) end
-the shipper (exit 1): they are configuration errors, and nothing unverified is deleted.
+cannot cure (host key, authentication, unknown host, the storage host's gate or verify step
+refusing: :attr:`LinkError.permanent`) end a one-off shipper (exit 1): they are configuration
+errors, and nothing unverified is deleted. Under ``--follow`` (the run's unit) they are tried
+again every ``--refused-retry`` seconds instead, the status saying ``refused_by_destination``, so a fix
+is picked up by itself and the storage host is not tried every few seconds by unit restarts.
 
 At start the shipper reads the destination's manifest and records every sample there
 that ``shipped.jsonl`` lacks (``"from": "destination"``, with its ``sample_id``), so a GPU
@@ -40,6 +42,7 @@ from hs_patch.host.driver.runstate import read_shipped  # noqa: E402
 STATUS_FILE = "shipper_status.json"
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNVERIFIED = 0, 1, 2, 3
 WAITING = "waiting_for_destination"
+REFUSED = "refused_by_destination"   # --follow: a refusal waiting cannot cure, tried again every --refused-retry
 # A sample another shipper of the same destination wrote meanwhile (``raced``: a reassigned shard and its host
 # back, at an S3 prefix or an rsync destination) is decided again after a pause (jittered, so two shippers stop
 # meeting), not counted as a failed transfer, for this long after its first race; each race after that counts as one.
@@ -62,6 +65,7 @@ class ShipConfig:
     retries: int = 3                # transfers of one file before it is given up as unverifiable
     bwlimit_kbps: int = 0
     backoff_max: float = 60.0       # longest wait between two tries of an unreachable destination
+    refused_retry: float = 300.0    # --follow: wait before trying again a refusal waiting cannot cure
     verify_deep: bool = False       # at start, every file the destination holds hashed again (not only size/mtime)
 
     @property
@@ -104,7 +108,7 @@ class Shipper:
         self.run_files = self.run_bytes = 0
         self.busy_seconds = 0.0
         self.last_error: str | None = None
-        self.outage: dict[str, Any] | None = None   # since, failures, last_error, retry_in_s
+        self.outage: dict[str, Any] | None = None   # since, failures, last_error, retry_in_s, refused
         self.from_destination = 0                   # samples recorded from the destination's manifest
         self.checked: dict[str, Any] | None = None  # the start's check of what the destination holds
         self.damaged: list[dict[str, Any]] = []     # found damaged or missing there by it (key, file, why)
@@ -264,26 +268,37 @@ class Shipper:
             time.sleep(min(0.2, seconds))
 
     def ride_out(self, e: LinkError, link: Link) -> None:
-        """Wait out an outage of the destination (any length); raise ``e`` if waiting cannot help."""
-        if e.permanent:
+        """Wait out an outage of the destination (any length). A refusal that waiting cannot cure (``permanent``)
+        ends a one-off shipper (``e`` raised: exit 1); under ``--follow`` it is retried every
+        ``--refused-retry`` seconds, the status saying ``refused_by_destination``, so a fix made there (a key, the storage
+        host's hs-patch) is picked up by itself, and a unit that would restart on the exit does not try the storage
+        host every few seconds (its sshd may ban the address for failed logins)."""
+        if e.permanent and not self.cfg.follow:
             raise e
         now = time.time()
         o = self.outage = self.outage or {"since": round(now, 3), "failures": 0}
         o["failures"] += 1
-        delay = min(self.cfg.backoff_max, 2.0 ** min(o["failures"], 30)) * random.uniform(0.5, 1.0)
+        o["refused"] = e.permanent
+        if e.permanent:
+            delay = self.cfg.refused_retry
+            print(f"hs-ship: refused by the destination (try {o['failures']}): {e}; waiting cannot cure this: fix it "
+                  f"there or in the shipper's settings; tried again in {delay:.0f}s (nothing is lost)", file=sys.stderr)
+        else:
+            delay = min(self.cfg.backoff_max, 2.0 ** min(o["failures"], 30)) * random.uniform(0.5, 1.0)
+            print(f"hs-ship: the destination is unreachable or failing (for {now - o['since']:.0f}s, failure "
+                  f"{o['failures']}): {e}; nothing is lost, retrying in {delay:.0f}s", file=sys.stderr)
         o.update(last_error=str(e)[-600:], retry_in_s=round(delay, 1), seconds=round(now - o["since"], 1))
         self.last_error = str(e)
-        print(f"hs-ship: the destination is unreachable or failing (for {o['seconds']:.0f}s, failure "
-              f"{o['failures']}): {e}; nothing is lost, retrying in {delay:.0f}s", file=sys.stderr)
-        self.write_status(WAITING)
+        self.write_status(REFUSED if e.permanent else WAITING)
         self.pause(delay)
         if not link.alive() and not self.stop_requested:
             try:
                 link.reopen()
             except LinkError as again:
-                if again.permanent:
+                if again.permanent and not self.cfg.follow:
                     raise
                 self.last_error = o["last_error"] = str(again)[-600:]
+                o["refused"] = again.permanent
 
     def connect(self, link: Link) -> bool:
         """Open the link, check the destination (reachable, writable, python3) and record what it
@@ -358,7 +373,8 @@ class Shipper:
                     continue
                 if self.inflight is None and self.stop_requested:
                     break
-                self.write_status(WAITING if self.outage else "shipping")  # an outage lasts until a batch answers
+                self.write_status(  # an outage lasts until a batch answers
+                    (REFUSED if self.outage.get("refused") else WAITING) if self.outage else "shipping")
                 t0 = time.monotonic()
                 try:
                     answered = self.step(link)

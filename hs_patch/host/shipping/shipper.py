@@ -120,8 +120,9 @@ def check_config(cfg: ShipConfig) -> None:
     if cfg.until_file and not cfg.follow:
         raise ConfigError("--until-file only means something with --follow")
     # written so that nan fails too (it compares false both ways: --poll nan was a busy loop)
-    if not (0 < cfg.poll_seconds < math.inf and 0 < cfg.backoff_max < math.inf) or cfg.bwlimit_kbps < 0:
-        raise ConfigError("--poll and --backoff-max must be finite numbers > 0 and --bwlimit >= 0")
+    if not all(0 < x < math.inf for x in (cfg.poll_seconds, cfg.backoff_max, cfg.refused_retry)) \
+            or cfg.bwlimit_kbps < 0:
+        raise ConfigError("--poll, --backoff-max and --refused-retry must be finite numbers > 0 and --bwlimit >= 0")
 
 
 LOOPBACK = {"localhost", "127.0.0.1", "::1", "[::1]"}
@@ -163,6 +164,10 @@ Status  STATE_DIR/shipper_status.json (shipped, pending, throughput, failed, las
         outage: since when the destination is unreachable, failures, next try).
 Outages of the destination, of any length, are waited out (capped exponential backoff,
         --backoff-max); nothing is deleted meanwhile and shipping resumes by itself.
+Refused  host key, authentication, unknown host, the storage host's gate or verify step
+        refusing: waiting cannot cure these. Without --follow: exit 1. With --follow: tried
+        again every --refused-retry seconds (status state refused_by_destination, outage.refused),
+        so a fix there is picked up by itself; nothing is deleted meanwhile.
 Start   checks what the destination holds against DEST/manifest.jsonl: each file's size and
         mtime as recorded when it was verified (cheap: a stat each), or with --verify-deep
         its digest computed again there. A file that fails is moved to DEST/.damaged/ and
@@ -251,6 +256,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "them there); without it each is checked by size and mtime (rsync) or size and ETag (s3)")
     p.add_argument("--backoff-max", type=float, default=60.0, metavar="SECONDS",
                    help="longest wait between two tries of an unreachable destination (default 60)")
+    p.add_argument("--refused-retry", type=float, default=300.0, metavar="SECONDS",
+                   help="with --follow, how long to wait before trying again a destination that refuses in a way "
+                   "waiting cannot cure (host key, authentication, the storage host's gate); without --follow "
+                   "such a refusal exits 1 (default 300)")
     s3 = p.add_argument_group("s3:// destinations")
     s3.add_argument("--s3-endpoint", metavar="URL", help="the store's endpoint, e.g. https://s3.example.com:9000 "
                     "(default: boto3's: AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, else AWS S3)")
@@ -308,7 +317,8 @@ def run_args(args: argparse.Namespace) -> int:
                            allow_unverified_host_key=args.allow_unverified_host_key),
             follow=args.follow, until_file=args.until_file, poll_seconds=args.poll,
             batch_files=args.batch_files, batch_bytes=args.batch_bytes, retries=args.retries,
-            bwlimit_kbps=args.bwlimit, backoff_max=args.backoff_max, verify_deep=args.verify_deep)
+            bwlimit_kbps=args.bwlimit, backoff_max=args.backoff_max, verify_deep=args.verify_deep,
+            refused_retry=args.refused_retry)
         if args.check:
             if cfg.s3 is not None:
                 cfg.s3.check()
