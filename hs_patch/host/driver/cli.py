@@ -117,7 +117,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--regen-max-new-tokens", type=int, default=D["regen_max_new_tokens"], metavar="N", help="longest generated turn "
                    "(default: %(default)s)")
     g.add_argument("--regen-temperature", type=float, default=D["regen_temperature"], metavar="T", help="sampling temperature of the "
-                   "generated turns; 0 is greedy (default: %(default)s)")
+                   "generated turns; 0 is greedy. Use the one you serve with: the drafter learns the distribution "
+                   "it is trained on (Moonshot gives Kimi-K2.5 1.0 in thinking mode, 0.6 in instant mode) "
+                   "(default: %(default)s)")
     g.add_argument("--regen-top-p", type=float, default=D["regen_top_p"], metavar="P", help="nucleus sampling of the generated "
                    "turns (default: %(default)s)")
     g = p.add_argument_group("requests and failures")
