@@ -185,6 +185,9 @@ def test_an_answer_cut_inside_its_reasoning_goes_back_as_reasoning(tok):
     cut = chat.encode_text(tok, "<think>France, capital")
     assert regenerate.history_message(tok, cut) == {"role": "assistant", "content": "",
                                                     "reasoning_content": "France, capital"}
+    opened = chat.encode_text(tok, "<|im_assistant|>assistant<|im_middle|><think>")   # a prompt that opens it
+    assert regenerate.history_message(tok, chat.encode_text(tok, "France, capital"), opened) == \
+        {"role": "assistant", "content": "", "reasoning_content": "France, capital"}
     twice = chat.encode_text(tok, "<think>a</think>b</think>c")   # split at the first, as SGLang's parsers do
     assert regenerate.history_message(tok, twice) == {"role": "assistant", "content": "bc",
                                                       "reasoning_content": "a"}

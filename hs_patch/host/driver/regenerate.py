@@ -29,7 +29,7 @@ reasoning); the template decides what it renders of each.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from hs_patch.host.driver import chat, dataset
 from hs_patch.host.driver.client import ClientError
@@ -91,11 +91,12 @@ def answer_ids(out: dict[str, Any]) -> list[int]:
     return ids
 
 
-def history_message(tokenizer: Any, answer: list[int]) -> dict[str, str]:
+def history_message(tokenizer: Any, answer: list[int], prompt: Sequence[int] = ()) -> dict[str, str]:
     """The generated answer as a client sends it back in the next request, split as SGLang's reasoning parsers
     split it: the text after the first reasoning-end token as ``content``, the text before it as
-    ``reasoning_content``; an answer that opened its reasoning and was cut before closing it (max_new_tokens)
-    is all reasoning. No split where the tokenizer has no such token."""
+    ``reasoning_content``; an answer that opened its reasoning (or whose ``prompt`` opened it: a template that
+    ends the generation prompt with ``<think>``) and was cut before closing it (max_new_tokens) is all reasoning.
+    No split where the tokenizer has no such token."""
     def token(text: str) -> Optional[int]:
         t = tokenizer.convert_tokens_to_ids(text)
         return None if t is None or t == getattr(tokenizer, "unk_token_id", None) else t
@@ -104,7 +105,7 @@ def history_message(tokenizer: Any, answer: list[int]) -> dict[str, str]:
     if end is not None and end in answer:
         at = answer.index(end)
         thought, said = answer[:at], answer[at + 1:]
-    elif end is not None and begin is not None and answer[:1] == [begin]:
+    elif end is not None and begin is not None and begin in (answer[:1] + list(prompt[-1:])):
         thought, said = answer, []
     else:
         return {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)}
@@ -138,7 +139,7 @@ def regenerate(tokenizer: Any, messages: list[dict[str, str]], generate: Generat
             break
         answer = answer_ids(generate(prompt, turn))
         rebuilt.add(prompt, answer)
-        history.append(history_message(tokenizer, answer))
+        history.append(history_message(tokenizer, answer, prompt))
     if not rebuilt.kept:
         if rebuilt.cut >= 0:
             raise dataset.Invalid("too_long", f"the prompt of assistant turn {rebuilt.cut} reaches the limit of "
