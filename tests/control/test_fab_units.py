@@ -272,13 +272,15 @@ def test_dashboard_shows_progress_rates_gpus_and_problems():
     out = io.StringIO()
     console = Console(file=out, width=120, force_terminal=False)
     changed = "chat.jsonl changed since the last start; 38 held sample(s) kept, 2 of lines no longer there"
-    snap = {**SNAP, "driver": {**SNAP["driver"], "dataset": {"message": changed}}}
+    regen = {"lines": 30, "answers_kept": 30, "answers_left_out": 45}
+    snap = {**SNAP, "driver": {**SNAP["driver"], "dataset": {"message": changed}, "regenerate": regen}}
     code = dashboard.watch(poller(gpu1=lambda: snap), "gpu1", "r1", once=True, console=console)
     text = out.getvalue()
     assert code == 0
     for needle in ("40 done / 100", "PAUSED", "2,048", "5.80 GB", "30 (4.40 GB)", "chat.jsonl:5", "RTX PRO 6000", "97%",
-                   "no assistant turn", "timeout on line 7", "81.0% used", "dataset: chat.jsonl changed since"):
-        assert needle in text, needle
+                   "no assistant turn", "timeout on line 7", "81.0% used", "dataset: chat.jsonl changed since",
+                   "regenerate: 45 of 75 generated answers left out"):
+        assert needle in " ".join(text.split()), needle
     assert not verdict.ended(SNAP)
     finished = {**SNAP, "units": {"hs-drive-r1": {"ActiveState": "inactive"}, "hs-ship-r1": {"ActiveState": "inactive"}}}
     assert verdict.ended(finished)

@@ -140,6 +140,7 @@ def test_regeneration_replaces_the_answers_with_the_models_own(standin, tiny_mod
     assert len([e for e in ledger(tmp_path / "state") if e["event"] == "regen_done"]) == 3
     built = [e for e in ledger(tmp_path / "state") if e["event"] == "regen_sample"]
     assert [(e["kept"], e["dropped"]) for e in built] == [(1, 0)] * 3
+    assert summary.status["regenerate"] == {"lines": 3, "answers_kept": 3, "answers_left_out": 0}
 
 
 def test_regeneration_does_not_generate_a_turn_whose_prompt_reaches_the_limit(standin, tiny_model_dir, tmp_path):

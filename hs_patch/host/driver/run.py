@@ -66,6 +66,7 @@ class Driver(SampleSteps):
         self.keys_lock = threading.Lock()
         self.inflight: dict[str, str] = {}       # key -> sample_id
         self.regen_keys: set[str] = set()        # prompts of regeneration turns (captured on SGLang < 0.5.10)
+        self.regen = {"lines": 0, "answers_kept": 0, "answers_left_out": 0}   # --regenerate, this start (keys_lock)
         self.counter = itertools.count()
         self.state_dir, self.samples_dir = Path(cfg.state_dir), Path(cfg.samples_dir)
         self.capture_dir = Path(cfg.capture_dir)
@@ -96,6 +97,9 @@ class Driver(SampleSteps):
                                   message=reconcile.describe(self.reconciled, self.data_changes))
         if self.missing is not None:
             out["missing"] = self.missing
+        if self.cfg.regenerate:
+            with self.keys_lock:
+                out["regenerate"] = dict(self.regen)
         if self.monitor is not None:
             out["fidelity"] = dict(self.monitor.status(), check=self.cfg.fidelity_settings())
         if self.shipped is not None:

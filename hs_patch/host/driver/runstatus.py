@@ -11,6 +11,7 @@
      "shipping": {"shipped", "pending"},
      "errors": {"count", "retries", "consecutive_failures", "last"},
      "missing": {"lines", "rejected", "failed", "not_attempted", "never", "shown"},  # once ended (missing.py)
+     "regenerate": {"lines", "answers_kept", "answers_left_out"},  # --regenerate, this start (regenerate.py)
      "message"}
 
 ``total`` is the number of non-blank input lines (``blank`` counts the others);

@@ -231,9 +231,14 @@ class SampleSteps:
                 raise dataset.Invalid("too_long", f"{prov['truncated_from']} tokens truncated to {limit} "
                                                   "leave no assistant token")
         if built is not None:  # what the sample keeps of the answers, after any truncation
-            self.ledger.write("regen_sample", sample_id=rec.sample_id, kept=built.kept_within(len(ids)),
-                              dropped=built.dropped + built.kept - built.kept_within(len(ids)),
+            kept = built.kept_within(len(ids))
+            dropped = built.dropped + built.kept - kept
+            self.ledger.write("regen_sample", sample_id=rec.sample_id, kept=kept, dropped=dropped,
                               not_generated_from=built.cut if built.cut >= 0 else None, tokens=len(ids))
+            with self.keys_lock:
+                self.regen["lines"] += 1
+                self.regen["answers_kept"] += kept
+                self.regen["answers_left_out"] += dropped
         return ids, mask, prov
 
     def _rid(self, prefix: str, rec: dataset.Record) -> str:
