@@ -117,8 +117,6 @@ DRIVER_USERS = {
     # hs-extract accept reads held-out chats, renders prompts and calls /generate exactly as the driver does
     # (and reports the reader's unreadable-file error, datafile's, as the driver does)
     "hs_patch/host/drafter/accept.py": {"chat", "client", "dataset", "datafile"},
-    # hs-extract export --data reads the dataset's lines and their digests exactly as the driver recorded them
-    "hs_patch/host/export/lines.py": {"datafile", "dataset", "runstate"},
 }
 READINESS_LAZY = {"torch", "tvm_ffi"}  # imported inside the GPU checks only, by the venv's Python
 

@@ -316,34 +316,6 @@ def test_rerun_redoes_only_damage_and_leaves_nothing_stale(src, tmp_path, fmt):
             sorted(tuple(s.input_ids.tolist()) for s in sources(src).values())
 
 
-def test_data_leaves_out_the_samples_of_lines_no_longer_in_the_dataset(tmp_path, capsys):
-    """A resumed run over an edited dataset holds the old line's sample and the new one's (the driver deletes nothing
-    it made); exported with the dataset as it is now, the old one is left out, and deleted from an earlier export."""
-    src, data = tmp_path / "run", tmp_path / "chat.jsonl"
-    lines = [json.dumps({"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]})
-             for i in range(4)]
-    keys = [write_finished(src, [i + 1] * (i + 3), seed=i, shipped=True, line=lines[i]).key for i in range(4)]
-    older = write_finished(src, [9, 9, 9], seed=9, shipped=True).key   # a driver before line digests
-    edited = lines[2].replace("a2", "a2 (fixed)")
-    fixed = write_finished(src, [7] * 6, seed=7, shipped=True, line=edited).key
-    data.write_text("\n".join([lines[1], lines[0], edited]) + "\n")   # line 3 edited, line 4 removed, 1-2 moved
-    dst = tmp_path / "out"
-    assert export(src, dst, ExportSpec("specforge")).exported == 6
-    s = export(src, dst, ExportSpec("specforge"), data=[str(data)])
-    assert (s.left_out, s.unchecked, s.removed, s.state) == (2, 1, 2, "complete")
-    assert set(layout.live_entries(dst)) == {keys[0], keys[1], fixed, older}
-    assert layout.read_info(dst)["data"] == {"files": [{"name": "chat.jsonl", "sha256": store.file_sha256(data)[1]}],
-                                             "left_out": 2, "unchecked": 1}
-    with pytest.raises(ExportRefused, match="--data: dataset file .*missing.jsonl does not exist"):
-        export(src, dst, ExportSpec("specforge"), data=[str(tmp_path / "missing.jsonl")])
-    other = tmp_path / "other.jsonl"
-    other.write_text(lines[3].replace("q3", "q33") + "\n")
-    wrong = tmp_path / "wrong"
-    write_finished(wrong, [5, 5], seed=5, shipped=True, line=lines[0])
-    with pytest.raises(ExportRefused, match="none of the 1 samples .* the dataset of another run"):
-        export(wrong, tmp_path / "out2", ExportSpec("specforge"), data=[str(other)])
-
-
 def test_damaged_source_fails_that_sample_only(src, tmp_path):
     entries = store.read_manifest(src)
     key = sorted(entries)[0]
@@ -497,10 +469,6 @@ def test_cli_export_and_exit_codes(src, tmp_path, capsys):
     assert out["state"] == "complete" and out["exported"] == 7
     assert main(["export", "--format", "specforge", "--layers", "2,30", str(src), str(tmp_path / "sf")]) == 1
     assert "exactly 3" in capsys.readouterr().err
-    data = tmp_path / "data.jsonl"
-    data.write_text('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n')
-    assert main(["export", str(src), str(tmp_path / "sf"), "--format", "specforge", "--data", str(data)]) == 0
-    assert f"--data: 0 samples left out (their line is no longer in {data}), 7 kept unchecked" in capsys.readouterr().out
 
 
 def test_cli_export_of_a_missing_or_empty_source_says_which(tmp_path, capsys):

@@ -13,7 +13,6 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from hs_patch.host.driver.dataset import line_digest
 from hs_patch.samples import store
 from hs_patch.server import fp8 as quantize
 
@@ -21,10 +20,9 @@ from hs_patch.server import fp8 as quantize
 def write_finished(directory: Path, ids: Sequence[int], *, layers: Sequence[int] = (2, 30, 58), final: str = "both",
                    hidden: int = 32, seed: int = 0, loss_mask: Optional[Sequence[int]] = None,
                    states: Optional[Callable[[str], torch.Tensor]] = None, shipped: bool = False,
-                   meta: Optional[dict] = None, fp8: bool = False, line: Optional[str] = None) -> store.Written:
+                   meta: Optional[dict] = None, fp8: bool = False) -> store.Written:
     """One finished sample in ``directory`` (``shipped``: under ``samples/`` as at a destination; ``fp8``: its
-    planes quantized as HS_CAPTURE_DTYPE=fp8 stores them, format 5, with a scale a token; ``line``: the dataset
-    line it was made from, whose sha256 its header and manifest line record as the driver's do)."""
+    planes quantized as HS_CAPTURE_DTYPE=fp8 stores them, format 5, with a scale a token)."""
     t = torch.tensor(list(ids), dtype=torch.int64)
     key = store.sample_key(t)
     planes = store.plane_names(layers, final)
@@ -48,12 +46,10 @@ def write_finished(directory: Path, ids: Sequence[int], *, layers: Sequence[int]
           "sglang_release": "0.5.16", "model": "/models/test", "architecture": "DeepseekV3ForCausalLM",
           "tp_size": "1", "rid": f"r-{key[:8]}", "parts": "1", "sample_id": f"data.jsonl:{seed}", "run": "test",
           **(meta or {})}
-    digest = {"line_sha256": line_digest(line)} if line is not None else {}
-    md.update(digest)
     where = directory / "samples" if shipped else directory
     w = store.write_tensors(where, key, tensors, md)
     rec = {"op": "add", "key": key, "file": f"samples/{w.path.name}" if shipped else w.path.name,
-           "bytes": w.nbytes, "sha256": w.sha256, "tokens": len(ids), **digest}
+           "bytes": w.nbytes, "sha256": w.sha256, "tokens": len(ids)}
     store.Manifest(directory).append(rec)
     return w
 

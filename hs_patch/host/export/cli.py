@@ -32,9 +32,6 @@ the source are deleted (a trainer would count them twice). DST/export.json says 
 export holds, the SGLang serving ids of its layers, and state complete|incomplete|in-progress:
 train only on a complete export.
 
-A run resumed over an edited dataset holds the samples of the old lines too (the driver deletes
-nothing it made): --data FILE... with the dataset as it is now leaves them out.
-
 exit codes: 0 complete; 1 refused or error; 3 incomplete (some samples failed: see the list,
 run again); 130 interrupted (run again to resume)
 """
@@ -52,10 +49,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "from final.pre_norm with the model's norm weight (needs --model; see docs/training.md)")
     p.add_argument("--model", metavar="DIR", help="the served model's directory: its norm weight for "
                    "--derive-post-norm, its num_hidden_layers for the serving ids in export.json")
-    p.add_argument("--data", nargs="+", default=[], metavar="FILE", help="the run's dataset files as they are now: "
-                   "export only the samples of lines still in them (by the line sha256 each sample records); a line "
-                   "edited or removed after its extraction leaves its old sample out, and out of an earlier export "
-                   "(samples without a line digest are kept and counted as unchecked); give it after SRC DST")
     p.add_argument("--workers", type=int, default=max(1, min(8, (os.cpu_count() or 2) - 1)), metavar="N",
                    help="worker processes, one sample each (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="on resume, compare kept files by size only (default: sha256)")
@@ -83,7 +76,7 @@ def run_args(a: argparse.Namespace) -> int:
     try:
         with bar:
             s = export(a.src, a.dst, spec, workers=a.workers, quick=a.quick, fsync=not a.no_fsync,
-                       progress=bar.update, data=a.data)
+                       progress=bar.update)
     except OSError as e:
         if disk_full(e):
             print(f"hs-extract export: {a.dst} is full ({e.strerror}): free space there and run the same command "
@@ -100,8 +93,7 @@ def run_args(a: argparse.Namespace) -> int:
     out = {"state": s.state, "exported": s.exported, "kept": s.kept, "failed": len(s.failed), "removed": s.removed,
            "moved": s.moved, "swept": s.swept, "tokens": s.tokens, "seconds": s.seconds,
            "src_bytes_read": s.src_bytes, "bytes_written": s.out_bytes, "export": str(a.dst),
-           "serving": s.info.get("serving"), **({"full": s.full, "not_tried": s.not_tried} if s.full else {}),
-           **({"left_out": s.left_out, "unchecked": s.unchecked} if a.data else {})}
+           "serving": s.info.get("serving"), **({"full": s.full, "not_tried": s.not_tried} if s.full else {})}
     if a.json:
         print(json.dumps(out, sort_keys=True))
     else:
@@ -109,9 +101,6 @@ def run_args(a: argparse.Namespace) -> int:
             print(f"  failed {key}: {err}", file=sys.stderr)
         print(f"{s.state}: {s.exported} exported, {s.kept} kept, {len(s.failed)} failed, {s.removed} removed from "
               f"the export, {s.swept} stray files deleted; {s.tokens} tokens in {s.seconds:.1f}s")
-        if a.data:
-            print(f"--data: {s.left_out} samples left out (their line is no longer in {', '.join(a.data)}), "
-                  f"{s.unchecked} kept unchecked (recorded without a line digest)")
         if s.full:
             print(f"stopped: {a.dst} is full ({s.full}); {s.not_tried} samples not tried: free space there and run "
                   "the same command again", file=sys.stderr)

@@ -17,11 +17,11 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional
 
 from hs_patch import __version__
 from hs_patch.engine import serving
-from hs_patch.host.export import arrow, layout, lines
+from hs_patch.host.export import arrow, layout
 from hs_patch.host.export.spec import ExportRefused, ExportSpec, check_sample, like_first, resolve
 from hs_patch.samples import lazy_sample, reader, store
 from hs_patch.samples.files import disk_full
@@ -58,8 +58,6 @@ class Summary:
     seconds: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
     full: str = ""          # the destination filled up: why, and the samples not tried after it
-    left_out: int = 0       # --data: samples of lines no longer in the dataset
-    unchecked: int = 0      # --data: samples without a line digest, kept
     not_tried: int = 0
 
 
@@ -196,22 +194,11 @@ def _serving(spec: ExportSpec, meta: dict[str, str]) -> dict[str, Any]:
 
 
 def export(src: str | Path, dst: str | Path, spec: ExportSpec, *, workers: int = 1, quick: bool = False,
-           fsync: bool = True, progress: Optional[Callable[[int, int, int, int], None]] = None,
-           data: Sequence[str] = ()) -> Summary:
-    """Export SRC into DST; ``progress(done, samples, bytes_done, bytes_total)`` after each sample. ``data``: the
-    dataset files now; the samples of lines no longer in them are left out (:mod:`hs_patch.host.export.lines`)."""
+           fsync: bool = True, progress: Optional[Callable[[int, int, int, int], None]] = None) -> Summary:
+    """Export SRC into DST; ``progress(done, samples, bytes_done, bytes_total)`` after each sample."""
     t0 = time.time()
     src, dst = Path(src).resolve(), Path(dst).resolve()
     entries = source_entries(src)
-    of_data: Optional[lines.Kept] = None
-    if data:
-        try:
-            entries, of_data = lines.of_dataset(entries, list(data))
-        except (OSError, ValueError) as e:
-            raise ExportRefused(f"--data: {e}") from None
-        if not entries:
-            raise ExportRefused(f"none of the {len(of_data.left_out)} samples of {src} is of a line in "
-                                f"{', '.join(data)} now: the dataset of another run?")
     meta = first_metadata(src, entries)
     spec = resolve(spec, meta)
     first = like_first(meta)
@@ -244,8 +231,6 @@ def export(src: str | Path, dst: str | Path, spec: ExportSpec, *, workers: int =
                 "hidden_size": meta.get("hidden_size"),
                 "sglang_release_captured": meta.get("sglang_release"), "model": meta.get("model"),
                 "final": spec.final_label(), "serving": _serving(spec, meta), "started": time.time()}
-        if of_data is not None:
-            info["data"] = {"files": of_data.files, "left_out": len(of_data.left_out), "unchecked": of_data.unchecked}
         if spec.format == "speculators":
             info.update(hidden_states_dir=layout.hs_dir(spec.fp8), table_bytes=prev.get("table_bytes"))
         layout.write_info(dst, info)
@@ -263,8 +248,7 @@ def export(src: str | Path, dst: str | Path, spec: ExportSpec, *, workers: int =
             table_ok = False
         tasks = [Task(k, str(src), entries[k], str(dst), layout.rel_path(spec.format, k, pl.rows[k], spec.fp8),
                       pl.rows[k], live.get(k), spec, quick, fsync, first) for k in keys]
-        summ = Summary("incomplete", removed=len(pl.removed), moved=len(pl.moved), swept=len(pl.swept),
-                       left_out=len(of_data.left_out) if of_data else 0, unchecked=of_data.unchecked if of_data else 0)
+        summ = Summary("incomplete", removed=len(pl.removed), moved=len(pl.moved), swept=len(pl.swept))
         total = sum(e["bytes"] for e in entries.values())
         done_bytes = 0
         results = _results(tasks, workers)
