@@ -91,8 +91,8 @@ def render(snap: dict[str, Any], host: str, progress: Progress, task: Any) -> Gr
     problems = []
     if outage.get("refused"):
         problems.append(f"shipper: storage refuses ({outage.get('failures', 0)} tries; next in "
-                        f"{outage.get('retry_in_s', 0):.0f}s): {outage.get('last_error', '')}: waiting cannot cure "
-                        "this; fix it and shipping resumes by itself"[:300])
+                        f"{outage.get('retry_in_s', 0):.0f}s): {str(outage.get('last_error', ''))[:160]}: waiting "
+                        "cannot cure this; fix it and shipping resumes by itself")
     elif outage:
         problems.append(f"shipper: storage unreachable for {outage.get('seconds', 0):.0f}s ({outage.get('failures', 0)} "
                         f"tries; next in {outage.get('retry_in_s', 0):.0f}s): nothing is lost, shipping resumes by "
@@ -100,9 +100,9 @@ def render(snap: dict[str, Any], host: str, progress: Progress, task: Any) -> Gr
     regen = d.get("regenerate") or {}
     if regen.get("answers_left_out"):   # the template rewrote earlier answers (hs_patch.host.driver.regenerate)
         problems.append(f"regenerate: {regen['answers_left_out']} of "
-                        f"{regen['answers_left_out'] + regen.get('answers_kept', 0)} generated answers left out of "
-                        "their samples: the chat template renders earlier turns otherwise than generated "
-                        "(docs/driver.md)"[:240])
+                        f"{regen['answers_left_out'] + regen.get('answers_kept', 0)} generated answers are not in "
+                        "the samples done since the start (the template renders earlier turns otherwise than "
+                        "generated, or truncation: docs/driver.md)")
     if (d.get("dataset") or {}).get("message"):  # changed since the run's last start (reconcile.py)
         problems.append(f"dataset: {d['dataset']['message']}"[:240])
     for r in snap.get("rejects") or []:

@@ -279,7 +279,7 @@ def test_dashboard_shows_progress_rates_gpus_and_problems():
     assert code == 0
     for needle in ("40 done / 100", "PAUSED", "2,048", "5.80 GB", "30 (4.40 GB)", "chat.jsonl:5", "RTX PRO 6000", "97%",
                    "no assistant turn", "timeout on line 7", "81.0% used", "dataset: chat.jsonl changed since",
-                   "regenerate: 45 of 75 generated answers left out"):
+                   "regenerate: 45 of 75 generated answers are not in the samples"):
         assert needle in " ".join(text.split()), needle
     assert not verdict.ended(SNAP)
     finished = {**SNAP, "units": {"hs-drive-r1": {"ActiveState": "inactive"}, "hs-ship-r1": {"ActiveState": "inactive"}}}

@@ -137,6 +137,7 @@ def test_regeneration_replaces_the_answers_with_the_models_own(standin, tiny_mod
     assert s.input_ids.tolist() == prompt + answer
     assert s.tensors["loss_mask"].tolist() == [0] * len(prompt) + [1] * len(answer)
     assert (s.metadata["regenerated"], s.metadata["loss_mask"]) == ("1", "generated")
+    assert (s.metadata["regen_answers"], s.metadata["regen_left_out"]) == ("1", "0")
     assert len([e for e in ledger(tmp_path / "state") if e["event"] == "regen_done"]) == 3
     built = [e for e in ledger(tmp_path / "state") if e["event"] == "regen_sample"]
     assert [(e["kept"], e["dropped"]) for e in built] == [(1, 0)] * 3

@@ -66,7 +66,7 @@ class Driver(SampleSteps):
         self.keys_lock = threading.Lock()
         self.inflight: dict[str, str] = {}       # key -> sample_id
         self.regen_keys: set[str] = set()        # prompts of regeneration turns (captured on SGLang < 0.5.10)
-        self.regen = {"lines": 0, "answers_kept": 0, "answers_left_out": 0}   # --regenerate, this start (keys_lock)
+        self.regen = {"lines": 0, "answers_kept": 0, "answers_left_out": 0}   # --regenerate: samples done this start
         self.counter = itertools.count()
         self.state_dir, self.samples_dir = Path(cfg.state_dir), Path(cfg.samples_dir)
         self.capture_dir = Path(cfg.capture_dir)

@@ -235,10 +235,7 @@ class SampleSteps:
             dropped = built.dropped + built.kept - kept
             self.ledger.write("regen_sample", sample_id=rec.sample_id, kept=kept, dropped=dropped,
                               not_generated_from=built.cut if built.cut >= 0 else None, tokens=len(ids))
-            with self.keys_lock:
-                self.regen["lines"] += 1
-                self.regen["answers_kept"] += kept
-                self.regen["answers_left_out"] += dropped
+            prov["regen_answers"], prov["regen_left_out"] = str(kept), str(dropped)   # counted once it is done
         return ids, mask, prov
 
     def _rid(self, prefix: str, rec: dataset.Record) -> str:
@@ -337,6 +334,11 @@ class SampleSteps:
             self.status.c.done_keys.add(key)
             self.status.c.consecutive_failures = 0
         self.status.update(done_now=1, tokens=len(ids), loss_tokens=sum(mask), bytes=written.nbytes)
+        if "regen_answers" in prov:
+            with self.keys_lock:
+                self.regen["lines"] += 1
+                self.regen["answers_kept"] += int(prov["regen_answers"])
+                self.regen["answers_left_out"] += int(prov["regen_left_out"])
         self.ledger.write("done", sample_id=rec.sample_id, key=key, rid=rid, file=written.path.name,
                           bytes=written.nbytes, sha256=written.sha256, tokens=len(ids),
                           seconds=round(time.monotonic() - t0, 3))

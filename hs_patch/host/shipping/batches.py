@@ -291,7 +291,7 @@ class Shipper:
         self.last_error = str(e)
         self.write_status(REFUSED if e.permanent else WAITING)
         self.pause(delay)
-        if not link.alive() and not self.stop_requested:
+        if not link.alive() and not self.stop_requested and not e.permanent:  # a refusal: the next try reopens, once
             try:
                 link.reopen()
             except LinkError as again:
