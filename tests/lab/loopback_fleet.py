@@ -15,6 +15,7 @@ import json
 import select
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ class CuttableLink:
         self.up = threading.Event()
         self.up.set()
         self.closed = False
+        self.last_answer = 0.0   # time.monotonic() when the host's side last sent bytes through
         self._socks: list[socket.socket] = []
         threading.Thread(target=self._accept, name=f"link-{port}", daemon=True).start()
 
@@ -76,6 +78,8 @@ class CuttableLink:
                     data = s.recv(65536)
                     if data:
                         peer[s].sendall(data)
+                        if s is b:
+                            self.last_answer = time.monotonic()
                         continue
                 except OSError:
                     pass
