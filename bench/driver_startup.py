@@ -13,6 +13,11 @@ just before the process starts) and the run's ledger:
 - this checkout's ``run_start`` also says where its start-up went (``startup``: tokenizer, dataset, the wait
   for the server's answers, the capture check, the fidelity check's header check).
 
+``--tokenizer-cache warm`` (the default) starts every measured run with the tokenizer's class remembered
+(driver/tokenizer.py; one unrecorded run per model and code first): a resume, a retry, a benchmark, every
+start after a directory's first; ``cold`` empties that cache before every run: a directory's first start.
+The bench keeps the cache in its own temporary directory.
+
 Models: ``fast`` (the lab's tiny model, a ``tokenizer.json``: AutoTokenizer's way) and ``remote`` (the same
 model with its tokenizer as its own code, like Kimi-K2.5's: ``--trust-remote-code``). ``--pythonpath DIR``
 puts DIR first for the driver (not the server): e.g. transformers 5.12.1 (SGLang 0.5.16's pin) and
@@ -48,8 +53,11 @@ from lab.tiny_model import make_tiny_model_dir  # noqa: E402
 
 
 def drive(code: Path, pythonpath: str, base: Path, url: str, capture: Path, model: Path, data: Path, remote: bool,
-          fidelity: bool, tag: str) -> dict:
+          fidelity: bool, tag: str, cold: bool = False) -> dict:
     run = base / "runs" / tag
+    cache = base / "tokenizer-cache"
+    if cold:
+        shutil.rmtree(cache, ignore_errors=True)
     shutil.rmtree(run, ignore_errors=True)
     run.mkdir(parents=True)
     cmd = [sys.executable, "-m", "hs_patch.host.extract_cli", "drive", "--run", "bench", "--data", str(data),
@@ -57,7 +65,8 @@ def drive(code: Path, pythonpath: str, base: Path, url: str, capture: Path, mode
            "--samples-dir", str(base / "samples" / tag), "--max-tokens", "2048", "--status-interval", "0.5"]
     cmd += ["--trust-remote-code"] if remote else []
     cmd += [] if fidelity else ["--no-fidelity-check"]
-    env = dict(os.environ, PYTHONPATH=":".join(p for p in (pythonpath, str(code), os.environ.get("PYTHONPATH")) if p))
+    env = dict(os.environ, PYTHONPATH=":".join(p for p in (pythonpath, str(code), os.environ.get("PYTHONPATH")) if p),
+               HS_PATCH_CACHE_DIR=str(cache))
     t0 = time.time()
     out = subprocess.run(cmd, cwd=run, env=env, capture_output=True, text=True)
     process = time.time() - t0
@@ -96,10 +105,14 @@ def main() -> None:
     ap.add_argument("--model", help="with --server: the served model's directory (a tokenizer.json; the remote-code "
                     "copy is made from it)")
     ap.add_argument("--dir", default="/dev/shm", help="where the temporary dirs go (default: %(default)s)")
+    ap.add_argument("--tokenizer-cache", choices=("warm", "cold"), default="warm", help="warm: the tokenizer's class "
+                    "remembered from an earlier start (resumes, retries); cold: a directory's first start "
+                    "(default: %(default)s)")
     ap.add_argument("--json", help="write every run here")
     a = ap.parse_args()
     codes = {"before": Path(a.code).resolve(), "after": ROOT}
     res: dict = {"cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "pythonpath": a.pythonpath,
+                 "tokenizer_cache": a.tokenizer_cache,
                  "health_sleep_s": a.health_sleep, "runs": [],
                  "code": {k: which_hs_patch(v, a.pythonpath) for k, v in codes.items()}}
     print(json.dumps(res["code"]), flush=True)
@@ -119,6 +132,12 @@ def main() -> None:
             capture = base / "capture"
             proc, url = standin_process(model, capture, base / "server.log", "--health-sleep-s", str(a.health_sleep))
         try:
+            if a.tokenizer_cache == "warm":
+                first = min(datasets)
+                for name in a.models.split(","):
+                    for which in codes:
+                        drive(codes[which], a.pythonpath, base, url, capture, models[name], datasets[first],
+                              name == "remote", False, f"warmup-{which}-{name}")
             for rep in range(a.reps):
                 for name in a.models.split(","):
                     for n, data in datasets.items():
@@ -128,7 +147,7 @@ def main() -> None:
                                 tag = f"{which}-{name}-{n}-{fid}-r{rep}"
                                 row = {"code": which, "model": name, "prompts": n, "fidelity": fid, "rep": rep,
                                        **drive(codes[which], a.pythonpath, base, url, capture, models[name], data,
-                                               name == "remote", fid == "on", tag)}
+                                               name == "remote", fid == "on", tag, a.tokenizer_cache == "cold")}
                                 res["runs"].append(row)
                                 print(json.dumps(row), flush=True)
         finally:

@@ -65,9 +65,17 @@ if _INDUCTOR_DIR:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_DIR
 
 
+# The driver remembers which class AutoTokenizer picked for a model directory (driver/tokenizer.py) in the
+# user's cache: the tests, and the drivers they start, in a directory of this session's own instead.
+_HS_CACHE_DIR = None if "HS_PATCH_CACHE_DIR" in os.environ else tempfile.mkdtemp(prefix="hs-tests-cache-")
+if _HS_CACHE_DIR:
+    os.environ["HS_PATCH_CACHE_DIR"] = _HS_CACHE_DIR
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if _INDUCTOR_DIR:
-        shutil.rmtree(_INDUCTOR_DIR, ignore_errors=True)
+    for made in (_INDUCTOR_DIR, _HS_CACHE_DIR):
+        if made:
+            shutil.rmtree(made, ignore_errors=True)
 
 
 def extract_site(version: str, dest: Path) -> Path:

@@ -9,6 +9,7 @@ and scikit-learn: most of the driver's start-up, issue #36). Every other directo
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -82,3 +83,95 @@ def test_other_directories_go_through_autotokenizer(tiny_model_dir, tiny_tokeniz
         (d / "tokenizer_config.json").write_text(json.dumps({**cfg, **change}))
         assert tokenizer.remote_class_ref(d) is None
     assert tokenizer.remote_class_ref(remote_dir) == "tokenization_standin.StandinTikTokenizer"
+
+
+def _variant(base: Path, dest: Path, **config) -> Path:
+    """The tiny model's directory with its tokenizer_config.json changed."""
+    dest.mkdir()
+    for f in base.iterdir():
+        if f.name != "model.safetensors":
+            (dest / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((base / "tokenizer_config.json").read_text())
+    (dest / "tokenizer_config.json").write_text(json.dumps({**cfg, **config}))
+    return dest
+
+
+@pytest.mark.parametrize("tokenizer_class", [None, "LlamaTokenizerFast", "Qwen2TokenizerFast", "PreTrainedTokenizerFast"])
+def test_autotokenizers_choice_is_remembered_and_the_next_load_is_the_same(tiny_model_dir, tmp_path, monkeypatch,
+                                                                          tokenizer_class):
+    """The class AutoTokenizer picks (TokenizersBackend for a byte-level file declared as Llama's, Qwen2's own...)
+    is remembered; the next load calls it without AutoTokenizer and gives the same tokenizer."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv(tokenizer.CACHE_ENV, str(tmp_path / "cache"))
+    d = tiny_model_dir if tokenizer_class is None else _variant(tiny_model_dir, tmp_path / "m",
+                                                                 tokenizer_class=tokenizer_class)
+    auto = AutoTokenizer.from_pretrained(str(d))
+    first = chat.load_tokenizer(str(d))
+    same_tokenizer(first, auto)
+    remembered = json.loads(tokenizer.cache_path().read_text())
+    assert list(remembered.values()) == [f"{type(auto).__module__}:{type(auto).__qualname__}"]
+
+    def refuse(*a, **k):
+        raise AssertionError("AutoTokenizer asked again")
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", refuse)
+    same_tokenizer(chat.load_tokenizer(str(d)), auto)
+
+
+def test_a_changed_directory_or_flag_asks_autotokenizer_again(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv(tokenizer.CACHE_ENV, str(tmp_path / "cache"))
+    d = _variant(tiny_model_dir, tmp_path / "m")
+    keys = {tokenizer.choice_key(d, False, "5.0")}
+    chat.load_tokenizer(str(d))
+    assert len(json.loads(tokenizer.cache_path().read_text())) == 1
+    for change in (lambda: (d / "tokenizer_config.json").write_text('{"tokenizer_class": "Qwen2TokenizerFast"}'),
+                   lambda: (d / "tekken.json").write_text("{}"),  # a file whose presence a choice reads
+                   lambda: (d / "config.json").write_text((d / "config.json").read_text() + " ")):
+        change()
+        keys.add(tokenizer.choice_key(d, False, "5.0"))
+    keys |= {tokenizer.choice_key(d, True, "5.0"), tokenizer.choice_key(d, False, "5.1"),
+             tokenizer.choice_key(str(d) + "/", False, "5.0")}
+    assert len(keys) == 7
+    loaded = chat.load_tokenizer(str(d))  # the changed config: AutoTokenizer's choice again, remembered beside
+    assert type(loaded).__name__ == "Qwen2Tokenizer"
+    assert len(json.loads(tokenizer.cache_path().read_text())) == 2
+
+
+def test_the_remembered_way_imports_no_auto_class_no_generation_no_torch(tiny_model_dir, tmp_path):
+    env = {**os.environ, tokenizer.CACHE_ENV: str(tmp_path / "cache")}
+    probe = ("import json, sys; from hs_patch.host.driver import chat; "
+             f"t = chat.load_tokenizer({str(tiny_model_dir)!r}); "
+             "print(json.dumps([type(t).__name__, {m: m in sys.modules for m in ('transformers.models.auto', "
+             "'transformers.generation', 'torch', 'sklearn')}]))")
+    runs = [subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                           env=env) for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), [r.stderr for r in runs]
+    first, second = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
+    assert first[0] == second[0] == "TokenizersBackend" and first[1]["transformers.models.auto"]
+    assert second[1] == {"transformers.models.auto": False, "transformers.generation": False, "torch": False,
+                         "sklearn": False}
+
+
+def test_a_cache_that_cannot_be_read_or_written_costs_the_short_way_only(tiny_model_dir, tiny_tokenizer, tmp_path,
+                                                                         monkeypatch, capsys):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(tokenizer.CACHE_ENV, str(cache))
+    cache.mkdir()
+    key = tokenizer.choice_key(tiny_model_dir, False, __import__("transformers").__version__)
+    for text in ("{not json", json.dumps([1]), json.dumps({key: "os:system"}), json.dumps({key: "transformers.x:Y"})):
+        tokenizer.cache_path().write_text(text)
+        same_tokenizer(chat.load_tokenizer(str(tiny_model_dir)), tiny_tokenizer)
+        assert json.loads(tokenizer.cache_path().read_text())[key].endswith(":TokenizersBackend")
+    tokenizer.cache_path().unlink()
+    cache.chmod(0o500)
+    try:
+        if os.access(cache, os.W_OK):  # root writes anyway: a file in the way of the directory instead
+            cache.chmod(0o700)
+            monkeypatch.setenv(tokenizer.CACHE_ENV, str(tmp_path / "in-the-way" / "x"))
+            (tmp_path / "in-the-way").write_text("")
+        same_tokenizer(chat.load_tokenizer(str(tiny_model_dir)), tiny_tokenizer)
+    finally:
+        cache.chmod(0o700)
+    err = capsys.readouterr().err
+    assert "could not remember the tokenizer's class" in err and tokenizer.CACHE_ENV in err
