@@ -236,6 +236,8 @@ def main() -> int:
                     "hs_patch/ is enough: git archive main hs_patch | tar -x -C .base, carried)")
     ap.add_argument("--startup-reps", type=int, default=3, help="startup phase: runs of each row and code")
     ap.add_argument("--startup-prompts", default="1,64", help="startup phase: dataset sizes")
+    ap.add_argument("--startup-models", default="fast,remote", help="startup phase: fast (a tokenizer.json: "
+                    "AutoTokenizer's way, its class remembered after the first start), remote (its own code)")
     ap.add_argument("--call-seconds", type=float, default=0, help="sweep phase: stop cleanly before a depth or round "
                     "that would end after this many seconds from the start (0: no limit); the record is kept in "
                     "--work, and the same command again on the same (warm) machine continues it")
