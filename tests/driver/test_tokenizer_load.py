@@ -96,7 +96,8 @@ def _variant(base: Path, dest: Path, **config) -> Path:
     return dest
 
 
-@pytest.mark.parametrize("tokenizer_class", [None, "LlamaTokenizerFast", "Qwen2TokenizerFast", "PreTrainedTokenizerFast"])
+@pytest.mark.parametrize("tokenizer_class",
+                         [None, "LlamaTokenizerFast", "Qwen2TokenizerFast", "PreTrainedTokenizerFast"])
 def test_autotokenizers_choice_is_remembered_and_the_next_load_is_the_same(tiny_model_dir, tmp_path, monkeypatch,
                                                                           tokenizer_class):
     """The class AutoTokenizer picks (TokenizersBackend for a byte-level file declared as Llama's, Qwen2's own...)
@@ -130,9 +131,18 @@ def test_a_changed_directory_or_flag_asks_autotokenizer_again(tiny_model_dir, tm
                    lambda: (d / "config.json").write_text((d / "config.json").read_text() + " ")):
         change()
         keys.add(tokenizer.choice_key(d, False, "5.0"))
-    keys |= {tokenizer.choice_key(d, True, "5.0"), tokenizer.choice_key(d, False, "5.1"),
-             tokenizer.choice_key(str(d) + "/", False, "5.0")}
-    assert len(keys) == 7
+    (d / "configuration_x.py").write_text("X = 1\n")  # a remote config class sets the model type
+    keys.add(tokenizer.choice_key(d, False, "5.0"))
+    (d / "configuration_x.py").write_text("X = 2\n")
+    keys |= {tokenizer.choice_key(d, False, "5.0"), tokenizer.choice_key(d, True, "5.0"),
+             tokenizer.choice_key(d, False, "5.1"), tokenizer.choice_key(str(d) + "/", False, "5.0")}
+    # a backend installed beside transformers (mistral-common makes Mistral's directories MistralCommonBackend's)
+    found = tokenizer.packages()
+    monkeypatch.setattr(tokenizer, "packages", lambda: {**found, "mistral_common": "1.11.5"})
+    keys.add(tokenizer.choice_key(d, False, "5.0"))
+    assert len(keys) == 10
+    monkeypatch.undo()
+    monkeypatch.setenv(tokenizer.CACHE_ENV, str(tmp_path / "cache"))
     loaded = chat.load_tokenizer(str(d))  # the changed config: AutoTokenizer's choice again, remembered beside
     assert type(loaded).__name__ == "Qwen2Tokenizer"
     assert len(json.loads(tokenizer.cache_path().read_text())) == 2
@@ -159,7 +169,10 @@ def test_a_cache_that_cannot_be_read_or_written_costs_the_short_way_only(tiny_mo
     monkeypatch.setenv(tokenizer.CACHE_ENV, str(cache))
     cache.mkdir()
     key = tokenizer.choice_key(tiny_model_dir, False, __import__("transformers").__version__)
-    for text in ("{not json", json.dumps([1]), json.dumps({key: "os:system"}), json.dumps({key: "transformers.x:Y"})):
+    for text in ("{not json", "[" * 200000, json.dumps([1]), json.dumps({key: "os:system"}),
+                 json.dumps({key: "transformers.x:Y"}),
+                 json.dumps({key: "transformers.configuration_utils:PreTrainedConfig"}),
+                 json.dumps({key: "transformers.utils:logging"})):
         tokenizer.cache_path().write_text(text)
         same_tokenizer(chat.load_tokenizer(str(tiny_model_dir)), tiny_tokenizer)
         assert json.loads(tokenizer.cache_path().read_text())[key].endswith(":TokenizersBackend")
@@ -175,3 +188,38 @@ def test_a_cache_that_cannot_be_read_or_written_costs_the_short_way_only(tiny_mo
         cache.chmod(0o700)
     err = capsys.readouterr().err
     assert "could not remember the tokenizer's class" in err and tokenizer.CACHE_ENV in err
+
+
+def test_a_remembered_class_that_fails_to_load_falls_back_to_autotokenizer(tiny_model_dir, tiny_tokenizer, tmp_path,
+                                                                           monkeypatch):
+    from transformers import TokenizersBackend
+
+    class Broken(TokenizersBackend):
+        @classmethod
+        def from_pretrained(cls, *a, **k):
+            raise OSError("gone")
+
+    monkeypatch.setenv(tokenizer.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(tokenizer, "_cached_class", lambda key: Broken)
+    same_tokenizer(chat.load_tokenizer(str(tiny_model_dir)), tiny_tokenizer)
+
+
+def _remember_one(cache: str, i: int) -> None:
+    os.environ[tokenizer.CACHE_ENV] = cache
+    from transformers import TokenizersBackend
+
+    tokenizer._remember(f"key-{i}", TokenizersBackend)
+
+
+def test_drivers_starting_side_by_side_keep_each_others_entries(tmp_path):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_remember_one, args=(str(tmp_path / "cache"), i)) for i in range(6)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0] * 6
+    cached = json.loads((tmp_path / "cache" / "tokenizer-classes.json").read_text())
+    assert sorted(cached) == [f"key-{i}" for i in range(6)]

@@ -238,6 +238,8 @@ def main() -> int:
     ap.add_argument("--startup-prompts", default="1,64", help="startup phase: dataset sizes")
     ap.add_argument("--startup-models", default="fast,remote", help="startup phase: fast (a tokenizer.json: "
                     "AutoTokenizer's way, its class remembered after the first start), remote (its own code)")
+    ap.add_argument("--startup-tokenizer-cache", choices=("warm", "cold"), default="warm", help="startup phase: "
+                    "the tokenizer's class remembered from an earlier start (warm) or a model directory's first start")
     ap.add_argument("--call-seconds", type=float, default=0, help="sweep phase: stop cleanly before a depth or round "
                     "that would end after this many seconds from the start (0: no limit); the record is kept in "
                     "--work, and the same command again on the same (warm) machine continues it")

@@ -37,7 +37,8 @@ def startup(a: argparse.Namespace, model_dir: str, tag: str) -> dict:
         server.wait_ready()
         cmd = [sys.executable, str(ROOT / "bench" / "driver_startup.py"), "--code", str(Path(a.startup_code).resolve()),
                "--server", server.url, "--capture-dir", str(dump), "--model", model_dir, "--reps",
-               str(a.startup_reps), "--prompts", a.startup_prompts, "--models", a.startup_models, "--dir", a.dump_root, "--json", str(out_json)]
+               str(a.startup_reps), "--prompts", a.startup_prompts, "--models", a.startup_models,
+               "--tokenizer-cache", a.startup_tokenizer_cache, "--dir", a.dump_root, "--json", str(out_json)]
         with open(lines, "w") as out, open(errors, "w") as err:
             proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, text=True)
             try:

@@ -87,6 +87,7 @@ def test_startup_phase_runs_the_bench_against_the_capturing_server(standin_site,
     a = argparse.Namespace(site=str(standin_site), work=str(tmp_path / "work"), dump_root=str(tmp_path / "dumps"),
                            chunk=64, port=free_port_block(4) - 1, mem_fraction=0.3, tp_size=1,
                            startup_code=str(ROOT), startup_reps=1, startup_prompts="1", startup_models="fast,remote",
+                           startup_tokenizer_cache="cold",
                            out=str(tmp_path / "out"))
     res = startup.startup(a, str(tiny_model_dir), "cpu")
     runs = res["runs"]

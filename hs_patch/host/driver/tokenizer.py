@@ -15,9 +15,11 @@ that class's aliases first), another repository's code, or code that fails to im
 Every other directory goes through ``AutoTokenizer`` once: which class it picks there depends on the
 release (the config's model type, a table of hub classes it overrides, aliases of the ``Fast``
 names, which files the directory holds), so no rule of ours is the same for sure. What it picked is
-remembered instead (:func:`cache_path`, one small JSON file per user), keyed by everything that choice
-reads: the transformers release, the path as given, the trust flag, the directory's file names and
-the bytes of ``config.json``, ``tokenizer_config.json`` and ``tokenizer.json``. The next load of the
+remembered instead (:func:`cache_path`, one small JSON file per user), keyed by what that choice
+reads: the transformers release and the backends installed beside it (:func:`packages`), the path as
+given, the trust flag, the directory's file names and the bytes of ``config.json``,
+``tokenizer_config.json``, ``tokenizer.json`` and its ``.py`` files. The remembered class must still
+be a transformers tokenizer class. The next load of the
 same directory calls that class's ``from_pretrained`` with the arguments ``AutoTokenizer`` ends with
 (every release from 4.46 to 5.25 ends with ``cls.from_pretrained(dir, _from_auto=True)`` for a local
 directory), without the auto classes' import (about 2 s on the dev VM, 13-17 s measured on the H100
@@ -37,10 +39,11 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-CACHE_ENV = "HS_PATCH_CACHE_DIR"  # where :func:`cache_path` lives; default $XDG_CACHE_HOME/hs-patch or ~/.cache/hs-patch
+CACHE_ENV = "HS_PATCH_CACHE_DIR"  # :func:`cache_path`'s directory; else $XDG_CACHE_HOME/hs-patch, ~/.cache/hs-patch
 CACHE_FORMAT = 1
 CACHE_ENTRIES = 64  # the newest kept; one per model directory and release
 CHOICE_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json")  # what AutoTokenizer's choice reads
+CHOICE_PACKAGES = ("tokenizers", "sentencepiece", "tiktoken", "protobuf", "mistral_common", "pillow")
 
 
 def remote_class_ref(model_dir: str | Path) -> Optional[str]:
@@ -72,15 +75,33 @@ def cache_path() -> Path:
     return Path(base) / "tokenizer-classes.json"
 
 
+def packages() -> dict[str, Optional[str]]:
+    """The installed releases AutoTokenizer's choice depends on besides transformers' own: which backends exist
+    (mistral-common with Pillow makes Mistral's directories MistralCommonBackend's; 4.x without sentencepiece or
+    tokenizers picks other classes)."""
+    from importlib import metadata
+
+    found: dict[str, Optional[str]] = {}
+    for name in CHOICE_PACKAGES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
 def choice_key(model_dir: str | Path, trust_remote_code: bool, release: str) -> str:
-    """A digest of everything ``AutoTokenizer``'s choice of class reads for a local directory."""
+    """A digest of what ``AutoTokenizer``'s choice of class reads for a local directory: the releases, the path
+    as given, the flag, the directory's file names, the bytes of its config and tokenizer files and of its own code
+    (a remote config class sets the model type)."""
     d = Path(model_dir)
-    h = hashlib.sha256(json.dumps([CACHE_FORMAT, release, str(model_dir), bool(trust_remote_code),
-                                   sorted(os.listdir(d))]).encode())
-    for name in CHOICE_FILES:
+    names = sorted(os.listdir(d))
+    h = hashlib.sha256(json.dumps([CACHE_FORMAT, release, packages(), str(model_dir), bool(trust_remote_code),
+                                   names]).encode())
+    for name in (*CHOICE_FILES, *(n for n in names if n.endswith(".py"))):
         try:
             h.update(name.encode() + hashlib.sha256((d / name).read_bytes()).digest())
-        except FileNotFoundError:
+        except (FileNotFoundError, IsADirectoryError):
             h.update(name.encode() + b"-")
     return h.hexdigest()
 
@@ -88,34 +109,43 @@ def choice_key(model_dir: str | Path, trust_remote_code: bool, release: str) -> 
 def _read_cache() -> dict[str, str]:
     try:
         cached = json.loads(cache_path().read_text())
-    except (OSError, ValueError):
+    except Exception:  # noqa: BLE001 - unreadable, not JSON, nested past the parser's depth: a cache, ignored
         return {}
     return {k: v for k, v in cached.items() if isinstance(v, str)} if isinstance(cached, dict) else {}
 
 
 def _cached_class(key: str) -> Any:
-    ref = _read_cache().get(key, "")
-    module, _, name = ref.partition(":")
+    """The remembered class, if it is still one of transformers' tokenizer classes."""
+    module, _, name = _read_cache().get(key, "").partition(":")
     if not module.startswith("transformers.") or not name:
         return None
     try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+        cls = getattr(importlib.import_module(module), name)
+        return cls if isinstance(cls, type) and issubclass(cls, PreTrainedTokenizerBase) else None
+    except Exception:  # noqa: BLE001 - gone or broken in this release: AutoTokenizer's way
         return None
 
 
 def _remember(key: str, cls: type) -> None:
+    """Add ``key`` -> ``cls`` to the cache (the newest :data:`CACHE_ENTRIES` kept), under a lock so that drivers
+    starting side by side keep each other's entries; written whole or not at all."""
     if not cls.__module__.startswith("transformers."):  # the model's own code: not ours to name
         return
+    import fcntl
+
     from hs_patch.samples.files import write_text_atomic
 
-    cached = _read_cache()
-    cached.pop(key, None)
-    cached[key] = f"{cls.__module__}:{cls.__qualname__}"
     path = cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(path, json.dumps(dict(list(cached.items())[-CACHE_ENTRIES:]), indent=0), fsync=True)
+        with open(path.with_name(path.name + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            cached = _read_cache()
+            cached.pop(key, None)
+            cached[key] = f"{cls.__module__}:{cls.__qualname__}"
+            write_text_atomic(path, json.dumps(dict(list(cached.items())[-CACHE_ENTRIES:]), indent=0), fsync=True)
     except OSError as e:
         print(f"hs-extract: could not remember the tokenizer's class in {path} ({e}): the next start loads it "
               f"through AutoTokenizer again (set {CACHE_ENV} to a writable directory)", file=sys.stderr)

@@ -119,7 +119,8 @@ def test_waits_for_its_mounts_the_driver_and_a_crash_loop_is_bounded(host):
     show = dict(line.split("=", 1) for line in host.check_output(
         "systemctl show --property=RequiresMountsFor,After,StartLimitBurst,StartLimitIntervalUSec sglang").splitlines())
     # at boot a DKMS build for a new kernel, or a slow module load, ends before the unit's first start
-    assert set(show["After"].split()) >= {"systemd-modules-load.service", "dkms.service", "nvidia-persistenced.service"}
+    assert set(show["After"].split()) >= {"dkms.service", "nvidia-persistenced.service",
+                                           "nvidia-fabricmanager.service"}
     assert set(show["RequiresMountsFor"].split()) >= {"/models/test-model", "/var/cache/sglang", "/opt/hs-patch/venv"}
     # burst 5 x (the health wait, 30 x 1 s here, + RestartSec 1): a server failing after each long load still trips it
     assert show["StartLimitBurst"] == "5" and show["StartLimitIntervalUSec"] == "2min 35s"
