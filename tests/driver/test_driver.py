@@ -142,6 +142,13 @@ def test_regeneration_replaces_the_answers_with_the_models_own(standin, tiny_mod
     built = [e for e in ledger(tmp_path / "state") if e["event"] == "regen_sample"]
     assert [(e["kept"], e["dropped"]) for e in built] == [(1, 0)] * 3
     assert summary.status["regenerate"] == {"lines": 3, "answers_kept": 3, "answers_left_out": 0}
+    # a run begun by a driver that built its samples from the answers' text: its resume is refused, not mixed
+    run_json = tmp_path / "state" / "run.json"
+    old = json.loads(run_json.read_text())
+    del old["params"]["regen_samples"]
+    run_json.write_text(json.dumps(old))
+    with pytest.raises(runstate.RunError, match="regen_samples: was None, now \"the server's token ids\""):
+        drive(standin, tiny_model_dir, tmp_path, [data], regenerate=True, regen_max_new_tokens=12)
 
 
 def test_regeneration_does_not_generate_a_turn_whose_prompt_reaches_the_limit(standin, tiny_model_dir, tmp_path):

@@ -86,8 +86,10 @@ class DriveConfig:
         ident = {k: getattr(self, k) for k in ("run", "chat_template_kwargs", "max_tokens", "on_too_long",
                                                "regenerate")}
         if self.regenerate:
+            # regen_samples: how a regenerated sample is built; a run begun by a driver that rendered the answers'
+            # text again through the template (before regenerate.py) holds none, so its resume is refused, not mixed
             ident.update(regen_max_new_tokens=self.regen_max_new_tokens, regen_temperature=self.regen_temperature,
-                         regen_top_p=self.regen_top_p)
+                         regen_top_p=self.regen_top_p, regen_samples="the server's token ids")
         if self.shard:  # only then: a run without one keeps the identity it always had
             ident["shard"] = self.shard
         ident["model"] = str(Path(self.model).resolve())
