@@ -178,8 +178,11 @@ def start_jobs(c: Shell, t: Target, run: str, driver_args: list[str], *, dest: s
     common = [f"--uid={t.service_user}", f"--gid={t.service_user}", "--property=RestartSec=5", "--property=TimeoutStopSec=180", "--property=KillMode=mixed",
               "--setenv=PYTHONUNBUFFERED=1", f"--working-directory={t.state_dir(run)}"]
     # the driver exits 130 when it stops on SIGTERM (fab stop): a clean stop, not a failure;
-    # a tokenizer's own code (trust_remote_code) is cached in the run's state dir (the home is read-only)
-    jobs = [] if ship_only else [(drive, ["--property=Restart=on-abnormal", "--property=SuccessExitStatus=130", f"--setenv=HF_MODULES_CACHE={t.state_dir(run)}/hf_modules",
+    # a tokenizer's own code (trust_remote_code) and the class AutoTokenizer picked (driver/tokenizer.py) are cached
+    # in the run's state dir (the home is read-only): a resume or a restart of the unit loads the tokenizer sooner
+    jobs = [] if ship_only else [(drive, ["--property=Restart=on-abnormal", "--property=SuccessExitStatus=130",
+                                          f"--setenv=HF_MODULES_CACHE={t.state_dir(run)}/hf_modules",
+                                          f"--setenv=HS_PATCH_CACHE_DIR={t.state_dir(run)}/cache",
                      *unit_hardening(t, run, "drive"), "--",
                      t.bin("hs-extract"), "drive", "--run", run, "--server", f"http://127.0.0.1:{int(t.server_port)}",
                      "--api-key-file", t.api_key_file, "--capture-dir", t.dump_dir, "--state-dir", t.state_dir(run),

@@ -127,6 +127,9 @@ def test_fab_extract_example_dataset(demo, tmp_path):
     s = status["samples"]
     assert status["state"] == "finished" and s["failed"] == 0 and s["remaining"] == 0
     assert s["rejected"] == 11 and s["duplicates"] == 1 and s["done"] == 20
+    # the sandboxed unit (its home read-only) remembers the tokenizer's class in the run's state dir, for the resume
+    cached = remote_json(demo, "/var/lib/hs-patch/runs/example/cache/tokenizer-classes.json")
+    assert cached and all(v.startswith("transformers.") for v in cached.values()), cached
     res = check_destination(demo.fetch_destination("example", tmp_path / "dest"))
     assert res["samples"] == 20
     assert_gpu_host_empty(demo)
