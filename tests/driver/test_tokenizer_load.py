@@ -48,7 +48,7 @@ def test_remote_code_loads_autotokenizers_class_by_the_short_way(remote_dir, tin
 
     short = chat.load_tokenizer(str(remote_dir), trust_remote_code=True)
     auto = AutoTokenizer.from_pretrained(str(remote_dir), trust_remote_code=True)
-    assert type(short).__name__ == "StandinTikTokenizer" and not short.is_fast
+    assert type(short).__name__ == "StandinTikTokenizer" and not short.is_fast and tokenizer.way(short) == "own code"
     same_tokenizer(short, auto)
     # and it is the tiny model's tokenizer: the same ids as the fast one, so the stand-in server's model fits
     assert chat.encode_chat(short, CONV).input_ids == chat.encode_chat(tiny_tokenizer, CONV).input_ids
@@ -110,6 +110,7 @@ def test_autotokenizers_choice_is_remembered_and_the_next_load_is_the_same(tiny_
     auto = AutoTokenizer.from_pretrained(str(d))
     first = chat.load_tokenizer(str(d))
     same_tokenizer(first, auto)
+    assert (tokenizer.way(first), tokenizer.way(auto)) == ("AutoTokenizer", None)
     remembered = json.loads(tokenizer.cache_path().read_text())
     assert list(remembered.values()) == [f"{type(auto).__module__}:{type(auto).__qualname__}"]
 
@@ -117,7 +118,9 @@ def test_autotokenizers_choice_is_remembered_and_the_next_load_is_the_same(tiny_
         raise AssertionError("AutoTokenizer asked again")
 
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", refuse)
-    same_tokenizer(chat.load_tokenizer(str(d)), auto)
+    again = chat.load_tokenizer(str(d))
+    same_tokenizer(again, auto)
+    assert tokenizer.way(again) == "remembered"
 
 
 def test_a_changed_directory_or_flag_asks_autotokenizer_again(tiny_model_dir, tmp_path, monkeypatch):

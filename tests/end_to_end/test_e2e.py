@@ -140,6 +140,8 @@ def test_fab_extract_example_dataset(demo, tmp_path):
     ledger = demo.ssh(GPU[0], "cat /var/lib/hs-patch/runs/example/ledger.jsonl").stdout.splitlines()
     last = max(i for i, x in enumerate(ledger) if '"run_start"' in x)
     assert not [x for x in ledger[last:] if '"event": "sent"' in x]
+    starts = [json.loads(x)["startup"]["tokenizer"] for x in ledger if '"run_start"' in x]
+    assert starts == ["AutoTokenizer", "remembered"], starts  # the resume took the class the first start picked
     assert demo.fab("verify", capture_output=True, text=True).returncode == 0
 
 

@@ -34,6 +34,7 @@ from hs_patch.host.driver.runstatus import RunStatus, nothing_extracted
 from hs_patch.host.driver.order import InOrder
 from hs_patch.host.driver.turns import Turns
 from hs_patch.host.driver.startup import Pending, Timings, ask_server
+from hs_patch.host.driver.tokenizer import way as tokenizer_way
 from hs_patch.host.driver.sample_steps import (CAPTURE_PARAMS, EXIT_ERROR, EXIT_FAILURES, EXIT_INCOMPLETE,  # noqa: F401
                                         EXIT_OK, EXIT_SIGNAL, SampleSteps)  # (re-exported)
 from hs_patch.samples import intent, store
@@ -265,7 +266,7 @@ class Driver(SampleSteps):
         self.ledger.write("run_start", resumed=resumed, driver=__version__,
                           params=dict(asdict(cfg), server=redact_url(cfg.server)), capture_check=checked,
                           max_tokens_effective=self.limit.tokens, blank_lines=counts.blank,
-                          startup=steps.record(server_checks_s=answered),
+                          startup=steps.record(server_checks_s=answered, tokenizer=tokenizer_way(self.tokenizer)),
                           fidelity_check=cfg.fidelity_settings(), weaker_check=self.weaker_check,
                           server={k: info.get(k) for k in ("version", "model_path", "tp_size", "chunked_prefill_size",
                                                            "disable_radix_cache", "standin")},

@@ -36,6 +36,7 @@ import importlib
 import json
 import os
 import sys
+import weakref
 from pathlib import Path
 from typing import Any, Optional
 
@@ -43,6 +44,7 @@ CACHE_ENV = "HS_PATCH_CACHE_DIR"  # :func:`cache_path`'s directory; else $XDG_CA
 CACHE_FORMAT = 1
 CACHE_ENTRIES = 64  # the newest kept; one per model directory and release
 CHOICE_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json")  # what AutoTokenizer's choice reads
+_WAYS: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
 CHOICE_PACKAGES = ("tokenizers", "sentencepiece", "tiktoken", "protobuf", "mistral_common", "pillow")
 
 
@@ -151,8 +153,26 @@ def _remember(key: str, cls: type) -> None:
               f"through AutoTokenizer again (set {CACHE_ENV} to a writable directory)", file=sys.stderr)
 
 
+def way(tok: Any) -> Optional[str]:
+    """How :func:`load` loaded ``tok``: ``own code``, ``remembered`` (the class AutoTokenizer picked before) or
+    ``AutoTokenizer``; None for a tokenizer it did not load."""
+    try:
+        return _WAYS.get(tok)
+    except TypeError:
+        return None
+
+
+def _loaded(tok: Any, how: str) -> Any:
+    try:
+        _WAYS[tok] = how
+    except TypeError:  # an object without weak references: its way is not told
+        pass
+    return tok
+
+
 def load(model_dir: str | Path, trust_remote_code: bool = False) -> Any:
-    """``AutoTokenizer.from_pretrained(model_dir, trust_remote_code=...)``, by a short way where it is the same."""
+    """``AutoTokenizer.from_pretrained(model_dir, trust_remote_code=...)``, by a short way where it is the same
+    (:func:`way` says which)."""
     ref = remote_class_ref(model_dir) if trust_remote_code else None
     if ref is not None:
         from transformers.dynamic_module_utils import get_class_from_dynamic_module
@@ -165,18 +185,18 @@ def load(model_dir: str | Path, trust_remote_code: bool = False) -> Any:
             # what cls.register_for_auto_class() sets (it only checks the name against transformers.models.auto,
             # whose import is the cost this module avoids; the attribute is used by save_pretrained alone)
             cls._auto_class = "AutoTokenizer"
-            return cls.from_pretrained(str(model_dir), trust_remote_code=True, _from_auto=True)
+            return _loaded(cls.from_pretrained(str(model_dir), trust_remote_code=True, _from_auto=True), "own code")
     import transformers
 
     key = choice_key(model_dir, trust_remote_code, transformers.__version__)
     cls = _cached_class(key)
     if cls is not None:
         try:
-            return cls.from_pretrained(str(model_dir), _from_auto=True)
+            return _loaded(cls.from_pretrained(str(model_dir), _from_auto=True), "remembered")
         except Exception:  # noqa: BLE001 - whatever it was, AutoTokenizer's own way says it or loads it
             pass
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
     _remember(key, type(tok))
-    return tok
+    return _loaded(tok, "AutoTokenizer")
