@@ -141,7 +141,8 @@ def test_fab_extract_example_dataset(demo, tmp_path):
     last = max(i for i, x in enumerate(ledger) if '"run_start"' in x)
     assert not [x for x in ledger[last:] if '"event": "sent"' in x]
     starts = [json.loads(x)["startup"]["tokenizer"] for x in ledger if '"run_start"' in x]
-    assert starts == ["AutoTokenizer", "remembered"], starts  # the resume took the class the first start picked
+    # the resume (and any restart of the unit) took the class the first start picked
+    assert starts[0] == "AutoTokenizer" and len(starts) >= 2 and set(starts[1:]) == {"remembered"}, starts
     assert demo.fab("verify", capture_output=True, text=True).returncode == 0
 
 
