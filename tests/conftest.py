@@ -57,23 +57,24 @@ def _start_order(item: pytest.Item) -> int:
     return 2 if Path(str(item.path)).parent.name in ANSIBLE_IN_PROCESS else 1
 
 
+def _own_dir(env: str, prefix: str) -> str | None:
+    """A directory of this session's own for ``env`` (unless one is set), removed when the session ends."""
+    if env in os.environ:
+        return None
+    os.environ[env] = made = tempfile.mkdtemp(prefix=prefix)
+    return made
+
+
 # torch makes its Inductor cache dir (/tmp/torchinductor_<user>) as soon as transformers builds a
-# model, nothing compiled: the tests, and the stand-ins and scripts they start, keep it in a
-# directory of this session's own instead, removed when the session ends (unless one is set).
-_INDUCTOR_DIR = None if "TORCHINDUCTOR_CACHE_DIR" in os.environ else tempfile.mkdtemp(prefix="hs-tests-inductor-")
-if _INDUCTOR_DIR:
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_DIR
-
-
-# The driver remembers which class AutoTokenizer picked for a model directory (driver/tokenizer.py) in the
-# user's cache: the tests, and the drivers they start, in a directory of this session's own instead.
-_HS_CACHE_DIR = None if "HS_PATCH_CACHE_DIR" in os.environ else tempfile.mkdtemp(prefix="hs-tests-cache-")
-if _HS_CACHE_DIR:
-    os.environ["HS_PATCH_CACHE_DIR"] = _HS_CACHE_DIR
+# model, nothing compiled; the driver remembers which class AutoTokenizer picked for a model directory
+# (driver/tokenizer.py) in the user's cache: the tests, and the stand-ins, drivers and scripts they
+# start, keep both in directories of this session's own instead.
+_OWN_DIRS = [_own_dir("TORCHINDUCTOR_CACHE_DIR", "hs-tests-inductor-"),
+             _own_dir("HS_PATCH_CACHE_DIR", "hs-tests-cache-")]
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    for made in (_INDUCTOR_DIR, _HS_CACHE_DIR):
+    for made in _OWN_DIRS:
         if made:
             shutil.rmtree(made, ignore_errors=True)
 

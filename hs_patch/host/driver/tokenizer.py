@@ -18,19 +18,18 @@ names, which files the directory holds), so no rule of ours is the same for sure
 remembered instead (:func:`cache_path`, one small JSON file per user), keyed by what that choice
 reads: the transformers release and the backends installed beside it (:func:`packages`), the path as
 given, the trust flag, the directory's file names and the bytes of ``config.json``,
-``tokenizer_config.json``, ``tokenizer.json`` and its ``.py`` files. The remembered class must still
-be a transformers tokenizer class. The next load of the
-same directory calls that class's ``from_pretrained`` with the arguments ``AutoTokenizer`` ends with
-(every release from 4.46 to 5.25 ends with ``cls.from_pretrained(dir, _from_auto=True)`` for a local
-directory), without the auto classes' import (about 2 s on the dev VM, 13-17 s measured on the H100
-host). Only classes of transformers itself are remembered; a cache that cannot be read is ignored and
-one that cannot be written is said on stderr (the load itself is done either way).
+``tokenizer_config.json``, ``tokenizer.json`` and its ``.py`` files. The next load of the same
+directory calls that class's ``from_pretrained`` as ``AutoTokenizer`` ends (every release from 4.46
+to 5.25 ends with ``cls.from_pretrained(dir, _from_auto=True)`` for a local directory), without the
+auto classes' import. Only transformers' own tokenizer classes are remembered; a cache that cannot
+be read is ignored and one that cannot be written is said on stderr (the load is done either way).
 ``tests/driver/test_tokenizer_load.py`` checks every way against ``AutoTokenizer``: the same class,
 vocabulary, special tokens, chat template, rendering and token ids.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib
 import json
@@ -44,8 +43,8 @@ CACHE_ENV = "HS_PATCH_CACHE_DIR"  # :func:`cache_path`'s directory; else $XDG_CA
 CACHE_FORMAT = 1
 CACHE_ENTRIES = 64  # the newest kept; one per model directory and release
 CHOICE_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json")  # what AutoTokenizer's choice reads
-_WAYS: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
 CHOICE_PACKAGES = ("tokenizers", "sentencepiece", "tiktoken", "protobuf", "mistral_common", "pillow")
+_WAYS: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()  # how load() loaded each tokenizer
 
 
 def remote_class_ref(model_dir: str | Path) -> Optional[str]:
@@ -135,8 +134,6 @@ def _remember(key: str, cls: type) -> None:
     starting side by side keep each other's entries; written whole or not at all."""
     if not cls.__module__.startswith("transformers."):  # the model's own code: not ours to name
         return
-    import fcntl
-
     from hs_patch.samples.files import write_text_atomic
 
     path = cache_path()
